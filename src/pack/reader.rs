@@ -1,0 +1,455 @@
+//! Zero-copy pack reader over memory-mapped files. Opening validates the
+//! manifest against the files (bounds, sizes, headers, the model's tensor
+//! list); `verify` additionally recomputes every checksum.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use super::format::*;
+use crate::error::{Error, Result};
+use crate::model::weights::required_dense_tensors;
+use crate::model::{Arch, ModelConfig};
+use crate::quant::{bf16_bytes_to_f32, f32_bytes_to_f32, Nvfp4Matrix};
+
+pub struct Pack {
+    dir: PathBuf,
+    manifest: Manifest,
+    by_name: HashMap<String, usize>,
+    dense: Mmap,
+    experts: Mmap,
+}
+
+/// A dense tensor's bytes, borrowed from the mapped file.
+#[derive(Clone, Copy, Debug)]
+pub enum TensorData<'a> {
+    F32(&'a [u8]),
+    Bf16(&'a [u8]),
+    Nvfp4(Nvfp4Matrix<'a>),
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct TensorView<'a> {
+    pub name: &'a str,
+    pub shape: &'a [u64],
+    pub data: TensorData<'a>,
+}
+
+impl TensorView<'_> {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product::<u64>() as usize
+    }
+
+    /// The tensor in f32, dequantizing as needed.
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self.data {
+            TensorData::F32(b) => {
+                let mut v = vec![0.0; self.numel()];
+                f32_bytes_to_f32(b, &mut v);
+                v
+            }
+            TensorData::Bf16(b) => {
+                let mut v = vec![0.0; self.numel()];
+                bf16_bytes_to_f32(b, &mut v);
+                v
+            }
+            TensorData::Nvfp4(m) => m.dequantize(),
+        }
+    }
+}
+
+/// One expert's three NVFP4 matrices, each carrying its own global scale
+/// (read from the blob tail), and the blob bytes for device copies.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertView<'a> {
+    pub gate: Nvfp4Matrix<'a>,
+    pub up: Nvfp4Matrix<'a>,
+    pub down: Nvfp4Matrix<'a>,
+    /// The whole blob (`layout.used_len()` bytes), as a GPU slot holds it.
+    pub blob: &'a [u8],
+}
+
+fn map(path: &Path) -> Result<Mmap> {
+    let f = File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: the pack is never modified while mapped (packs are write-once;
+    // invariant 5 of the architecture), so the mapping's bytes are stable.
+    unsafe { Mmap::map(&f) }.map_err(|e| Error::io(path, e))
+}
+
+fn check_header(path: &Path, bytes: &[u8], magic: [u8; 8]) -> Result<()> {
+    if bytes.len() < HEADER_LEN as usize {
+        return Err(Error::bad_pack(
+            path,
+            format!(
+                "file is {} bytes, shorter than its {HEADER_LEN}-byte header",
+                bytes.len()
+            ),
+        ));
+    }
+    if bytes[..8] != magic {
+        return Err(Error::bad_pack(
+            path,
+            format!(
+                "wrong magic {:?}, expected {:?}",
+                String::from_utf8_lossy(&bytes[..8]),
+                String::from_utf8_lossy(&magic)
+            ),
+        ));
+    }
+    let v = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+    if v != FORMAT_VERSION {
+        return Err(Error::PackVersion {
+            path: path.to_path_buf(),
+            found: v,
+            supported: FORMAT_VERSION,
+        });
+    }
+    Ok(())
+}
+
+impl Pack {
+    /// Opens and validates a pack directory.
+    pub fn open(dir: &Path) -> Result<Pack> {
+        let mpath = dir.join(MANIFEST_FILE);
+        if !dir.is_dir() {
+            return Err(Error::io(
+                dir,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no such pack directory"),
+            ));
+        }
+        let text = match std::fs::read_to_string(&mpath) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::bad_pack(
+                    dir,
+                    "no manifest.json (not a pack, or an incomplete one)",
+                ))
+            }
+            Err(e) => return Err(Error::io(&mpath, e)),
+        };
+        let raw: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::bad_pack(&mpath, format!("malformed JSON: {e}")))?;
+        if raw.get("format").and_then(|v| v.as_str()) != Some(FORMAT_NAME) {
+            return Err(Error::bad_pack(
+                &mpath,
+                format!("format is not {FORMAT_NAME:?}"),
+            ));
+        }
+        let version = raw.get("version").and_then(|v| v.as_u64()).unwrap_or(0) as u32;
+        if version != FORMAT_VERSION {
+            return Err(Error::PackVersion {
+                path: mpath,
+                found: version,
+                supported: FORMAT_VERSION,
+            });
+        }
+        let arch = raw.get("arch").and_then(|v| v.as_str()).unwrap_or("");
+        if arch != Arch::Qwen3Moe.name() {
+            return Err(Error::Unsupported(format!(
+                "{}: architecture {arch:?} (this build runs qwen3_moe)",
+                mpath.display()
+            )));
+        }
+        let manifest: Manifest = serde_json::from_value(raw)
+            .map_err(|e| Error::bad_pack(&mpath, format!("malformed manifest: {e}")))?;
+        manifest
+            .config
+            .validate()
+            .map_err(|e| Error::bad_pack(&mpath, e.to_string()))?;
+
+        let dense_path = dir.join(&manifest.dense_file);
+        let experts_path = dir.join(&manifest.experts.file);
+        let dense = map(&dense_path)?;
+        let experts = map(&experts_path)?;
+        check_header(&dense_path, &dense, DENSE_MAGIC)?;
+        check_header(&experts_path, &experts, EXPERTS_MAGIC)?;
+        for f in &manifest.files {
+            let p = dir.join(&f.name);
+            let len = std::fs::metadata(&p).map_err(|e| Error::io(&p, e))?.len();
+            if len != f.size {
+                return Err(Error::bad_pack(
+                    &p,
+                    format!(
+                        "file is {len} bytes, the manifest says {} (truncated?)",
+                        f.size
+                    ),
+                ));
+            }
+        }
+
+        let mut pack = Pack {
+            dir: dir.to_path_buf(),
+            manifest,
+            by_name: HashMap::new(),
+            dense,
+            experts,
+        };
+        pack.validate_tables()?;
+        Ok(pack)
+    }
+
+    fn validate_tables(&mut self) -> Result<()> {
+        let m = &self.manifest;
+        let c = &m.config;
+        let dense_path = self.dir.join(&m.dense_file);
+        let dense_len = self.dense.len() as u64;
+        let in_bounds = |off: u64, len: u64| {
+            off.checked_add(len).is_some_and(|e| e <= dense_len) && off >= HEADER_LEN
+        };
+        for (i, t) in m.tensors.iter().enumerate() {
+            let bad =
+                |msg: String| Error::bad_pack(&dense_path, format!("tensor {}: {msg}", t.name));
+            if t.nbytes != t.dtype.payload_len(t.numel()) {
+                return Err(bad(format!(
+                    "{} bytes do not match shape {:?} in {:?}",
+                    t.nbytes, t.shape, t.dtype
+                )));
+            }
+            if !in_bounds(t.offset, t.nbytes) {
+                return Err(bad(format!(
+                    "bytes {}..+{} lie outside the file ({dense_len} bytes)",
+                    t.offset, t.nbytes
+                )));
+            }
+            if t.dtype == DType::Nvfp4 {
+                let (Some(so), Some(g)) = (t.scales_offset, t.global_scale) else {
+                    return Err(bad(
+                        "NVFP4 tensor without scales_offset or global_scale".into()
+                    ));
+                };
+                if t.shape.len() != 2 || t.shape[1] % 16 != 0 {
+                    return Err(bad(format!(
+                        "NVFP4 tensor must be 2-D with a multiple of 16 columns, shape {:?}",
+                        t.shape
+                    )));
+                }
+                if !in_bounds(so, t.numel() / 16) {
+                    return Err(bad("block scales lie outside the file".into()));
+                }
+                if !(g.is_finite() && g > 0.0) {
+                    return Err(bad(format!("global scale {g} is not positive and finite")));
+                }
+            }
+            if self.by_name.insert(t.name.clone(), i).is_some() {
+                return Err(bad("listed twice".into()));
+            }
+        }
+        for (name, shape, _) in required_dense_tensors(c) {
+            let Some(&i) = self.by_name.get(&name) else {
+                return Err(Error::bad_pack(
+                    &dense_path,
+                    format!("tensor {name} is missing"),
+                ));
+            };
+            let got: Vec<usize> = m.tensors[i].shape.iter().map(|&d| d as usize).collect();
+            if got != shape {
+                return Err(Error::tensor(
+                    name,
+                    format!("shape {got:?}, the config needs {shape:?}"),
+                ));
+            }
+        }
+
+        let experts_path = self.dir.join(&m.experts.file);
+        let layout = ExpertLayout::for_config(c);
+        if m.experts.layout != layout {
+            return Err(Error::bad_pack(
+                &experts_path,
+                "expert layout in the manifest differs from the one the config implies",
+            ));
+        }
+        let n = c.num_hidden_layers * c.num_experts;
+        if m.experts.entries.len() != n {
+            return Err(Error::bad_pack(
+                &experts_path,
+                format!(
+                    "{} expert entries, the config needs {n}",
+                    m.experts.entries.len()
+                ),
+            ));
+        }
+        for (i, e) in m.experts.entries.iter().enumerate() {
+            let (l, x) = (i / c.num_experts, i % c.num_experts);
+            if e.layer as usize != l
+                || e.expert as usize != x
+                || e.offset != layout.blob_offset(c.num_experts, l, x)
+            {
+                return Err(Error::bad_pack(
+                    &experts_path,
+                    format!("expert entry {i} is out of order or misplaced"),
+                ));
+            }
+        }
+        let need = HEADER_LEN + n as u64 * layout.stride;
+        if (self.experts.len() as u64) < need {
+            return Err(Error::bad_pack(
+                &experts_path,
+                format!(
+                    "file is {} bytes, {need} are needed (truncated?)",
+                    self.experts.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.manifest.config
+    }
+
+    pub fn layout(&self) -> ExpertLayout {
+        self.manifest.experts.layout
+    }
+
+    fn entry_bytes(&self, t: &TensorEntry) -> (&[u8], Option<&[u8]>) {
+        let p = &self.dense[t.offset as usize..(t.offset + t.nbytes) as usize];
+        let s = t
+            .scales_offset
+            .map(|so| &self.dense[so as usize..(so + t.numel() / 16) as usize]);
+        (p, s)
+    }
+
+    /// A dense tensor by name (all bounds were checked at open).
+    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
+        let &i = self
+            .by_name
+            .get(name)
+            .ok_or_else(|| Error::tensor(name, format!("not in pack {}", self.dir.display())))?;
+        let t = &self.manifest.tensors[i];
+        let (payload, scales) = self.entry_bytes(t);
+        let data = match t.dtype {
+            DType::F32 => TensorData::F32(payload),
+            DType::Bf16 => TensorData::Bf16(payload),
+            DType::Nvfp4 => TensorData::Nvfp4(Nvfp4Matrix::new(
+                t.shape[0] as usize,
+                t.shape[1] as usize,
+                payload,
+                scales.expect("checked at open"),
+                t.global_scale.expect("checked at open"),
+                &t.name,
+            )?),
+        };
+        Ok(TensorView {
+            name: &t.name,
+            shape: &t.shape,
+            data,
+        })
+    }
+
+    /// The blob of (layer, expert) with its three matrices and global scales.
+    pub fn expert(&self, layer: usize, expert: usize) -> Result<ExpertView<'_>> {
+        let c = self.config();
+        if layer >= c.num_hidden_layers || expert >= c.num_experts {
+            return Err(Error::InvalidArgument(format!(
+                "expert ({layer}, {expert}) is outside {} layers x {} experts",
+                c.num_hidden_layers, c.num_experts
+            )));
+        }
+        let l = self.layout();
+        let off = l.blob_offset(c.num_experts, layer, expert) as usize;
+        let blob = &self.experts[off..off + l.used_len() as usize];
+        let tail = &blob[l.tail as usize..(l.tail + TAIL_LEN) as usize];
+        let g = |i: usize| f32::from_le_bytes(tail[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+        let sec = |o: u64, n: u64| &blob[o as usize..(o + n) as usize];
+        let (h, i) = (l.hidden as usize, l.intermediate as usize);
+        let (cl, sl) = (l.codes_len(), l.scales_len());
+        let what = |m: &str| {
+            format!(
+                "layer {layer} expert {expert} {m} in {}",
+                self.dir.join(EXPERTS_FILE).display()
+            )
+        };
+        Ok(ExpertView {
+            gate: Nvfp4Matrix::new(
+                i,
+                h,
+                sec(l.gate_codes, cl),
+                sec(l.gate_scales, sl),
+                g(0),
+                &what("gate"),
+            )?,
+            up: Nvfp4Matrix::new(
+                i,
+                h,
+                sec(l.up_codes, cl),
+                sec(l.up_scales, sl),
+                g(1),
+                &what("up"),
+            )?,
+            down: Nvfp4Matrix::new(
+                h,
+                i,
+                sec(l.down_codes, cl),
+                sec(l.down_scales, sl),
+                g(2),
+                &what("down"),
+            )?,
+            blob,
+        })
+    }
+
+    /// Recomputes every checksum. `progress` is called with (done, total) bytes.
+    pub fn verify(&self, mut progress: impl FnMut(u64, u64)) -> Result<()> {
+        let m = &self.manifest;
+        let total: u64 = m.tensors.iter().map(|t| t.nbytes).sum::<u64>()
+            + m.experts.entries.len() as u64 * self.layout().used_len();
+        let mut done = 0;
+        let dense_path = self.dir.join(&m.dense_file);
+        for t in &m.tensors {
+            let (p, s) = self.entry_bytes(t);
+            let mut h = crc32fast::Hasher::new();
+            h.update(p);
+            if let Some(s) = s {
+                h.update(s);
+            }
+            let actual = h.finalize();
+            if actual != t.crc32 {
+                return Err(Error::Checksum {
+                    path: dense_path,
+                    what: format!("tensor {}", t.name),
+                    expected: t.crc32,
+                    actual,
+                });
+            }
+            done += t.nbytes;
+            progress(done, total);
+        }
+        let experts_path = self.dir.join(&m.experts.file);
+        let used = self.layout().used_len() as usize;
+        for e in &m.experts.entries {
+            let blob = &self.experts[e.offset as usize..e.offset as usize + used];
+            let actual = crc32fast::hash(blob);
+            if actual != e.crc32 {
+                return Err(Error::Checksum {
+                    path: experts_path,
+                    what: format!("layer {} expert {}", e.layer, e.expert),
+                    expected: e.crc32,
+                    actual,
+                });
+            }
+            done += used as u64;
+            progress(done, total);
+        }
+        Ok(())
+    }
+
+    /// `tokenizer.json` inside the pack, if one was copied in.
+    pub fn tokenizer_path(&self) -> Option<PathBuf> {
+        let p = self.dir.join("tokenizer.json");
+        self.manifest
+            .files
+            .iter()
+            .any(|f| f.name == "tokenizer.json")
+            .then_some(p)
+    }
+}

@@ -1,0 +1,1 @@
+//! Synthetic packs of real geometries with random weights.
