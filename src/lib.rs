@@ -5,5 +5,6 @@ pub mod error;
 pub mod model;
 pub mod pack;
 pub mod quant;
+pub mod rng;
 
 pub use error::{Error, Result};
