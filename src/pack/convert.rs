@@ -1,1 +1,0 @@
-//! Hugging Face checkpoint to pack conversion.
