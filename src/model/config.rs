@@ -323,7 +323,11 @@ impl ModelConfig {
             num_attention_heads,
             num_key_value_heads: opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads),
             head_dim,
-            num_experts: req_usize("num_experts")?,
+            // transformers 5.x writes num_local_experts (attribute_map alias).
+            num_experts: match opt_usize("num_experts")? {
+                Some(n) => n,
+                None => req_usize("num_local_experts")?,
+            },
             num_experts_per_tok: req_usize("num_experts_per_tok")?,
             moe_intermediate_size: req_usize("moe_intermediate_size")?,
             // transformers' class default is false; checkpoints usually set it.
@@ -367,6 +371,17 @@ mod tests {
         assert_eq!(c.q_dim(), 64);
         assert_eq!(c.kv_dim(), 32);
         assert!(c.rope_scaling.is_none());
+    }
+
+    #[test]
+    fn accepts_num_local_experts_alias() {
+        let mut v = base();
+        let o = v.as_object_mut().unwrap();
+        o.remove("num_experts");
+        o.insert("num_local_experts".into(), 12.into());
+        assert_eq!(parse(&v).unwrap().num_experts, 12);
+        v.as_object_mut().unwrap().remove("num_local_experts");
+        assert!(parse(&v).unwrap_err().to_string().contains("num_local_experts"));
     }
 
     #[test]
