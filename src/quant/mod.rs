@@ -13,6 +13,14 @@ pub fn bf16_bytes_to_f32(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Decodes little-endian F16 (IEEE half) bytes into f32 (exact).
+pub fn f16_bytes_to_f32(bytes: &[u8], out: &mut [f32]) {
+    debug_assert_eq!(bytes.len(), out.len() * 2);
+    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+        *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+    }
+}
+
 /// Decodes little-endian F32 bytes into f32.
 pub fn f32_bytes_to_f32(bytes: &[u8], out: &mut [f32]) {
     debug_assert_eq!(bytes.len(), out.len() * 4);

@@ -248,12 +248,19 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Nvfp4Owned {
         "quantize: bad shape"
     );
     let amax = w.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
-    let global_scale = if amax > 0.0 {
+    quantize_with_global(w, rows, cols, global_scale_for_amax(amax))
+}
+
+/// ModelOpt's global scale for a matrix whose largest magnitude is `amax`:
+/// `amax / (6 * 448)`, or 1 for an all-zero matrix. Callers that see a large
+/// matrix in pieces compute `amax` first, then quantize each piece with
+/// [`quantize_with_global`]; the result equals [`quantize`] on the whole.
+pub fn global_scale_for_amax(amax: f32) -> f32 {
+    if amax > 0.0 {
         amax / (E2M1_MAX * E4M3_MAX)
     } else {
         1.0
-    };
-    quantize_with_global(w, rows, cols, global_scale)
+    }
 }
 
 /// As [`quantize`] with a given global scale (for tensors that must share one).

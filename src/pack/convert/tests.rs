@@ -1,0 +1,588 @@
+//! Tiny checkpoints of one random model, written in each supported form,
+//! converted and compared byte for byte.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use safetensors::tensor::TensorView as StView;
+use safetensors::Dtype;
+use serde_json::{json, Value};
+
+use super::plan::{FloatData, FloatDtype};
+use super::*;
+use crate::model::weights::{required_dense_tensors, Role};
+use crate::pack::{Pack, TensorData};
+use crate::quant::nvfp4::quantize;
+use crate::quant::{f32_to_bf16_bytes, Nvfp4Owned};
+
+const H: usize = 32;
+const I: usize = 16;
+const E: usize = 4;
+const L: usize = 2;
+
+/// (name, dtype, shape, bytes) of one stored tensor.
+type St = (String, Dtype, Vec<usize>, Vec<u8>);
+
+fn config_json(tied: bool) -> Value {
+    json!({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 40, "hidden_size": H, "num_hidden_layers": L,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "num_experts": E, "num_experts_per_tok": 2, "moe_intermediate_size": I,
+        "norm_topk_prob": true, "rms_norm_eps": 1e-6, "max_position_embeddings": 128,
+        "tie_word_embeddings": tied, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}
+    })
+}
+
+struct Rng(u64);
+
+impl Rng {
+    /// Uniform in [-1, 1).
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    /// `n` values of magnitude about `scale`, rounded to BF16.
+    fn bf16_values(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| half::bf16::from_f32(self.next() * scale).to_f32()).collect()
+    }
+}
+
+/// One random model: dense tensors as BF16 bytes, experts as BF16-exact f32.
+struct Model {
+    json: Value,
+
+    dense: Vec<(String, Vec<usize>, Role, Vec<u8>)>,
+    /// `[layer][expert]` = (gate, up, down).
+    experts: Vec<Vec<[Vec<f32>; 3]>>,
+}
+
+fn model(tied: bool) -> Model {
+    let json = config_json(tied);
+    let cfg = ModelConfig::from_hf_json(&json.to_string(), Path::new("config.json")).unwrap();
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let dense = required_dense_tensors(&cfg)
+        .into_iter()
+        .map(|(name, shape, role)| {
+            let n = shape.iter().product();
+            let mut v = rng.bf16_values(n, 0.1);
+            if shape.len() == 1 {
+                v.iter_mut().for_each(|x| *x = half::bf16::from_f32(1.0 + *x).to_f32());
+            }
+            (name, shape, role, f32_to_bf16_bytes(&v))
+        })
+        .collect();
+    // Magnitudes far from 1 and different per matrix, so a dropped or
+    // swapped global scale shows.
+    let experts = (0..L)
+        .map(|_| {
+            (0..E)
+                .map(|_| [rng.bf16_values(I * H, 0.02), rng.bf16_values(I * H, 0.05), rng.bf16_values(H * I, 0.01)])
+                .collect()
+        })
+        .collect();
+    Model { json, dense, experts }
+}
+
+const PROJS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+fn shape_of(p: usize) -> [usize; 2] {
+    if p == 2 {
+        [H, I]
+    } else {
+        [I, H]
+    }
+}
+
+fn expert_prefix(l: usize, e: usize, p: usize) -> String {
+    format!("model.layers.{l}.mlp.experts.{e}.{}", PROJS[p])
+}
+
+fn bf16(name: &str, shape: &[usize], bytes: Vec<u8>) -> St {
+    (name.to_string(), Dtype::BF16, shape.to_vec(), bytes)
+}
+
+fn f32_scalar(name: &str, shape: &[usize], v: f32) -> St {
+    (name.to_string(), Dtype::F32, shape.to_vec(), v.to_le_bytes().to_vec())
+}
+
+/// Tensors a real checkpoint carries that the model does not use.
+fn extras() -> Vec<St> {
+    vec![
+        bf16("mtp.fc.weight", &[H, 2 * H], vec![0; H * 2 * H * 2]),
+        ("model.layers.0.self_attn.rotary_emb.inv_freq".into(), Dtype::F32, vec![8], vec![0; 32]),
+    ]
+}
+
+fn dense_bf16(m: &Model) -> Vec<St> {
+    m.dense.iter().map(|(n, s, _, b)| bf16(n, s, b.clone())).collect()
+}
+
+/// (1) BF16 with per-expert keys.
+fn per_expert_bf16(m: &Model) -> Vec<St> {
+    let mut out = dense_bf16(m);
+    for (l, layer) in m.experts.iter().enumerate() {
+        for (e, mats) in layer.iter().enumerate() {
+            for (p, w) in mats.iter().enumerate() {
+                let name = format!("{}.weight", expert_prefix(l, e, p));
+                out.push(bf16(&name, &shape_of(p), f32_to_bf16_bytes(w)));
+            }
+        }
+    }
+    out.extend(extras());
+    out
+}
+
+/// (3) BF16 with transformers 5.x fused expert tensors.
+fn fused_bf16(m: &Model) -> Vec<St> {
+    let mut out = dense_bf16(m);
+    for (l, layer) in m.experts.iter().enumerate() {
+        let gate_up: Vec<f32> = layer.iter().flat_map(|[g, u, _]| g.iter().chain(u).copied()).collect();
+        let down: Vec<f32> = layer.iter().flat_map(|[_, _, d]| d.clone()).collect();
+        let base = format!("model.layers.{l}.mlp.experts");
+        out.push(bf16(&format!("{base}.gate_up_proj"), &[E, 2 * I, H], f32_to_bf16_bytes(&gate_up)));
+        out.push(bf16(&format!("{base}.down_proj"), &[E, H, I], f32_to_bf16_bytes(&down)));
+    }
+    out
+}
+
+/// NVFP4 tensors of `prefix` in ModelOpt's (`ct == false`) or
+/// compressed-tensors' convention, quantized the way ModelOpt does.
+fn nvfp4_tensors(prefix: &str, q: &Nvfp4Owned, ct: bool) -> Vec<St> {
+    let (r, c) = (q.rows, q.cols);
+    if ct {
+        vec![
+            (format!("{prefix}.weight_packed"), Dtype::U8, vec![r, c / 2], q.codes.clone()),
+            // Some exporters store the E4M3 scales as U8.
+            (format!("{prefix}.weight_scale"), Dtype::U8, vec![r, c / 16], q.scales.clone()),
+            f32_scalar(&format!("{prefix}.weight_global_scale"), &[1], 1.0 / q.global_scale),
+            f32_scalar(&format!("{prefix}.input_global_scale"), &[1], 3.0),
+        ]
+    } else {
+        vec![
+            (format!("{prefix}.weight"), Dtype::U8, vec![r, c / 2], q.codes.clone()),
+            (format!("{prefix}.weight_scale"), Dtype::F8_E4M3, vec![r, c / 16], q.scales.clone()),
+            f32_scalar(&format!("{prefix}.weight_scale_2"), &[], q.global_scale),
+            f32_scalar(&format!("{prefix}.input_scale"), &[], 0.5),
+        ]
+    }
+}
+
+fn expert_q(m: &Model, l: usize, e: usize, p: usize) -> Nvfp4Owned {
+    let [r, c] = shape_of(p);
+    quantize(&m.experts[l][e][p], r, c)
+}
+
+/// Layer 0's q_proj, quantized in the NVFP4 checkpoints.
+const Q0: &str = "model.layers.0.self_attn.q_proj";
+
+fn q0_quantized(m: &Model) -> Nvfp4Owned {
+    let (_, shape, _, bytes) = m.dense.iter().find(|d| d.0 == format!("{Q0}.weight")).unwrap();
+    let mut w = vec![0.0; shape[0] * shape[1]];
+    crate::quant::bf16_bytes_to_f32(bytes, &mut w);
+    quantize(&w, shape[0], shape[1])
+}
+
+/// (4) ModelOpt / (5) compressed-tensors: experts and layer 0's q_proj NVFP4.
+fn nvfp4_ckpt(m: &Model, ct: bool) -> Vec<St> {
+    let mut out: Vec<St> = dense_bf16(m).into_iter().filter(|t| t.0 != format!("{Q0}.weight")).collect();
+    out.extend(nvfp4_tensors(Q0, &q0_quantized(m), ct));
+    for l in 0..L {
+        for e in 0..E {
+            for p in 0..3 {
+                out.extend(nvfp4_tensors(&expert_prefix(l, e, p), &expert_q(m, l, e, p), ct));
+            }
+        }
+    }
+    out
+}
+
+fn modelopt_json(m: &Model) -> Value {
+    let mut j = m.json.clone();
+    j["quantization_config"] = json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16});
+    j
+}
+
+fn ct_json(m: &Model) -> Value {
+    let mut j = m.json.clone();
+    j["quantization_config"] = json!({
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {"format": "nvfp4-pack-quantized",
+            "weights": {"num_bits": 4, "type": "float", "group_size": 16}}}
+    });
+    j
+}
+
+fn write_st(path: &Path, tensors: &[St]) {
+    let views: Vec<(String, StView<'_>)> =
+        tensors.iter().map(|(n, d, s, b)| (n.clone(), StView::new(*d, s.clone(), b).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// Writes config.json and the given files (name, tensors) into `dir`.
+fn write_ckpt(dir: &Path, json: &Value, files: &[(&str, &[St])]) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    for (name, tensors) in files {
+        write_st(&dir.join(name), tensors);
+    }
+}
+
+fn write_index(dir: &Path, files: &[(&str, &[St])]) {
+    let map: BTreeMap<&str, &str> =
+        files.iter().flat_map(|(f, ts)| ts.iter().map(move |t| (t.0.as_str(), *f))).collect();
+    let v = json!({"metadata": {"total_size": 0}, "weight_map": map});
+    std::fs::write(dir.join(checkpoint::INDEX_FILE), v.to_string()).unwrap();
+}
+
+fn run(dir: &Path, out: &Path, dense: DenseFormat) -> Result<Manifest> {
+    convert(dir, out, &ConvertOptions { dense, ..Default::default() })
+}
+
+fn err(dir: &Path, out: &Path) -> String {
+    let e = run(dir, out, DenseFormat::Bf16).unwrap_err().to_string();
+    assert!(!out.exists(), "a failed conversion left {}", out.display());
+    e
+}
+
+fn bytes_of(p: &Pack, name: &str) -> Vec<u8> {
+    match p.tensor(name).unwrap().data {
+        TensorData::Bf16(b) => b.to_vec(),
+        other => panic!("{name} is not BF16: {other:?}"),
+    }
+}
+
+#[test]
+fn five_checkpoint_forms_give_identical_packs() {
+    let t = tempfile::tempdir().unwrap();
+    let m = model(false);
+    let root = t.path();
+
+    let single = per_expert_bf16(&m);
+    write_ckpt(&root.join("c1"), &m.json, &[("model.safetensors", &single)]);
+    std::fs::write(root.join("c1/tokenizer.json"), "{}").unwrap();
+
+    let (a, b): (Vec<St>, Vec<St>) = single.iter().cloned().partition(|t| !t.0.starts_with("model.layers.1."));
+    let shards: [(&str, &[St]); 2] =
+        [("model-00001-of-00002.safetensors", &a), ("model-00002-of-00002.safetensors", &b)];
+    write_ckpt(&root.join("c2"), &m.json, &shards);
+    write_index(&root.join("c2"), &shards);
+    // A stray file the index does not name is not read.
+    std::fs::write(root.join("c2/consolidated.safetensors"), b"junk").unwrap();
+
+    write_ckpt(&root.join("c3"), &m.json, &[("model.safetensors", &fused_bf16(&m))]);
+    write_ckpt(&root.join("c4"), &modelopt_json(&m), &[("model.safetensors", &nvfp4_ckpt(&m, false))]);
+    write_ckpt(&root.join("c5"), &ct_json(&m), &[("model.safetensors", &nvfp4_ckpt(&m, true))]);
+
+    let mut packs = Vec::new();
+    for (i, scheme) in ["bf16", "bf16", "bf16", "nvfp4-modelopt", "nvfp4-compressed-tensors"].iter().enumerate() {
+        let (dir, out) = (root.join(format!("c{}", i + 1)), root.join(format!("p{}", i + 1)));
+        let man = run(&dir, &out, DenseFormat::Bf16).unwrap();
+        assert_eq!(man.source, format!("convert {} ({scheme})", dir.display()));
+        assert!(man.tensors.iter().all(|t| !t.name.starts_with("mtp.")));
+        packs.push(Pack::open(&out).unwrap());
+    }
+    assert!(root.join("p1/tokenizer.json").is_file());
+    assert!(packs[0].manifest().files.iter().any(|f| f.name == "tokenizer.json"));
+
+    let layout = packs[0].layout();
+    let tail = layout.tail as usize;
+    for l in 0..L {
+        for e in 0..E {
+            let want = packs[0].expert(l, e).unwrap();
+            // The tails hold the global scales we quantized with: one per matrix.
+            let gs = [want.gate, want.up, want.down].map(|x| x.global_scale);
+            for (p, g) in gs.iter().enumerate() {
+                assert_eq!(*g, expert_q(&m, l, e, p).global_scale);
+                assert!(*g < 1e-3, "global scale {g} is not far from 1");
+            }
+            assert_ne!(gs[0], gs[1]);
+            assert_eq!(want.gate.codes, &expert_q(&m, l, e, 0).codes[..]);
+            for (k, p) in packs.iter().enumerate().skip(1).take(3) {
+                assert!(want.blob == p.expert(l, e).unwrap().blob, "pack {} ({l}, {e})", k + 1);
+            }
+            // compressed-tensors: g = 1 / (1 / g) may be an ulp off.
+            let ct = packs[4].expert(l, e).unwrap();
+            assert_eq!(want.blob[..tail], ct.blob[..tail], "codes/scales ({l}, {e})");
+            for (g, c) in gs.iter().zip([ct.gate, ct.up, ct.down].map(|x| x.global_scale)) {
+                assert!((g - c).abs() <= 1e-6 * g, "{g} vs {c}");
+            }
+        }
+    }
+
+    // Dense tensors are the source BF16 bytes, in every pack; layer 0's
+    // q_proj of the NVFP4 checkpoints is carried as NVFP4.
+    let q0 = q0_quantized(&m);
+    for (k, p) in packs.iter().enumerate() {
+        for (name, shape, _, bytes) in &m.dense {
+            if k >= 3 && *name == format!("{Q0}.weight") {
+                let TensorData::Nvfp4(t) = p.tensor(name).unwrap().data else {
+                    panic!("{name} in pack {} is not NVFP4", k + 1)
+                };
+                assert_eq!((t.codes, t.scales), (&q0.codes[..], &q0.scales[..]));
+                let g = q0.global_scale;
+                assert!((t.global_scale - g).abs() <= 1e-6 * g);
+                assert_eq!((t.rows, t.cols), (shape[0], shape[1]));
+            } else {
+                assert_eq!(&bytes_of(p, name), bytes, "{name} in pack {}", k + 1);
+            }
+        }
+    }
+}
+
+#[test]
+fn dense_nvfp4_quantizes_projections_only() {
+    let t = tempfile::tempdir().unwrap();
+    let m = model(false);
+    let dir = t.path().join("c");
+    write_ckpt(&dir, &m.json, &[("model.safetensors", &per_expert_bf16(&m))]);
+    run(&dir, &t.path().join("p"), DenseFormat::Nvfp4).unwrap();
+    let p = Pack::open(&t.path().join("p")).unwrap();
+    let mut quantized = 0;
+    for (name, shape, role, bytes) in &m.dense {
+        let data = p.tensor(name).unwrap().data;
+        if role.may_quantize() {
+            let mut w = vec![0.0; shape[0] * shape[1]];
+            crate::quant::bf16_bytes_to_f32(bytes, &mut w);
+            let q = quantize(&w, shape[0], shape[1]);
+            let TensorData::Nvfp4(t) = data else { panic!("{name} should be NVFP4") };
+            assert_eq!((t.codes, t.scales), (&q.codes[..], &q.scales[..]), "{name}");
+            assert_eq!(t.global_scale, q.global_scale);
+            quantized += 1;
+        } else {
+            assert_eq!(&bytes_of(&p, name), bytes, "{name} should stay BF16");
+        }
+    }
+    // q, k, v, o per layer, and lm_head.
+    assert_eq!(quantized, 4 * L + 1);
+}
+
+#[test]
+fn tied_embeddings_need_no_lm_head_and_ignore_one() {
+    let t = tempfile::tempdir().unwrap();
+    let m = model(true);
+    let tensors = per_expert_bf16(&m);
+    assert!(tensors.iter().all(|t| t.0 != "lm_head.weight"));
+    let dir = t.path().join("c");
+    write_ckpt(&dir, &m.json, &[("model.safetensors", &tensors)]);
+    let man = run(&dir, &t.path().join("p"), DenseFormat::Bf16).unwrap();
+    assert!(man.tensors.iter().all(|t| t.name != "lm_head.weight"));
+    assert!(man.config.tie_word_embeddings);
+
+    let mut with_head = tensors;
+    with_head.push(bf16("lm_head.weight", &[40, H], vec![0; 40 * H * 2]));
+    let dir = t.path().join("c2");
+    write_ckpt(&dir, &m.json, &[("model.safetensors", &with_head)]);
+    let man = run(&dir, &t.path().join("p2"), DenseFormat::Nvfp4).unwrap();
+    assert!(man.tensors.iter().all(|t| t.name != "lm_head.weight"));
+}
+
+#[test]
+fn f32_and_f16_sources_round_to_bf16() {
+    let t = tempfile::tempdir().unwrap();
+    let m = model(false);
+    // 1 + 2^-8 is halfway between two BF16 values: ties go to even (1.0);
+    // 1 + 3 * 2^-8 rounds up to 1 + 2^-6.
+    let norm: Vec<f32> = (0..H).map(|i| 1.0 + [1.0, 3.0][i % 2] * (2.0f32).powi(-8)).collect();
+    let down = &m.experts[1][2][2];
+    let mut tensors: Vec<St> = per_expert_bf16(&m)
+        .into_iter()
+        .filter(|t| t.0 != "model.norm.weight" && t.0 != "model.layers.1.mlp.experts.2.down_proj.weight")
+        .collect();
+    let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    tensors.push(("model.norm.weight".into(), Dtype::F32, vec![H], f32_bytes(&norm)));
+    let f16: Vec<u8> = down.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect();
+    tensors.push(("model.layers.1.mlp.experts.2.down_proj.weight".into(), Dtype::F16, vec![H, I], f16.clone()));
+    let dir = t.path().join("c");
+    write_ckpt(&dir, &m.json, &[("model.safetensors", &tensors)]);
+    run(&dir, &t.path().join("p"), DenseFormat::Bf16).unwrap();
+    let p = Pack::open(&t.path().join("p")).unwrap();
+    let got = p.tensor("model.norm.weight").unwrap().to_f32();
+    assert_eq!(got[0], 1.0);
+    assert_eq!(got[1], 1.0 + (2.0f32).powi(-6));
+    // The F16 expert is quantized from its exact f32 values.
+    let mut w = vec![0.0; H * I];
+    crate::quant::f16_bytes_to_f32(&f16, &mut w);
+    let q = quantize(&w, H, I);
+    let d = p.expert(1, 2).unwrap().down;
+    assert_eq!((d.codes, d.scales, d.global_scale), (&q.codes[..], &q.scales[..], q.global_scale));
+}
+
+#[test]
+fn piecewise_quantization_equals_whole() {
+    let mut rng = Rng(7);
+    let (rows, cols) = (37, 48);
+    let w = rng.bf16_values(rows * cols, 0.3);
+    let bytes = f32_to_bf16_bytes(&w);
+    let f = FloatData { dtype: FloatDtype::Bf16, bytes: &bytes };
+    let whole = quantize(&w, rows, cols);
+    // 5 rows per piece: 8 pieces, the last one short.
+    let pieces = quantize_float(f, rows, cols, "t", 5 * cols).unwrap();
+    assert_eq!(pieces, whole);
+    let mut bad = w.clone();
+    bad[1000] = f32::NAN;
+    let bytes = f32_to_bf16_bytes(&bad);
+    let f = FloatData { dtype: FloatDtype::Bf16, bytes: &bytes };
+    let e = quantize_float(f, rows, cols, "the.tensor", 5 * cols).unwrap_err();
+    assert!(e.to_string().contains("the.tensor"), "{e}");
+}
+
+// ---- errors: each message names the culprit --------------------------------
+
+/// Writes a one-file checkpoint where `edit` changed the per-expert BF16 tensors.
+fn broken(root: &Path, json: &Value, edit: impl FnOnce(&mut Vec<St>)) -> std::path::PathBuf {
+    let m = model(false);
+    let mut tensors = per_expert_bf16(&m);
+    edit(&mut tensors);
+    let dir = root.join("c");
+    write_ckpt(&dir, json, &[("model.safetensors", &tensors)]);
+    dir
+}
+
+#[test]
+fn missing_config_json() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = broken(t.path(), &config_json(false), |_| {});
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    let e = err(&dir, &t.path().join("p"));
+    assert!(e.contains("config.json") && e.contains(&dir.display().to_string()), "{e}");
+}
+
+#[test]
+fn missing_tensors() {
+    let t = tempfile::tempdir().unwrap();
+    let name = "model.layers.1.mlp.experts.3.down_proj.weight";
+    let dir = broken(t.path(), &config_json(false), |ts| ts.retain(|t| t.0 != name));
+    let e = err(&dir, &t.path().join("p"));
+    assert!(e.contains(name) && e.contains("missing"), "{e}");
+
+    let t = tempfile::tempdir().unwrap();
+    let dir = broken(t.path(), &config_json(false), |ts| ts.retain(|t| t.0 != "lm_head.weight"));
+    let e = err(&dir, &t.path().join("p"));
+    assert!(e.contains("lm_head.weight") && e.contains("tie_word_embeddings"), "{e}");
+}
+
+#[test]
+fn wrong_shape() {
+    let t = tempfile::tempdir().unwrap();
+    let name = "model.layers.1.self_attn.k_proj.weight";
+    let dir = broken(t.path(), &config_json(false), |ts| {
+        let t = ts.iter_mut().find(|t| t.0 == name).unwrap();
+        t.2 = vec![H, 16]; // stored transposed; the config needs [kv_dim, hidden]
+    });
+    let e = err(&dir, &t.path().join("p"));
+    assert!(e.contains(name) && e.contains("[32, 16]") && e.contains("[16, 32]"), "{e}");
+    assert!(e.contains("model.safetensors"), "{e}");
+}
+
+#[test]
+fn fused_down_with_swapped_orientation() {
+    let t = tempfile::tempdir().unwrap();
+    let m = model(false);
+    let mut tensors = fused_bf16(&m);
+    let name = "model.layers.0.mlp.experts.down_proj";
+    tensors.iter_mut().find(|t| t.0 == name).unwrap().2 = vec![E, I, H];
+    let dir = t.path().join("c");
+    write_ckpt(&dir, &m.json, &[("model.safetensors", &tensors)]);
+    let e = err(&dir, &t.path().join("p"));
+    assert!(e.contains(name) && e.contains("[4, 16, 32]") && e.contains("[4, 32, 16]"), "{e}");
+}
+
+#[test]
+fn nvfp4_without_global_scale() {
+    let t = tempfile::tempdir().unwrap();
+    let m = model(false);
+    let name = "model.layers.1.mlp.experts.2.up_proj.weight_scale_2";
+    let mut tensors = nvfp4_ckpt(&m, false);
+    tensors.retain(|t| t.0 != name);
+    let dir = t.path().join("c");
+    write_ckpt(&dir, &modelopt_json(&m), &[("model.safetensors", &tensors)]);
+    let e = err(&dir, &t.path().join("p"));
+    assert!(e.contains(name) && e.contains("missing"), "{e}");
+}
+
+#[test]
+fn non_finite_or_zero_global_scale() {
+    let t = tempfile::tempdir().unwrap();
+    let m = model(false);
+    let name = "model.layers.0.mlp.experts.1.gate_proj.weight_scale_2";
+    let mut tensors = nvfp4_ckpt(&m, false);
+    tensors.iter_mut().find(|t| t.0 == name).unwrap().3 = f32::INFINITY.to_le_bytes().to_vec();
+    let dir = t.path().join("c");
+    write_ckpt(&dir, &modelopt_json(&m), &[("model.safetensors", &tensors)]);
+    let e = err(&dir, &t.path().join("p"));
+    assert!(e.contains(name) && e.contains("inf"), "{e}");
+
+    // compressed-tensors divisor 0 would give g = inf.
+    let t = tempfile::tempdir().unwrap();
+    let name = "model.layers.1.mlp.experts.0.down_proj.weight_global_scale";
+    let mut tensors = nvfp4_ckpt(&m, true);
+    tensors.iter_mut().find(|t| t.0 == name).unwrap().3 = 0.0f32.to_le_bytes().to_vec();
+    let dir = t.path().join("c");
+    write_ckpt(&dir, &ct_json(&m), &[("model.safetensors", &tensors)]);
+    let e = err(&dir, &t.path().join("p"));
+    assert!(e.contains(name) && e.contains("global scale 0"), "{e}");
+}
+
+#[test]
+fn duplicate_tensor_across_shards() {
+    let t = tempfile::tempdir().unwrap();
+    let m = model(false);
+    let all = per_expert_bf16(&m);
+    let (a, mut b): (Vec<St>, Vec<St>) = all.iter().cloned().partition(|t| !t.0.starts_with("model.layers.1."));
+    b.push(all.iter().find(|t| t.0 == "model.norm.weight").unwrap().clone());
+    let dir = t.path().join("c");
+    // No index: the directory's files are read as a union.
+    write_ckpt(&dir, &m.json, &[("a.safetensors", &a), ("b.safetensors", &b)]);
+    let e = err(&dir, &t.path().join("p"));
+    assert!(e.contains("model.norm.weight") && e.contains("a.safetensors") && e.contains("b.safetensors"), "{e}");
+}
+
+#[test]
+fn index_names_missing_shard() {
+    let t = tempfile::tempdir().unwrap();
+    let m = model(false);
+    let all = per_expert_bf16(&m);
+    let (a, b): (Vec<St>, Vec<St>) = all.into_iter().partition(|t| !t.0.starts_with("model.layers.1."));
+    let shards: [(&str, &[St]); 2] =
+        [("model-00001-of-00002.safetensors", &a), ("model-00002-of-00002.safetensors", &b)];
+    let dir = t.path().join("c");
+    write_ckpt(&dir, &m.json, &shards[..1]);
+    write_index(&dir, &shards);
+    let e = err(&dir, &t.path().join("p"));
+    assert!(e.contains("model-00002-of-00002.safetensors") && e.contains("missing"), "{e}");
+}
+
+#[test]
+fn unsupported_model_type_and_quantization() {
+    let t = tempfile::tempdir().unwrap();
+    let mut j = config_json(false);
+    j["model_type"] = "llama".into();
+    let dir = broken(t.path(), &j, |_| {});
+    let e = err(&dir, &t.path().join("p"));
+    assert!(e.contains("llama"), "{e}");
+
+    let t = tempfile::tempdir().unwrap();
+    let mut j = config_json(false);
+    j["quantization_config"] = json!({"quant_method": "gptq", "bits": 4});
+    let dir = broken(t.path(), &j, |_| {});
+    let e = err(&dir, &t.path().join("p"));
+    assert!(e.contains("gptq"), "{e}");
+}
+
+#[test]
+fn existing_pack_needs_overwrite() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = broken(t.path(), &config_json(false), |_| {});
+    let out = t.path().join("p");
+    run(&dir, &out, DenseFormat::Bf16).unwrap();
+    let e = run(&dir, &out, DenseFormat::Bf16).unwrap_err().to_string();
+    assert!(e.contains(&out.display().to_string()) && e.contains("already holds a pack"), "{e}");
+    let opts = ConvertOptions { overwrite: true, ..Default::default() };
+    convert(&dir, &out, &opts).unwrap();
+    Pack::open(&out).unwrap().verify(|_, _| {}).unwrap();
+}
