@@ -586,3 +586,54 @@ fn existing_pack_needs_overwrite() {
     convert(&dir, &out, &opts).unwrap();
     Pack::open(&out).unwrap().verify(|_, _| {}).unwrap();
 }
+
+// ---- the reference fixtures made with transformers (tests/fixtures/README.md) ----
+
+#[test]
+fn reference_fixtures_convert_alike_in_every_layout() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/fixtures");
+    let t = tempfile::tempdir().unwrap();
+    for model in ["a", "b"] {
+        let forms = [("bf16", "bf16"), ("nvfp4_modelopt", "nvfp4-modelopt"), ("nvfp4_ct", "nvfp4-compressed-tensors")];
+        let packs: Vec<Pack> = forms
+            .iter()
+            .map(|(dir, scheme)| {
+                let (from, out) = (fixtures.join(model).join(dir), t.path().join(format!("{model}-{dir}")));
+                let man = run(&from, &out, DenseFormat::Bf16).unwrap();
+                assert_eq!(man.source, format!("convert {} ({scheme})", from.display()));
+                Pack::open(&out).unwrap()
+            })
+            .collect();
+        let c = packs[0].config().clone();
+        assert_eq!(model == "b", c.tie_word_embeddings);
+        let tail = packs[0].layout().tail as usize;
+        for l in 0..c.num_hidden_layers {
+            for e in 0..c.num_experts {
+                let [ours, mo, ct] = [0, 1, 2].map(|k| packs[k].expert(l, e).unwrap());
+                // Our quantization of the BF16 weights equals ModelOpt's bytes.
+                assert!(ours.blob == mo.blob, "{model}: layer {l} expert {e}");
+                assert_eq!(mo.blob[..tail], ct.blob[..tail], "{model}: layer {l} expert {e}");
+                for (a, b) in [(mo.gate, ct.gate), (mo.up, ct.up), (mo.down, ct.down)] {
+                    let (g, h) = (a.global_scale, b.global_scale);
+                    assert!((g - h).abs() <= 1e-6 * g, "{model}: {g} vs {h}");
+                }
+            }
+        }
+        let reference: Value =
+            serde_json::from_str(&std::fs::read_to_string(fixtures.join(model).join("reference.json")).unwrap())
+                .unwrap();
+        for (e, scales) in reference["global_scales_layer0"].as_object().unwrap() {
+            let x = packs[1].expert(0, e.parse().unwrap()).unwrap();
+            for (proj, m) in [("gate_proj", x.gate), ("up_proj", x.up), ("down_proj", x.down)] {
+                assert_eq!(m.global_scale, scales[proj].as_f64().unwrap() as f32, "{model} expert {e} {proj}");
+            }
+        }
+        for tensor in &packs[0].manifest().tensors {
+            let want = bytes_of(&packs[0], &tensor.name);
+            for p in &packs[1..] {
+                assert_eq!(bytes_of(p, &tensor.name), want, "{model}: {}", tensor.name);
+            }
+        }
+    }
+    assert!(t.path().join("a-bf16/tokenizer.json").is_file());
+}
