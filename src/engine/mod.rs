@@ -1,0 +1,352 @@
+//! The engine: a loaded pack, its dense weights decoded for the backend, and
+//! the forward pass of qwen3_moe (transformers `Qwen3MoeForCausalLM`):
+//!
+//! ```text
+//! x = embed[token]
+//! per layer:  h = rmsnorm(x);  q, k, v = proj(h);  q, k = per-head rmsnorm
+//!             rope(q, k);  append k, v to the KV cache;  x += o_proj(attention)
+//!             h = rmsnorm(x);  x += moe(h)
+//! logits = lm_head(rmsnorm(x))
+//! ```
+//!
+//! Every op goes through the `Backend`; the MoE block is `moe::forward`.
+//! `Engine` is a cheap handle (an `Arc`); sessions hold one each.
+
+#[cfg(test)]
+pub(crate) mod test_pack;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use crate::backend::{AttentionShape, Backend, CpuBackend, Matrix, Rope};
+use crate::error::{Error, Result};
+use crate::model::weights::{layer_tensor_name, model_tensor_name, Role};
+use crate::model::{Arch, ModelConfig};
+use crate::moe::{self, MoeLayer};
+use crate::pack::Pack;
+use crate::session::kv::KvCache;
+use crate::session::{Session, SessionOptions};
+
+#[derive(Clone, Debug, Default)]
+pub struct EngineOptions {
+    /// Threads of a dedicated pool for this engine's work; `None` shares
+    /// rayon's global pool.
+    pub threads: Option<usize>,
+}
+
+/// A loaded model. Clone is cheap and clones share everything.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pack: Pack,
+    weights: Weights,
+    rope: Rope,
+    backend: Box<dyn Backend>,
+}
+
+/// Dense weights in f32, decoded once at load. Experts stay in the pack.
+struct Weights {
+    embed: Matrix,
+    layers: Vec<LayerWeights>,
+    final_norm: Vec<f32>,
+    /// `None` when tied to the embedding.
+    lm_head: Option<Matrix>,
+}
+
+struct LayerWeights {
+    input_norm: Vec<f32>,
+    q_proj: Matrix,
+    k_proj: Matrix,
+    v_proj: Matrix,
+    o_proj: Matrix,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    post_attn_norm: Vec<f32>,
+    router: Matrix,
+}
+
+/// Which rows of a forward need logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Logits {
+    /// None (a prompt chunk that is not the last).
+    Skip,
+    Last,
+    All,
+}
+
+fn load_matrix(pack: &Pack, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+    let t = pack.tensor(name)?;
+    if t.shape != [rows as u64, cols as u64] {
+        return Err(Error::tensor(name, format!("shape {:?}, the engine needs [{rows}, {cols}]", t.shape)));
+    }
+    Ok(Matrix::new(rows, cols, t.to_f32()))
+}
+
+fn load_vector(pack: &Pack, name: &str, len: usize) -> Result<Vec<f32>> {
+    let t = pack.tensor(name)?;
+    if t.shape != [len as u64] {
+        return Err(Error::tensor(name, format!("shape {:?}, the engine needs [{len}]", t.shape)));
+    }
+    Ok(t.to_f32())
+}
+
+impl Weights {
+    fn load(pack: &Pack) -> Result<Weights> {
+        let c = pack.config();
+        let (h, v) = (c.hidden_size, c.vocab_size);
+        let layers = (0..c.num_hidden_layers)
+            .into_par_iter()
+            .map(|l| {
+                let n = |role| layer_tensor_name(l, role);
+                Ok(LayerWeights {
+                    input_norm: load_vector(pack, &n(Role::InputNorm), h)?,
+                    q_proj: load_matrix(pack, &n(Role::QProj), c.q_dim(), h)?,
+                    k_proj: load_matrix(pack, &n(Role::KProj), c.kv_dim(), h)?,
+                    v_proj: load_matrix(pack, &n(Role::VProj), c.kv_dim(), h)?,
+                    o_proj: load_matrix(pack, &n(Role::OProj), h, c.q_dim())?,
+                    q_norm: load_vector(pack, &n(Role::QNorm), c.head_dim)?,
+                    k_norm: load_vector(pack, &n(Role::KNorm), c.head_dim)?,
+                    post_attn_norm: load_vector(pack, &n(Role::PostAttnNorm), h)?,
+                    router: load_matrix(pack, &n(Role::Router), c.num_experts, h)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head =
+            if c.tie_word_embeddings { None } else { Some(load_matrix(pack, model_tensor_name(Role::LmHead), v, h)?) };
+        Ok(Weights {
+            embed: load_matrix(pack, model_tensor_name(Role::Embedding), v, h)?,
+            layers,
+            final_norm: load_vector(pack, model_tensor_name(Role::FinalNorm), h)?,
+            lm_head,
+        })
+    }
+
+    fn lm_head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+}
+
+impl Engine {
+    /// Opens the pack in `pack_dir` and loads it.
+    pub fn load(pack_dir: &Path, opts: &EngineOptions) -> Result<Engine> {
+        Engine::from_pack(Pack::open(pack_dir)?, opts)
+    }
+
+    /// Decodes the dense weights of an open pack; experts stay mapped.
+    pub fn from_pack(pack: Pack, opts: &EngineOptions) -> Result<Engine> {
+        let c = pack.config();
+        if c.arch != Arch::Qwen3Moe {
+            return Err(Error::Unsupported(format!(
+                "{}: architecture {} (the engine runs qwen3_moe)",
+                pack.dir().display(),
+                c.arch.name()
+            )));
+        }
+        c.validate()?;
+        let backend = CpuBackend::new(opts.threads)?;
+        let weights = backend.install(|| Weights::load(&pack))?;
+        let rope = Rope::new(c);
+        Ok(Engine { inner: Arc::new(Inner { pack, weights, rope, backend: Box::new(backend) }) })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        self.inner.pack.config()
+    }
+
+    pub fn pack(&self) -> &Pack {
+        &self.inner.pack
+    }
+
+    /// The name of the backend that runs the forward pass ("cpu").
+    pub fn backend_name(&self) -> &'static str {
+        self.inner.backend.name()
+    }
+
+    pub fn new_session(&self, opts: &SessionOptions) -> Result<Session> {
+        Session::new(self.clone(), opts)
+    }
+
+    /// Runs `tokens` at positions `kv.len()..`, appending their keys and
+    /// values, and returns the requested logits (`[rows, vocab]`). On error
+    /// the cache is back at its length before the call.
+    pub(crate) fn forward(&self, kv: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
+        assert!(!tokens.is_empty(), "forward: no tokens (the session rejects empty prompts)");
+        let start = kv.len();
+        match self.forward_rows(kv, tokens, logits) {
+            Ok(l) => {
+                kv.commit(tokens.len());
+                Ok(l)
+            }
+            Err(e) => {
+                kv.truncate(start);
+                Err(e)
+            }
+        }
+    }
+
+    fn forward_rows(&self, kv: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
+        let c = self.config();
+        let w = &self.inner.weights;
+        let b = &*self.inner.backend;
+        let (h, t) = (c.hidden_size, tokens.len());
+        let mut x = vec![0.0f32; t * h];
+        for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
+            row.copy_from_slice(w.embed.row(tok as usize));
+        }
+        for (l, lw) in w.layers.iter().enumerate() {
+            self.attention_block(l, lw, kv, &mut x);
+            self.moe_block(l, lw, &mut x)?;
+        }
+        let rows = match logits {
+            Logits::Skip => return Ok(Vec::new()),
+            Logits::Last => &x[(t - 1) * h..],
+            Logits::All => &x[..],
+        };
+        let mut xn = vec![0.0f32; rows.len()];
+        b.rmsnorm(rows, &w.final_norm, self.eps(), &mut xn);
+        let mut out = vec![0.0f32; rows.len() / h * c.vocab_size];
+        b.matmul(&xn, w.lm_head(), &mut out);
+        Ok(out)
+    }
+
+    fn eps(&self) -> f32 {
+        self.config().rms_norm_eps as f32
+    }
+
+    /// `x += o_proj(attention(rope(norm(q)), rope(norm(k)), v))` over `x [T, hidden]`.
+    fn attention_block(&self, layer: usize, lw: &LayerWeights, kv: &mut KvCache, x: &mut [f32]) {
+        let c = self.config();
+        let b = &*self.inner.backend;
+        let eps = self.eps();
+        let shape =
+            AttentionShape { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
+        let t = x.len() / c.hidden_size;
+        let start_pos = kv.len();
+
+        let mut h = vec![0.0f32; x.len()];
+        b.rmsnorm(x, &lw.input_norm, eps, &mut h);
+        let mut q = vec![0.0f32; t * shape.q_dim()];
+        let mut k = vec![0.0f32; t * shape.kv_dim()];
+        let mut v = vec![0.0f32; t * shape.kv_dim()];
+        b.matmul(&h, &lw.q_proj, &mut q);
+        b.matmul(&h, &lw.k_proj, &mut k);
+        b.matmul(&h, &lw.v_proj, &mut v);
+        // q_norm / k_norm: RMSNorm over each head's head_dim, before RoPE.
+        let mut qn = vec![0.0f32; q.len()];
+        let mut kn = vec![0.0f32; k.len()];
+        b.rmsnorm(&q, &lw.q_norm, eps, &mut qn);
+        b.rmsnorm(&k, &lw.k_norm, eps, &mut kn);
+        b.rope(&mut qn, shape.heads, shape.head_dim, start_pos, &self.inner.rope);
+        b.rope(&mut kn, shape.kv_heads, shape.head_dim, start_pos, &self.inner.rope);
+        kv.append(layer, &kn, &v);
+
+        let (k_cache, v_cache) = kv.layer(layer);
+        let mut attn = vec![0.0f32; q.len()];
+        b.attention(&qn, k_cache, v_cache, shape, start_pos, &mut attn);
+        let mut o = vec![0.0f32; x.len()];
+        b.matmul(&attn, &lw.o_proj, &mut o);
+        b.add(x, &o);
+    }
+
+    /// `x += moe(norm(x))`.
+    fn moe_block(&self, layer: usize, lw: &LayerWeights, x: &mut [f32]) -> Result<()> {
+        let c = self.config();
+        let b = &*self.inner.backend;
+        let mut h = vec![0.0f32; x.len()];
+        b.rmsnorm(x, &lw.post_attn_norm, self.eps(), &mut h);
+        let moe =
+            MoeLayer { layer, router: &lw.router, top_k: c.num_experts_per_tok, norm_topk_prob: c.norm_topk_prob };
+        let mut out = vec![0.0f32; x.len()];
+        moe::forward(b, &self.inner.pack, &moe, &h, &mut out)?;
+        b.add(x, &out);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_pack::{tiny_config, write_tiny_pack, DenseKind, TinyPack};
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync + Clone>() {}
+
+    #[test]
+    fn engine_and_session_are_shareable() {
+        assert_send_sync::<Engine>();
+        fn send<T: Send>() {}
+        send::<Session>();
+    }
+
+    fn logits_of(dir: &Path, opts: &EngineOptions, prompt: &[u32]) -> Vec<f32> {
+        let e = Engine::load(dir, opts).unwrap();
+        let mut s = e.new_session(&SessionOptions::default()).unwrap();
+        s.prefill_all(prompt).unwrap()
+    }
+
+    #[test]
+    fn load_exposes_config_and_pack() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = tiny_config();
+        write_tiny_pack(dir.path(), &cfg, &TinyPack::default()).unwrap();
+        let e = Engine::load(dir.path(), &EngineOptions::default()).unwrap();
+        assert_eq!(e.config(), &cfg);
+        assert_eq!(e.pack().dir(), dir.path());
+        assert_eq!(e.backend_name(), "cpu");
+        let missing = Engine::load(&dir.path().join("nope"), &EngineOptions::default());
+        assert!(missing.err().unwrap().to_string().contains("nope"));
+    }
+
+    #[test]
+    fn dedicated_pool_gives_identical_logits() {
+        let dir = tempfile::tempdir().unwrap();
+        write_tiny_pack(dir.path(), &tiny_config(), &TinyPack::default()).unwrap();
+        let prompt = [5, 17, 90, 3, 3, 44];
+        let global = logits_of(dir.path(), &EngineOptions::default(), &prompt);
+        let pooled = logits_of(dir.path(), &EngineOptions { threads: Some(2) }, &prompt);
+        assert_eq!(global, pooled);
+        let e = Engine::load(dir.path(), &EngineOptions { threads: Some(0) });
+        assert!(matches!(e, Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn tied_embeddings_use_the_embedding_as_lm_head() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = tiny_config();
+        cfg.tie_word_embeddings = true;
+        write_tiny_pack(dir.path(), &cfg, &TinyPack::default()).unwrap();
+        assert!(Pack::open(dir.path()).unwrap().tensor("lm_head.weight").is_err());
+        let e = Engine::load(dir.path(), &EngineOptions::default()).unwrap();
+        let w = &e.inner.weights;
+        assert!(w.lm_head.is_none());
+        assert!(std::ptr::eq(w.lm_head(), &w.embed));
+        let mut s = e.new_session(&SessionOptions::default()).unwrap();
+        assert!(s.prefill(&[1, 2, 3]).unwrap().iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn nvfp4_dense_weights_equal_their_dequantized_f32() {
+        // The same weights stored as NVFP4 (dequantized at load, global scale
+        // included) and as the f32 of that dequantization give equal logits.
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let cfg = tiny_config();
+        let nv = TinyPack { dense: DenseKind::Nvfp4, ..TinyPack::default() };
+        let f = TinyPack { dense: DenseKind::F32OfNvfp4, ..TinyPack::default() };
+        write_tiny_pack(a.path(), &cfg, &nv).unwrap();
+        write_tiny_pack(b.path(), &cfg, &f).unwrap();
+        let q = Pack::open(a.path()).unwrap();
+        let qp = q.tensor("model.layers.0.self_attn.q_proj.weight").unwrap();
+        assert!(matches!(qp.data, crate::pack::TensorData::Nvfp4(_)));
+        let prompt = [7, 8, 9, 96];
+        let opts = EngineOptions::default();
+        assert_eq!(logits_of(a.path(), &opts, &prompt), logits_of(b.path(), &opts, &prompt));
+        // And differ from the unquantized bf16 model (the comparison is not vacuous).
+        let c = tempfile::tempdir().unwrap();
+        write_tiny_pack(c.path(), &cfg, &TinyPack::default()).unwrap();
+        assert_ne!(logits_of(a.path(), &opts, &prompt), logits_of(c.path(), &opts, &prompt));
+    }
+}
