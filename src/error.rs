@@ -21,20 +21,11 @@ pub enum Error {
 
     /// A pack written by a newer (or unknown) format version.
     #[error("pack {path}: format version {found} is not supported (this build reads version {supported})")]
-    PackVersion {
-        path: PathBuf,
-        found: u32,
-        supported: u32,
-    },
+    PackVersion { path: PathBuf, found: u32, supported: u32 },
 
     /// A stored checksum does not match the bytes on disk.
     #[error("pack {path}: checksum mismatch in {what}: manifest says {expected:08x}, data gives {actual:08x}")]
-    Checksum {
-        path: PathBuf,
-        what: String,
-        expected: u32,
-        actual: u32,
-    },
+    Checksum { path: PathBuf, what: String, expected: u32, actual: u32 },
 
     /// A checkpoint directory or file that cannot be converted.
     #[error("checkpoint {path}: {msg}")]
@@ -75,30 +66,18 @@ pub enum Error {
 
 impl Error {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.into(),
-            source,
-        }
+        Error::Io { path: path.into(), source }
     }
 
     pub fn bad_pack(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
-        Error::BadPack {
-            path: path.into(),
-            msg: msg.into(),
-        }
+        Error::BadPack { path: path.into(), msg: msg.into() }
     }
 
     pub fn bad_checkpoint(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
-        Error::BadCheckpoint {
-            path: path.into(),
-            msg: msg.into(),
-        }
+        Error::BadCheckpoint { path: path.into(), msg: msg.into() }
     }
 
     pub fn tensor(name: impl Into<String>, msg: impl Into<String>) -> Self {
-        Error::Tensor {
-            name: name.into(),
-            msg: msg.into(),
-        }
+        Error::Tensor { name: name.into(), msg: msg.into() }
     }
 }

@@ -11,5 +11,6 @@ pub mod quant;
 pub mod rng;
 pub mod sampling;
 pub mod session;
+pub mod tokenizer;
 
 pub use error::{Error, Result};

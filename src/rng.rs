@@ -84,9 +84,24 @@ mod tests {
 
     #[test]
     fn deterministic_and_distinct() {
-        let a: Vec<u64> = (0..4).map({ let mut r = Rng::new(7); move |_| r.next_u64() }).collect();
-        let b: Vec<u64> = (0..4).map({ let mut r = Rng::new(7); move |_| r.next_u64() }).collect();
-        let c: Vec<u64> = (0..4).map({ let mut r = Rng::new(8); move |_| r.next_u64() }).collect();
+        let a: Vec<u64> = (0..4)
+            .map({
+                let mut r = Rng::new(7);
+                move |_| r.next_u64()
+            })
+            .collect();
+        let b: Vec<u64> = (0..4)
+            .map({
+                let mut r = Rng::new(7);
+                move |_| r.next_u64()
+            })
+            .collect();
+        let c: Vec<u64> = (0..4)
+            .map({
+                let mut r = Rng::new(8);
+                move |_| r.next_u64()
+            })
+            .collect();
         assert_eq!(a, b);
         assert_ne!(a, c);
         assert_ne!(Rng::derive(1, &[2, 3]).next_u64(), Rng::derive(1, &[3, 2]).next_u64());

@@ -11,8 +11,8 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     pub fn from_file(path: &Path) -> Result<Tokenizer> {
-        let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
+        let inner =
+            tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
         Ok(Tokenizer { inner })
     }
 

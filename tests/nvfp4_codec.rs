@@ -3,8 +3,8 @@
 //! there against nvidia-modelopt 0.47.0) must come out bit-identical.
 
 use safetensors::SafeTensors;
-use strata::quant::nvfp4::quantize;
 use strata::quant::f32_bytes_to_f32;
+use strata::quant::nvfp4::quantize;
 
 fn f32s(st: &SafeTensors, name: &str) -> Vec<f32> {
     let t = st.tensor(name).unwrap();

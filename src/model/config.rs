@@ -92,46 +92,28 @@ impl ModelConfig {
             )));
         }
         // NVFP4 blocks are 16 elements along the input axis of every expert matrix.
-        for (name, v) in [
-            ("hidden_size", c.hidden_size),
-            ("moe_intermediate_size", c.moe_intermediate_size),
-        ] {
+        for (name, v) in [("hidden_size", c.hidden_size), ("moe_intermediate_size", c.moe_intermediate_size)] {
             if v % 16 != 0 {
-                return Err(Error::Config(format!(
-                    "{name} {v} is not a multiple of 16 (the NVFP4 block size)"
-                )));
+                return Err(Error::Config(format!("{name} {v} is not a multiple of 16 (the NVFP4 block size)")));
             }
         }
         if c.head_dim % 2 != 0 {
             return Err(Error::Config(format!("head_dim {} is odd", c.head_dim)));
         }
         if !(c.partial_rotary_factor > 0.0 && c.partial_rotary_factor <= 1.0) {
-            return Err(Error::Config(format!(
-                "partial_rotary_factor {} is not in (0, 1]",
-                c.partial_rotary_factor
-            )));
+            return Err(Error::Config(format!("partial_rotary_factor {} is not in (0, 1]", c.partial_rotary_factor)));
         }
         if self.rotary_dim() % 2 != 0 || self.rotary_dim() == 0 {
-            return Err(Error::Config(format!(
-                "rotary dimension {} must be even and positive",
-                self.rotary_dim()
-            )));
+            return Err(Error::Config(format!("rotary dimension {} must be even and positive", self.rotary_dim())));
         }
         if !(c.rms_norm_eps > 0.0 && c.rms_norm_eps.is_finite()) {
-            return Err(Error::Config(format!(
-                "rms_norm_eps {} is invalid",
-                c.rms_norm_eps
-            )));
+            return Err(Error::Config(format!("rms_norm_eps {} is invalid", c.rms_norm_eps)));
         }
         if !(c.rope_theta > 1.0 && c.rope_theta.is_finite()) {
-            return Err(Error::Config(format!(
-                "rope_theta {} is invalid",
-                c.rope_theta
-            )));
+            return Err(Error::Config(format!("rope_theta {} is invalid", c.rope_theta)));
         }
         if let Some(y) = &c.rope_scaling {
-            if !(y.factor >= 1.0 && y.factor.is_finite()) || y.original_max_position_embeddings == 0
-            {
+            if !(y.factor >= 1.0 && y.factor.is_finite()) || y.original_max_position_embeddings == 0 {
                 return Err(Error::Config(format!(
                     "yarn factor {} / original_max_position_embeddings {} are invalid",
                     y.factor, y.original_max_position_embeddings
@@ -157,14 +139,11 @@ impl ModelConfig {
     /// Parses a Hugging Face `config.json`. `path` is only used in messages.
     pub fn from_hf_json(text: &str, path: &Path) -> Result<ModelConfig> {
         let bad = |msg: String| Error::bad_checkpoint(path, msg);
-        let v: Value = serde_json::from_str(text)
-            .map_err(|e| bad(format!("config.json is not valid JSON: {e}")))?;
+        let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("config.json is not valid JSON: {e}")))?;
         // Multimodal wrappers keep the language model under text_config.
         let v = v.get("text_config").cloned().unwrap_or(v);
-        let model_type = v
-            .get("model_type")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad("config.json has no model_type".into()))?;
+        let model_type =
+            v.get("model_type").and_then(Value::as_str).ok_or_else(|| bad("config.json has no model_type".into()))?;
         let arch = match model_type {
             "qwen3_moe" => Arch::Qwen3Moe,
             "qwen3_next" => Arch::Qwen3Next,
@@ -179,11 +158,7 @@ impl ModelConfig {
             v.get(k)
                 .and_then(Value::as_u64)
                 .map(|x| x as usize)
-                .ok_or_else(|| {
-                    bad(format!(
-                        "config.json: {k} is missing or not a non-negative integer"
-                    ))
-                })
+                .ok_or_else(|| bad(format!("config.json: {k} is missing or not a non-negative integer")))
         };
         let opt_usize = |k: &str| -> Result<Option<usize>> {
             match v.get(k) {
@@ -197,19 +172,13 @@ impl ModelConfig {
         let opt_f64 = |obj: &Value, k: &str| -> Result<Option<f64>> {
             match obj.get(k) {
                 None | Some(Value::Null) => Ok(None),
-                Some(x) => x
-                    .as_f64()
-                    .map(Some)
-                    .ok_or_else(|| bad(format!("config.json: {k} is not a number"))),
+                Some(x) => x.as_f64().map(Some).ok_or_else(|| bad(format!("config.json: {k} is not a number"))),
             }
         };
         let opt_bool = |k: &str| -> Result<Option<bool>> {
             match v.get(k) {
                 None | Some(Value::Null) => Ok(None),
-                Some(x) => x
-                    .as_bool()
-                    .map(Some)
-                    .ok_or_else(|| bad(format!("config.json: {k} is not a boolean"))),
+                Some(x) => x.as_bool().map(Some).ok_or_else(|| bad(format!("config.json: {k} is not a boolean"))),
             }
         };
 
@@ -223,17 +192,11 @@ impl ModelConfig {
         // Options the engine does not implement: reject rather than run a different model.
         if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
             if act != "silu" {
-                return Err(Error::Unsupported(format!(
-                    "{}: hidden_act {act:?} (only silu)",
-                    path.display()
-                )));
+                return Err(Error::Unsupported(format!("{}: hidden_act {act:?} (only silu)", path.display())));
             }
         }
         if opt_bool("attention_bias")?.unwrap_or(false) {
-            return Err(Error::Unsupported(format!(
-                "{}: attention_bias = true",
-                path.display()
-            )));
+            return Err(Error::Unsupported(format!("{}: attention_bias = true", path.display())));
         }
         if opt_usize("decoder_sparse_step")?.unwrap_or(1) != 1 {
             return Err(Error::Unsupported(format!(
@@ -250,10 +213,7 @@ impl ModelConfig {
             }
         }
         if opt_bool("use_sliding_window")?.unwrap_or(false) {
-            return Err(Error::Unsupported(format!(
-                "{}: use_sliding_window = true",
-                path.display()
-            )));
+            return Err(Error::Unsupported(format!("{}: use_sliding_window = true", path.display())));
         }
 
         // transformers 5.x: rope_parameters {rope_type, rope_theta, factor, ...};
@@ -262,32 +222,20 @@ impl ModelConfig {
             .get("rope_parameters")
             .filter(|r| r.is_object())
             .or_else(|| v.get("rope_scaling").filter(|r| r.is_object()));
-        let rope_theta = match rope
-            .map(|r| opt_f64(r, "rope_theta"))
-            .transpose()?
-            .flatten()
-        {
+        let rope_theta = match rope.map(|r| opt_f64(r, "rope_theta")).transpose()?.flatten() {
             Some(t) => t,
             None => opt_f64(&v, "rope_theta")?.unwrap_or(10000.0),
         };
         let max_position_embeddings = req_usize("max_position_embeddings")?;
         let mut rope_scaling = None;
         if let Some(r) = rope {
-            let kind = r
-                .get("rope_type")
-                .or_else(|| r.get("type"))
-                .and_then(Value::as_str)
-                .unwrap_or("default");
+            let kind = r.get("rope_type").or_else(|| r.get("type")).and_then(Value::as_str).unwrap_or("default");
             match kind {
                 "default" => {}
                 "yarn" => {
-                    let factor = opt_f64(r, "factor")?.ok_or_else(|| {
-                        bad("config.json: yarn rope scaling has no factor".into())
-                    })?;
-                    let l0 = match r
-                        .get("original_max_position_embeddings")
-                        .and_then(Value::as_u64)
-                    {
+                    let factor = opt_f64(r, "factor")?
+                        .ok_or_else(|| bad("config.json: yarn rope scaling has no factor".into()))?;
+                    let l0 = match r.get("original_max_position_embeddings").and_then(Value::as_u64) {
                         Some(x) => x as usize,
                         None => max_position_embeddings,
                     };
@@ -419,10 +367,7 @@ mod tests {
 
         let mut v = base();
         v["hidden_size"] = 40.into();
-        assert!(parse(&v)
-            .unwrap_err()
-            .to_string()
-            .contains("hidden_size 40"));
+        assert!(parse(&v).unwrap_err().to_string().contains("hidden_size 40"));
 
         let mut v = base();
         v.as_object_mut().unwrap().remove("vocab_size");

@@ -24,10 +24,7 @@ impl Role {
     /// Large matrices that may be stored as NVFP4 on request (`pack --dense nvfp4`).
     /// Embeddings are gathered by row, norms and the router stay high precision.
     pub fn may_quantize(self) -> bool {
-        matches!(
-            self,
-            Role::QProj | Role::KProj | Role::VProj | Role::OProj | Role::LmHead
-        )
+        matches!(self, Role::QProj | Role::KProj | Role::VProj | Role::OProj | Role::LmHead)
     }
 }
 
@@ -59,11 +56,7 @@ pub fn model_tensor_name(role: Role) -> &'static str {
 /// Every dense tensor of a qwen3_moe model: (name, shape, role).
 pub fn required_dense_tensors(c: &ModelConfig) -> Vec<(String, Vec<usize>, Role)> {
     let (h, v) = (c.hidden_size, c.vocab_size);
-    let mut out = vec![(
-        model_tensor_name(Role::Embedding).to_string(),
-        vec![v, h],
-        Role::Embedding,
-    )];
+    let mut out = vec![(model_tensor_name(Role::Embedding).to_string(), vec![v, h], Role::Embedding)];
     for l in 0..c.num_hidden_layers {
         let layer = [
             (Role::InputNorm, vec![h]),
@@ -80,17 +73,9 @@ pub fn required_dense_tensors(c: &ModelConfig) -> Vec<(String, Vec<usize>, Role)
             out.push((layer_tensor_name(l, role), shape, role));
         }
     }
-    out.push((
-        model_tensor_name(Role::FinalNorm).to_string(),
-        vec![h],
-        Role::FinalNorm,
-    ));
+    out.push((model_tensor_name(Role::FinalNorm).to_string(), vec![h], Role::FinalNorm));
     if !c.tie_word_embeddings {
-        out.push((
-            model_tensor_name(Role::LmHead).to_string(),
-            vec![v, h],
-            Role::LmHead,
-        ));
+        out.push((model_tensor_name(Role::LmHead).to_string(), vec![v, h], Role::LmHead));
     }
     out
 }

@@ -82,10 +82,7 @@ fn check_header(path: &Path, bytes: &[u8], magic: [u8; 8]) -> Result<()> {
     if bytes.len() < HEADER_LEN as usize {
         return Err(Error::bad_pack(
             path,
-            format!(
-                "file is {} bytes, shorter than its {HEADER_LEN}-byte header",
-                bytes.len()
-            ),
+            format!("file is {} bytes, shorter than its {HEADER_LEN}-byte header", bytes.len()),
         ));
     }
     if bytes[..8] != magic {
@@ -100,11 +97,7 @@ fn check_header(path: &Path, bytes: &[u8], magic: [u8; 8]) -> Result<()> {
     }
     let v = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
     if v != FORMAT_VERSION {
-        return Err(Error::PackVersion {
-            path: path.to_path_buf(),
-            found: v,
-            supported: FORMAT_VERSION,
-        });
+        return Err(Error::PackVersion { path: path.to_path_buf(), found: v, supported: FORMAT_VERSION });
     }
     Ok(())
 }
@@ -114,36 +107,23 @@ impl Pack {
     pub fn open(dir: &Path) -> Result<Pack> {
         let mpath = dir.join(MANIFEST_FILE);
         if !dir.is_dir() {
-            return Err(Error::io(
-                dir,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "no such pack directory"),
-            ));
+            return Err(Error::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "no such pack directory")));
         }
         let text = match std::fs::read_to_string(&mpath) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(Error::bad_pack(
-                    dir,
-                    "no manifest.json (not a pack, or an incomplete one)",
-                ))
+                return Err(Error::bad_pack(dir, "no manifest.json (not a pack, or an incomplete one)"))
             }
             Err(e) => return Err(Error::io(&mpath, e)),
         };
-        let raw: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::bad_pack(&mpath, format!("malformed JSON: {e}")))?;
+        let raw: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::bad_pack(&mpath, format!("malformed JSON: {e}")))?;
         if raw.get("format").and_then(|v| v.as_str()) != Some(FORMAT_NAME) {
-            return Err(Error::bad_pack(
-                &mpath,
-                format!("format is not {FORMAT_NAME:?}"),
-            ));
+            return Err(Error::bad_pack(&mpath, format!("format is not {FORMAT_NAME:?}")));
         }
         let version = raw.get("version").and_then(|v| v.as_u64()).unwrap_or(0) as u32;
         if version != FORMAT_VERSION {
-            return Err(Error::PackVersion {
-                path: mpath,
-                found: version,
-                supported: FORMAT_VERSION,
-            });
+            return Err(Error::PackVersion { path: mpath, found: version, supported: FORMAT_VERSION });
         }
         let arch = raw.get("arch").and_then(|v| v.as_str()).unwrap_or("");
         if arch != Arch::Qwen3Moe.name() {
@@ -152,12 +132,9 @@ impl Pack {
                 mpath.display()
             )));
         }
-        let manifest: Manifest = serde_json::from_value(raw)
-            .map_err(|e| Error::bad_pack(&mpath, format!("malformed manifest: {e}")))?;
-        manifest
-            .config
-            .validate()
-            .map_err(|e| Error::bad_pack(&mpath, e.to_string()))?;
+        let manifest: Manifest =
+            serde_json::from_value(raw).map_err(|e| Error::bad_pack(&mpath, format!("malformed manifest: {e}")))?;
+        manifest.config.validate().map_err(|e| Error::bad_pack(&mpath, e.to_string()))?;
 
         let dense_path = dir.join(&manifest.dense_file);
         let experts_path = dir.join(&manifest.experts.file);
@@ -171,21 +148,12 @@ impl Pack {
             if len != f.size {
                 return Err(Error::bad_pack(
                     &p,
-                    format!(
-                        "file is {len} bytes, the manifest says {} (truncated?)",
-                        f.size
-                    ),
+                    format!("file is {len} bytes, the manifest says {} (truncated?)", f.size),
                 ));
             }
         }
 
-        let mut pack = Pack {
-            dir: dir.to_path_buf(),
-            manifest,
-            by_name: HashMap::new(),
-            dense,
-            experts,
-        };
+        let mut pack = Pack { dir: dir.to_path_buf(), manifest, by_name: HashMap::new(), dense, experts };
         pack.validate_tables()?;
         Ok(pack)
     }
@@ -195,29 +163,18 @@ impl Pack {
         let c = &m.config;
         let dense_path = self.dir.join(&m.dense_file);
         let dense_len = self.dense.len() as u64;
-        let in_bounds = |off: u64, len: u64| {
-            off.checked_add(len).is_some_and(|e| e <= dense_len) && off >= HEADER_LEN
-        };
+        let in_bounds = |off: u64, len: u64| off.checked_add(len).is_some_and(|e| e <= dense_len) && off >= HEADER_LEN;
         for (i, t) in m.tensors.iter().enumerate() {
-            let bad =
-                |msg: String| Error::bad_pack(&dense_path, format!("tensor {}: {msg}", t.name));
+            let bad = |msg: String| Error::bad_pack(&dense_path, format!("tensor {}: {msg}", t.name));
             if t.nbytes != t.dtype.payload_len(t.numel()) {
-                return Err(bad(format!(
-                    "{} bytes do not match shape {:?} in {:?}",
-                    t.nbytes, t.shape, t.dtype
-                )));
+                return Err(bad(format!("{} bytes do not match shape {:?} in {:?}", t.nbytes, t.shape, t.dtype)));
             }
             if !in_bounds(t.offset, t.nbytes) {
-                return Err(bad(format!(
-                    "bytes {}..+{} lie outside the file ({dense_len} bytes)",
-                    t.offset, t.nbytes
-                )));
+                return Err(bad(format!("bytes {}..+{} lie outside the file ({dense_len} bytes)", t.offset, t.nbytes)));
             }
             if t.dtype == DType::Nvfp4 {
                 let (Some(so), Some(g)) = (t.scales_offset, t.global_scale) else {
-                    return Err(bad(
-                        "NVFP4 tensor without scales_offset or global_scale".into()
-                    ));
+                    return Err(bad("NVFP4 tensor without scales_offset or global_scale".into()));
                 };
                 if t.shape.len() != 2 || t.shape[1] % 16 != 0 {
                     return Err(bad(format!(
@@ -238,17 +195,11 @@ impl Pack {
         }
         for (name, shape, _) in required_dense_tensors(c) {
             let Some(&i) = self.by_name.get(&name) else {
-                return Err(Error::bad_pack(
-                    &dense_path,
-                    format!("tensor {name} is missing"),
-                ));
+                return Err(Error::bad_pack(&dense_path, format!("tensor {name} is missing")));
             };
             let got: Vec<usize> = m.tensors[i].shape.iter().map(|&d| d as usize).collect();
             if got != shape {
-                return Err(Error::tensor(
-                    name,
-                    format!("shape {got:?}, the config needs {shape:?}"),
-                ));
+                return Err(Error::tensor(name, format!("shape {got:?}, the config needs {shape:?}")));
             }
         }
 
@@ -264,32 +215,20 @@ impl Pack {
         if m.experts.entries.len() != n {
             return Err(Error::bad_pack(
                 &experts_path,
-                format!(
-                    "{} expert entries, the config needs {n}",
-                    m.experts.entries.len()
-                ),
+                format!("{} expert entries, the config needs {n}", m.experts.entries.len()),
             ));
         }
         for (i, e) in m.experts.entries.iter().enumerate() {
             let (l, x) = (i / c.num_experts, i % c.num_experts);
-            if e.layer as usize != l
-                || e.expert as usize != x
-                || e.offset != layout.blob_offset(c.num_experts, l, x)
-            {
-                return Err(Error::bad_pack(
-                    &experts_path,
-                    format!("expert entry {i} is out of order or misplaced"),
-                ));
+            if e.layer as usize != l || e.expert as usize != x || e.offset != layout.blob_offset(c.num_experts, l, x) {
+                return Err(Error::bad_pack(&experts_path, format!("expert entry {i} is out of order or misplaced")));
             }
         }
         let need = HEADER_LEN + n as u64 * layout.stride;
         if (self.experts.len() as u64) < need {
             return Err(Error::bad_pack(
                 &experts_path,
-                format!(
-                    "file is {} bytes, {need} are needed (truncated?)",
-                    self.experts.len()
-                ),
+                format!("file is {} bytes, {need} are needed (truncated?)", self.experts.len()),
             ));
         }
         Ok(())
@@ -313,18 +252,14 @@ impl Pack {
 
     fn entry_bytes(&self, t: &TensorEntry) -> (&[u8], Option<&[u8]>) {
         let p = &self.dense[t.offset as usize..(t.offset + t.nbytes) as usize];
-        let s = t
-            .scales_offset
-            .map(|so| &self.dense[so as usize..(so + t.numel() / 16) as usize]);
+        let s = t.scales_offset.map(|so| &self.dense[so as usize..(so + t.numel() / 16) as usize]);
         (p, s)
     }
 
     /// A dense tensor by name (all bounds were checked at open).
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
-        let &i = self
-            .by_name
-            .get(name)
-            .ok_or_else(|| Error::tensor(name, format!("not in pack {}", self.dir.display())))?;
+        let &i =
+            self.by_name.get(name).ok_or_else(|| Error::tensor(name, format!("not in pack {}", self.dir.display())))?;
         let t = &self.manifest.tensors[i];
         let (payload, scales) = self.entry_bytes(t);
         let data = match t.dtype {
@@ -339,11 +274,7 @@ impl Pack {
                 &t.name,
             )?),
         };
-        Ok(TensorView {
-            name: &t.name,
-            shape: &t.shape,
-            data,
-        })
+        Ok(TensorView { name: &t.name, shape: &t.shape, data })
     }
 
     /// The blob of (layer, expert) with its three matrices and global scales.
@@ -363,37 +294,11 @@ impl Pack {
         let sec = |o: u64, n: u64| &blob[o as usize..(o + n) as usize];
         let (h, i) = (l.hidden as usize, l.intermediate as usize);
         let (cl, sl) = (l.codes_len(), l.scales_len());
-        let what = |m: &str| {
-            format!(
-                "layer {layer} expert {expert} {m} in {}",
-                self.dir.join(EXPERTS_FILE).display()
-            )
-        };
+        let what = |m: &str| format!("layer {layer} expert {expert} {m} in {}", self.dir.join(EXPERTS_FILE).display());
         Ok(ExpertView {
-            gate: Nvfp4Matrix::new(
-                i,
-                h,
-                sec(l.gate_codes, cl),
-                sec(l.gate_scales, sl),
-                g(0),
-                &what("gate"),
-            )?,
-            up: Nvfp4Matrix::new(
-                i,
-                h,
-                sec(l.up_codes, cl),
-                sec(l.up_scales, sl),
-                g(1),
-                &what("up"),
-            )?,
-            down: Nvfp4Matrix::new(
-                h,
-                i,
-                sec(l.down_codes, cl),
-                sec(l.down_scales, sl),
-                g(2),
-                &what("down"),
-            )?,
+            gate: Nvfp4Matrix::new(i, h, sec(l.gate_codes, cl), sec(l.gate_scales, sl), g(0), &what("gate"))?,
+            up: Nvfp4Matrix::new(i, h, sec(l.up_codes, cl), sec(l.up_scales, sl), g(1), &what("up"))?,
+            down: Nvfp4Matrix::new(h, i, sec(l.down_codes, cl), sec(l.down_scales, sl), g(2), &what("down"))?,
             blob,
         })
     }
@@ -401,8 +306,8 @@ impl Pack {
     /// Recomputes every checksum. `progress` is called with (done, total) bytes.
     pub fn verify(&self, mut progress: impl FnMut(u64, u64)) -> Result<()> {
         let m = &self.manifest;
-        let total: u64 = m.tensors.iter().map(|t| t.nbytes).sum::<u64>()
-            + m.experts.entries.len() as u64 * self.layout().used_len();
+        let total: u64 =
+            m.tensors.iter().map(|t| t.nbytes).sum::<u64>() + m.experts.entries.len() as u64 * self.layout().used_len();
         let mut done = 0;
         let dense_path = self.dir.join(&m.dense_file);
         for t in &m.tensors {
@@ -446,10 +351,6 @@ impl Pack {
     /// `tokenizer.json` inside the pack, if one was copied in.
     pub fn tokenizer_path(&self) -> Option<PathBuf> {
         let p = self.dir.join("tokenizer.json");
-        self.manifest
-            .files
-            .iter()
-            .any(|f| f.name == "tokenizer.json")
-            .then_some(p)
+        self.manifest.files.iter().any(|f| f.name == "tokenizer.json").then_some(p)
     }
 }

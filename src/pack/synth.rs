@@ -65,10 +65,7 @@ pub fn preset(arch: Arch, name: &str) -> Result<ModelConfig> {
             max_position_embeddings: 40_960,
             ..base
         }),
-        other => Err(Error::InvalidArgument(format!(
-            "unknown preset {other:?} (known: {})",
-            PRESETS.join(", ")
-        ))),
+        other => Err(Error::InvalidArgument(format!("unknown preset {other:?} (known: {})", PRESETS.join(", ")))),
     }
 }
 
@@ -167,9 +164,9 @@ pub fn synth(config: &ModelConfig, out: &Path, opts: &SynthOptions) -> Result<Ma
         };
         if opts.zipf > 0.0 {
             match role {
-                Role::Embedding => v
-                    .par_chunks_mut(h)
-                    .for_each(|row| row.iter_mut().zip(&u).for_each(|(x, ui)| *x += STD * ui)),
+                Role::Embedding => {
+                    v.par_chunks_mut(h).for_each(|row| row.iter_mut().zip(&u).for_each(|(x, ui)| *x += STD * ui))
+                }
                 Role::Router => {
                     for (e, row) in v.chunks_mut(h).enumerate() {
                         let b = -(2.0f64).sqrt() * opts.zipf * ((ranks[e] + 1) as f64).ln();
@@ -238,14 +235,17 @@ mod tests {
             .map(|j| (0..c.vocab_size).map(|t| emb[t * c.hidden_size + j]).sum::<f32>() / c.vocab_size as f32)
             .collect();
         let router = p.tensor("model.layers.0.mlp.gate.weight").unwrap().to_f32();
-        let logits: Vec<f32> = router.chunks(c.hidden_size).map(|r| r.iter().zip(&mean).map(|(a, b)| a * b).sum()).collect();
+        let logits: Vec<f32> =
+            router.chunks(c.hidden_size).map(|r| r.iter().zip(&mean).map(|(a, b)| a * b).sum()).collect();
         let spread = logits.iter().cloned().fold(f32::MIN, f32::max) - logits.iter().cloned().fold(f32::MAX, f32::min);
         let d2 = tempfile::tempdir().unwrap();
         synth(&c, d2.path(), &SynthOptions::default()).unwrap();
         let p2 = Pack::open(d2.path()).unwrap();
         let router2 = p2.tensor("model.layers.0.mlp.gate.weight").unwrap().to_f32();
-        let logits2: Vec<f32> = router2.chunks(c.hidden_size).map(|r| r.iter().zip(&mean).map(|(a, b)| a * b).sum()).collect();
-        let spread2 = logits2.iter().cloned().fold(f32::MIN, f32::max) - logits2.iter().cloned().fold(f32::MAX, f32::min);
+        let logits2: Vec<f32> =
+            router2.chunks(c.hidden_size).map(|r| r.iter().zip(&mean).map(|(a, b)| a * b).sum()).collect();
+        let spread2 =
+            logits2.iter().cloned().fold(f32::MIN, f32::max) - logits2.iter().cloned().fold(f32::MAX, f32::min);
         assert!(spread > 4.0 * spread2, "skewed spread {spread} vs uniform {spread2}");
     }
 

@@ -50,12 +50,7 @@ impl PackWriter {
                     )));
                 }
                 fs::remove_file(&manifest).map_err(|e| Error::io(&manifest, e))?;
-            } else if fs::read_dir(dir)
-                .map_err(|e| Error::io(dir, e))?
-                .next()
-                .is_some()
-                && !overwrite
-            {
+            } else if fs::read_dir(dir).map_err(|e| Error::io(dir, e))?.next().is_some() && !overwrite {
                 return Err(Error::InvalidArgument(format!(
                     "{} exists and is not empty (use --force to write into it)",
                     dir.display()
@@ -65,17 +60,11 @@ impl PackWriter {
         fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let dense_path = dir.join(DENSE_FILE);
         let experts_path = dir.join(EXPERTS_FILE);
-        let mut dense = BufWriter::with_capacity(
-            8 << 20,
-            File::create(&dense_path).map_err(|e| Error::io(&dense_path, e))?,
-        );
-        dense
-            .write_all(&bin_header(DENSE_MAGIC))
-            .map_err(|e| Error::io(&dense_path, e))?;
+        let mut dense =
+            BufWriter::with_capacity(8 << 20, File::create(&dense_path).map_err(|e| Error::io(&dense_path, e))?);
+        dense.write_all(&bin_header(DENSE_MAGIC)).map_err(|e| Error::io(&dense_path, e))?;
         let experts = File::create(&experts_path).map_err(|e| Error::io(&experts_path, e))?;
-        experts
-            .write_all_at(&bin_header(EXPERTS_MAGIC), 0)
-            .map_err(|e| Error::io(&experts_path, e))?;
+        experts.write_all_at(&bin_header(EXPERTS_MAGIC), 0).map_err(|e| Error::io(&experts_path, e))?;
         let layout = ExpertLayout::for_config(config);
         let n = config.num_hidden_layers * config.num_experts;
         Ok(Self {
@@ -121,18 +110,11 @@ impl PackWriter {
         let shape64: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
         let entry = match data {
             DenseTensor::F32(b) | DenseTensor::Bf16(b) => {
-                let dtype = if matches!(data, DenseTensor::F32(_)) {
-                    DType::F32
-                } else {
-                    DType::Bf16
-                };
+                let dtype = if matches!(data, DenseTensor::F32(_)) { DType::F32 } else { DType::Bf16 };
                 if b.len() as u64 != dtype.payload_len(numel) {
                     return Err(Error::tensor(
                         name,
-                        format!(
-                            "{} bytes do not match shape {shape:?} in {dtype:?}",
-                            b.len()
-                        ),
+                        format!("{} bytes do not match shape {shape:?} in {dtype:?}", b.len()),
                     ));
                 }
                 let offset = self.write_dense_aligned(b)?;
@@ -151,10 +133,7 @@ impl PackWriter {
                 if shape.len() != 2 || shape[0] != m.rows || shape[1] != m.cols {
                     return Err(Error::tensor(
                         name,
-                        format!(
-                            "NVFP4 matrix [{}, {}] does not match shape {shape:?}",
-                            m.rows, m.cols
-                        ),
+                        format!("NVFP4 matrix [{}, {}] does not match shape {shape:?}", m.rows, m.cols),
                     ));
                 }
                 let m = Nvfp4Matrix::new(m.rows, m.cols, m.codes, m.scales, m.global_scale, name)?;
@@ -206,32 +185,17 @@ impl PackWriter {
         let l = &self.layout;
         let (h, i) = (l.hidden as usize, l.intermediate as usize);
         let what = |m: &str| format!("layer {layer} expert {expert} {m}");
-        for (m, name, rows, cols) in [
-            (&gate, "gate", i, h),
-            (&up, "up", i, h),
-            (&down, "down", h, i),
-        ] {
+        for (m, name, rows, cols) in [(&gate, "gate", i, h), (&up, "up", i, h), (&down, "down", h, i)] {
             if m.rows != rows || m.cols != cols {
                 return Err(Error::tensor(
                     what(name),
-                    format!(
-                        "shape [{}, {}], the config needs [{rows}, {cols}]",
-                        m.rows, m.cols
-                    ),
+                    format!("shape [{}, {}], the config needs [{rows}, {cols}]", m.rows, m.cols),
                 ));
             }
-            Nvfp4Matrix::new(
-                m.rows,
-                m.cols,
-                m.codes,
-                m.scales,
-                m.global_scale,
-                &what(name),
-            )?;
+            Nvfp4Matrix::new(m.rows, m.cols, m.codes, m.scales, m.global_scale, &what(name))?;
         }
         let mut blob = vec![0u8; l.used_len() as usize];
-        let mut put =
-            |off: u64, b: &[u8]| blob[off as usize..off as usize + b.len()].copy_from_slice(b);
+        let mut put = |off: u64, b: &[u8]| blob[off as usize..off as usize + b.len()].copy_from_slice(b);
         put(l.gate_codes, gate.codes);
         put(l.gate_scales, gate.scales);
         put(l.up_codes, up.codes);
@@ -264,22 +228,13 @@ impl PackWriter {
         }
         let idx = layer * c.num_experts + expert;
         if self.expert_entries[idx].is_some() {
-            return Err(Error::tensor(
-                format!("layer {layer} expert {expert}"),
-                "written twice",
-            ));
+            return Err(Error::tensor(format!("layer {layer} expert {expert}"), "written twice"));
         }
         let offset = self.layout.blob_offset(c.num_experts, layer, expert);
         let path = self.dir.join(EXPERTS_FILE);
-        self.experts
-            .write_all_at(blob, offset)
-            .map_err(|e| Error::io(&path, e))?;
-        self.expert_entries[idx] = Some(ExpertEntry {
-            layer: layer as u32,
-            expert: expert as u32,
-            offset,
-            crc32: crc32fast::hash(blob),
-        });
+        self.experts.write_all_at(blob, offset).map_err(|e| Error::io(&path, e))?;
+        self.expert_entries[idx] =
+            Some(ExpertEntry { layer: layer as u32, expert: expert as u32, offset, crc32: crc32fast::hash(blob) });
         Ok(())
     }
 
@@ -310,54 +265,30 @@ impl PackWriter {
             .map(|(i, _)| format!("layer {} expert {}", i / c.num_experts, i % c.num_experts))
             .collect();
         if !missing.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "pack is missing expert blobs: {}",
-                missing.join(", ")
-            )));
+            return Err(Error::InvalidArgument(format!("pack is missing expert blobs: {}", missing.join(", "))));
         }
         for name in crate::model::weights::required_dense_tensors(c) {
             if !self.tensors.iter().any(|t| t.name == name.0) {
-                return Err(Error::tensor(
-                    name.0,
-                    "required by the model but was not written",
-                ));
+                return Err(Error::tensor(name.0, "required by the model but was not written"));
             }
         }
         let dense_path = self.dense_path();
         // Pad dense.bin so the last tensor's alignment region is whole.
         let end = align_up(self.dense_pos, DENSE_ALIGN);
         let pad = (end - self.dense_pos) as usize;
-        self.dense
-            .write_all(&vec![0u8; pad])
-            .map_err(|e| Error::io(&dense_path, e))?;
+        self.dense.write_all(&vec![0u8; pad]).map_err(|e| Error::io(&dense_path, e))?;
         self.dense_pos = end;
-        let dense_file = self
-            .dense
-            .into_inner()
-            .map_err(|e| Error::io(&dense_path, e.into_error()))?;
-        dense_file
-            .sync_all()
-            .map_err(|e| Error::io(&dense_path, e))?;
+        let dense_file = self.dense.into_inner().map_err(|e| Error::io(&dense_path, e.into_error()))?;
+        dense_file.sync_all().map_err(|e| Error::io(&dense_path, e))?;
 
         let experts_path = self.dir.join(EXPERTS_FILE);
-        let experts_len =
-            HEADER_LEN + (c.num_hidden_layers * c.num_experts) as u64 * self.layout.stride;
-        self.experts
-            .set_len(experts_len)
-            .map_err(|e| Error::io(&experts_path, e))?;
-        self.experts
-            .sync_all()
-            .map_err(|e| Error::io(&experts_path, e))?;
+        let experts_len = HEADER_LEN + (c.num_hidden_layers * c.num_experts) as u64 * self.layout.stride;
+        self.experts.set_len(experts_len).map_err(|e| Error::io(&experts_path, e))?;
+        self.experts.sync_all().map_err(|e| Error::io(&experts_path, e))?;
 
         let mut files = vec![
-            FileEntry {
-                name: DENSE_FILE.into(),
-                size: self.dense_pos,
-            },
-            FileEntry {
-                name: EXPERTS_FILE.into(),
-                size: experts_len,
-            },
+            FileEntry { name: DENSE_FILE.into(), size: self.dense_pos },
+            FileEntry { name: EXPERTS_FILE.into(), size: experts_len },
         ];
         files.extend(self.extra_files.iter().cloned());
         let manifest = Manifest {
@@ -371,11 +302,7 @@ impl PackWriter {
             experts: ExpertTable {
                 file: EXPERTS_FILE.into(),
                 layout: self.layout,
-                entries: self
-                    .expert_entries
-                    .iter()
-                    .map(|e| e.clone().expect("checked above"))
-                    .collect(),
+                entries: self.expert_entries.iter().map(|e| e.clone().expect("checked above")).collect(),
             },
             files,
         };

@@ -16,9 +16,8 @@ pub const E2M1_MAX: f32 = 6.0;
 pub const E4M3_MAX: f32 = 448.0;
 
 /// All 16 E2M1 code values (bit 3 is the sign).
-pub const E2M1_VALUES: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+pub const E2M1_VALUES: [f32; 16] =
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 pub fn e2m1_decode(code: u8) -> f32 {
     E2M1_VALUES[(code & 0xF) as usize]
@@ -130,10 +129,7 @@ impl<'a> Nvfp4Matrix<'a> {
     ) -> crate::error::Result<Self> {
         use crate::error::Error;
         if cols % BLOCK != 0 {
-            return Err(Error::tensor(
-                what,
-                format!("NVFP4 input dimension {cols} is not a multiple of {BLOCK}"),
-            ));
+            return Err(Error::tensor(what, format!("NVFP4 input dimension {cols} is not a multiple of {BLOCK}")));
         }
         if codes.len() != Self::codes_len(rows, cols) {
             return Err(Error::tensor(
@@ -161,13 +157,7 @@ impl<'a> Nvfp4Matrix<'a> {
                 format!("NVFP4 global scale {global_scale} is not a positive finite number"),
             ));
         }
-        Ok(Self {
-            rows,
-            cols,
-            codes,
-            scales,
-            global_scale,
-        })
+        Ok(Self { rows, cols, codes, scales, global_scale })
     }
 
     /// Dequantizes row `r` into `out` (len `cols`).
@@ -243,10 +233,7 @@ impl Nvfp4Owned {
 /// codes and scales are bit-identical. An all-zero matrix gets g = 1.
 /// `cols` must be a multiple of 16 (checked by callers through [`Nvfp4Matrix::new`]).
 pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Nvfp4Owned {
-    assert!(
-        cols % BLOCK == 0 && w.len() == rows * cols,
-        "quantize: bad shape"
-    );
+    assert!(cols % BLOCK == 0 && w.len() == rows * cols, "quantize: bad shape");
     let amax = w.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
     quantize_with_global(w, rows, cols, global_scale_for_amax(amax))
 }
@@ -265,10 +252,7 @@ pub fn global_scale_for_amax(amax: f32) -> f32 {
 
 /// As [`quantize`] with a given global scale (for tensors that must share one).
 pub fn quantize_with_global(w: &[f32], rows: usize, cols: usize, global_scale: f32) -> Nvfp4Owned {
-    assert!(
-        cols % BLOCK == 0 && w.len() == rows * cols,
-        "quantize: bad shape"
-    );
+    assert!(cols % BLOCK == 0 && w.len() == rows * cols, "quantize: bad shape");
     let mut codes = vec![0u8; rows * cols / 2];
     let mut scales = vec![0u8; rows * cols / BLOCK];
     let six_g = E2M1_MAX * global_scale;
@@ -288,13 +272,7 @@ pub fn quantize_with_global(w: &[f32], rows: usize, cols: usize, global_scale: f
             codes[bi * BLOCK / 2 + i] = lo | (hi << 4);
         }
     }
-    Nvfp4Owned {
-        rows,
-        cols,
-        codes,
-        scales,
-        global_scale,
-    }
+    Nvfp4Owned { rows, cols, codes, scales, global_scale }
 }
 
 #[cfg(test)]
@@ -408,9 +386,8 @@ mod tests {
         // Values spread over a few binades, scaled far from 1.
         let rows = 8;
         let cols = 64;
-        let w: Vec<f32> = (0..rows * cols)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-4 * (1.0 + (i % 7) as f32))
-            .collect();
+        let w: Vec<f32> =
+            (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-4 * (1.0 + (i % 7) as f32)).collect();
         let q = quantize(&w, rows, cols);
         let amax = w.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
         assert_eq!(q.global_scale, amax / 2688.0);
@@ -426,23 +403,12 @@ mod tests {
         // row_dot agrees with dequantize-then-dot.
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
         for r in 0..rows {
-            let want: f32 = d[r * cols..(r + 1) * cols]
-                .iter()
-                .zip(&x)
-                .map(|(a, b)| a * b)
-                .sum();
+            let want: f32 = d[r * cols..(r + 1) * cols].iter().zip(&x).map(|(a, b)| a * b).sum();
             let got = q.view().row_dot(r, &x);
-            assert!(
-                (want - got).abs() <= 1e-5 * want.abs().max(1e-3),
-                "{want} {got}"
-            );
+            assert!((want - got).abs() <= 1e-5 * want.abs().max(1e-3), "{want} {got}");
         }
         // A dropped global scale would be ~2688/amax off.
-        let unscaled = Nvfp4Matrix {
-            global_scale: 1.0,
-            ..q.view()
-        }
-        .row_dot(0, &x);
+        let unscaled = Nvfp4Matrix { global_scale: 1.0, ..q.view() }.row_dot(0, &x);
         assert!((unscaled - q.view().row_dot(0, &x)).abs() > 1.0);
     }
 

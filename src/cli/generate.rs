@@ -1,0 +1,111 @@
+//! `strata generate`: prefill a prompt, then sample tokens, printing the
+//! tokens (and text, when the pack has a tokenizer) and the speeds.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+
+use strata::engine::{Engine, EngineOptions};
+use strata::sampling::{Sampler, SamplingParams};
+use strata::session::SessionOptions;
+use strata::tokenizer::Tokenizer;
+use strata::{Error, Result};
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// The pack directory.
+    #[arg(long)]
+    pack: PathBuf,
+    /// Prompt as comma-separated token ids.
+    #[arg(long, value_delimiter = ',', conflicts_with = "prompt", required_unless_present = "prompt")]
+    tokens: Vec<u32>,
+    /// Prompt text (needs a pack with tokenizer.json).
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Number of tokens to generate.
+    #[arg(short = 'n', long, default_value_t = 32)]
+    n: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches p (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Drop tokens less likely than min_p times the most likely (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Prompt chunk size in tokens (0 = the whole prompt in one forward).
+    #[arg(long, default_value_t = 0)]
+    chunk: usize,
+    /// Context size of the session (0 = the model's maximum).
+    #[arg(long, default_value_t = 0)]
+    context: usize,
+    /// CPU threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+pub fn run(a: GenerateArgs) -> Result<()> {
+    let t_load = Instant::now();
+    let engine = Engine::load(&a.pack, &EngineOptions { threads: a.threads })?;
+    let tokenizer = match engine.pack().tokenizer_path() {
+        Some(p) => Some(Tokenizer::from_file(&p)?),
+        None => None,
+    };
+    let prompt = match (&a.prompt, &tokenizer) {
+        (Some(text), Some(tok)) => tok.encode(text)?,
+        (Some(_), None) => {
+            return Err(Error::Tokenizer(format!(
+                "{} has no tokenizer.json; pass --tokens instead of --prompt",
+                a.pack.display()
+            )))
+        }
+        (None, _) => a.tokens.clone(),
+    };
+    let mut sampler = Sampler::new(SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        seed: a.seed,
+    })?;
+    let mut session = engine.new_session(&SessionOptions { context_size: a.context, prefill_chunk: a.chunk })?;
+    eprintln!("strata generate: loaded {} in {:.2} s", a.pack.display(), t_load.elapsed().as_secs_f64());
+
+    let t = Instant::now();
+    session.prefill(&prompt)?;
+    let prefill_s = t.elapsed().as_secs_f64();
+
+    let mut out = Vec::with_capacity(a.n);
+    let stdout = std::io::stdout();
+    let t = Instant::now();
+    for _ in 0..a.n {
+        let tok = session.step(&mut sampler)?;
+        out.push(tok);
+        let mut s = stdout.lock();
+        let _ = write!(s, "{tok} ");
+        let _ = s.flush();
+    }
+    let decode_s = t.elapsed().as_secs_f64();
+    println!();
+    if let Some(tok) = &tokenizer {
+        println!("{}", tok.decode(&out)?);
+    }
+    eprintln!(
+        "strata generate: prefill {} tokens in {:.3} s ({:.1} tok/s), decode {} tokens in {:.3} s ({:.1} tok/s)",
+        prompt.len(),
+        prefill_s,
+        prompt.len() as f64 / prefill_s.max(1e-9),
+        out.len(),
+        decode_s,
+        out.len() as f64 / decode_s.max(1e-9)
+    );
+    Ok(())
+}
