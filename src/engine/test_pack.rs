@@ -16,25 +16,9 @@ use crate::rng::Rng;
 /// hidden 64, 2 layers, 4 heads / 2 kv heads of 16, 8 experts top 2,
 /// moe_intermediate 32, vocab 97.
 pub(crate) fn tiny_config() -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Qwen3Moe,
-        vocab_size: 97,
-        hidden_size: 64,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 16,
-        num_experts: 8,
-        num_experts_per_tok: 2,
-        moe_intermediate_size: 32,
-        norm_topk_prob: true,
-        rms_norm_eps: 1e-6,
-        rope_theta: 10000.0,
-        partial_rotary_factor: 1.0,
-        rope_scaling: None,
-        max_position_embeddings: 64,
-        tie_word_embeddings: false,
-    }
+    // The synth preset with a vocab that is not a power of two and a short context.
+    let base = crate::pack::synth::preset(Arch::Qwen3Moe, "tiny").expect("tiny preset exists");
+    ModelConfig { vocab_size: 97, rope_theta: 10000.0, max_position_embeddings: 64, ..base }
 }
 
 /// How the large dense matrices (`Role::may_quantize`) are stored.
