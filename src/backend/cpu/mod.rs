@@ -3,6 +3,8 @@
 //! thread pool (its own when the caller asked for a thread count, rayon's
 //! global pool otherwise).
 
+pub mod deltanet;
+pub mod next_ops;
 pub mod ops;
 
 use rayon::{ThreadPool, ThreadPoolBuilder};
