@@ -123,9 +123,10 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// Number of leading head dims that RoPE rotates.
+    /// Number of leading head dims that RoPE rotates; truncated like
+    /// transformers' `int(head_dim * partial_rotary_factor)`.
     pub fn rotary_dim(&self) -> usize {
-        ((self.head_dim as f64) * self.partial_rotary_factor).round() as usize
+        ((self.head_dim as f64) * self.partial_rotary_factor) as usize
     }
 
     pub fn q_dim(&self) -> usize {
