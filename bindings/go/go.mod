@@ -1,0 +1,3 @@
+module strata.example/strata
+
+go 1.19

@@ -1,0 +1,2 @@
+/* The public header, from the repository (bindings/swift/Sources/CStrata -> include/). */
+#include "../../../../include/strata.h"
