@@ -515,12 +515,14 @@ static void test_logits_and_buffers(strata_engine *e)
         EXPECT_STATUS(strata_session_logits(s, (int64_t)args.n_tokens - 2, row, vocab, &n), STRATA_OK);
         EXPECT(memcmp(row, last, vocab * sizeof(float)) == 0);
     }
-    EXPECT(strata_session_logits(s, (int64_t)args.n_tokens, row, vocab, &n) != STRATA_OK);
-    EXPECT(strata_session_logits(s, -(int64_t)args.n_tokens - 1, row, vocab, &n) != STRATA_OK);
+    /* Past either end, or not kept: INVALID_ARGUMENT. */
+    EXPECT_STATUS(strata_session_logits(s, (int64_t)args.n_tokens, row, vocab, &n), STRATA_ERR_INVALID_ARGUMENT);
+    EXPECT_STATUS(strata_session_logits(s, -(int64_t)args.n_tokens - 1, row, vocab, &n),
+                  STRATA_ERR_INVALID_ARGUMENT);
     strata_session_free(s);
     if (args.n_tokens >= 2) {
         s = open_prefilled(e);
-        EXPECT(strata_session_logits(s, -2, row, vocab, &n) != STRATA_OK);
+        EXPECT_STATUS(strata_session_logits(s, -2, row, vocab, &n), STRATA_ERR_INVALID_ARGUMENT);
         strata_session_free(s);
     }
     free(last);
