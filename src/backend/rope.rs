@@ -91,6 +91,7 @@ mod tests {
             rope_scaling: scaling,
             max_position_embeddings: 32768,
             tie_word_embeddings: false,
+            qwen3_next: None,
         }
     }
 

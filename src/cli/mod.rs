@@ -55,7 +55,8 @@ enum Cmd {
     Synth {
         #[arg(long, value_enum, default_value = "qwen3_moe")]
         arch: ArchArg,
-        /// Geometry: tiny (tests) or 30b-a3b (Qwen3-30B-A3B).
+        /// Geometry: tiny (tests), 30b-a3b (Qwen3-30B-A3B) or, with --arch
+        /// qwen3_next, 80b-a3b (Qwen3-Next-80B-A3B).
         #[arg(long)]
         preset: String,
         #[arg(long)]
@@ -65,6 +66,10 @@ enum Cmd {
         /// Zipf exponent of expert popularity (0 = uniform routing).
         #[arg(long, default_value_t = 0.0)]
         zipf: f64,
+        /// Keep only the first N layers of the preset's geometry (qwen3_next:
+        /// at least one full-attention layer).
+        #[arg(long)]
+        layers: Option<usize>,
         #[arg(long)]
         force: bool,
     },
@@ -83,8 +88,9 @@ pub fn main() -> i32 {
     let cli = Cli::parse();
     let (name, res) = match cli.cmd {
         Cmd::Pack { from, out, dense, force } => ("pack", cmd_pack(from, out, dense, force)),
-        Cmd::Synth { arch, preset, out, seed, zipf, force } => {
-            ("synth", cmd_synth(arch, &preset, out, seed, zipf, force))
+        Cmd::Synth { arch, preset, out, seed, zipf, layers, force } => {
+            let opts = SynthOptions { seed, zipf, overwrite: force, progress: true, layers };
+            ("synth", cmd_synth(arch, &preset, out, &opts))
         }
         Cmd::Inspect { pack, verify } => ("inspect", cmd_inspect(pack, verify)),
         Cmd::Generate(args) => ("generate", generate::run(args)),
@@ -119,14 +125,14 @@ fn cmd_pack(from: PathBuf, out: PathBuf, dense: DenseArg, force: bool) -> Result
     Ok(())
 }
 
-fn cmd_synth(arch: ArchArg, preset: &str, out: PathBuf, seed: u64, zipf: f64, force: bool) -> Result<()> {
+fn cmd_synth(arch: ArchArg, preset: &str, out: PathBuf, opts: &SynthOptions) -> Result<()> {
     let arch = match arch {
         ArchArg::Qwen3Moe => Arch::Qwen3Moe,
         ArchArg::Qwen3Next => Arch::Qwen3Next,
     };
     let config = synth::preset(arch, preset)?;
     let t = std::time::Instant::now();
-    let m = synth::synth(&config, &out, &SynthOptions { seed, zipf, overwrite: force, progress: true })?;
+    let m = synth::synth(&config, &out, opts)?;
     let bytes: u64 = m.files.iter().map(|f| f.size).sum();
     eprintln!(
         "strata synth: wrote {} ({}, {:.2} GB) in {:.1} s",

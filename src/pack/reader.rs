@@ -125,15 +125,23 @@ impl Pack {
         if version != FORMAT_VERSION {
             return Err(Error::PackVersion { path: mpath, found: version, supported: FORMAT_VERSION });
         }
-        let arch = raw.get("arch").and_then(|v| v.as_str()).unwrap_or("");
-        if arch != Arch::Qwen3Moe.name() {
+        // The reader validates every architecture the format describes;
+        // whether a backend runs it is the engine's decision.
+        let arch = raw.get("arch").and_then(|v| v.as_str()).unwrap_or("").to_string();
+        if ![Arch::Qwen3Moe, Arch::Qwen3Next].iter().any(|a| a.name() == arch) {
             return Err(Error::Unsupported(format!(
-                "{}: architecture {arch:?} (this build runs qwen3_moe)",
+                "{}: architecture {arch:?} (packs hold qwen3_moe or qwen3_next)",
                 mpath.display()
             )));
         }
         let manifest: Manifest =
             serde_json::from_value(raw).map_err(|e| Error::bad_pack(&mpath, format!("malformed manifest: {e}")))?;
+        if manifest.config.arch.name() != arch {
+            return Err(Error::bad_pack(
+                &mpath,
+                format!("arch {arch:?} differs from config.arch {:?}", manifest.config.arch.name()),
+            ));
+        }
         manifest.config.validate().map_err(|e| Error::bad_pack(&mpath, e.to_string()))?;
 
         let dense_path = dir.join(&manifest.dense_file);
@@ -193,13 +201,19 @@ impl Pack {
                 return Err(bad("listed twice".into()));
             }
         }
-        for (name, shape, _) in required_dense_tensors(c) {
+        for (name, shape, role) in required_dense_tensors(c) {
             let Some(&i) = self.by_name.get(&name) else {
                 return Err(Error::bad_pack(&dense_path, format!("tensor {name} is missing")));
             };
             let got: Vec<usize> = m.tensors[i].shape.iter().map(|&d| d as usize).collect();
             if got != shape {
                 return Err(Error::tensor(name, format!("shape {got:?}, the config needs {shape:?}")));
+            }
+            if m.tensors[i].dtype == DType::Nvfp4 && !role.is_linear() {
+                return Err(Error::bad_pack(
+                    &dense_path,
+                    format!("tensor {name} is NVFP4, which only linear weights may be"),
+                ));
             }
         }
 
@@ -211,7 +225,7 @@ impl Pack {
                 "expert layout in the manifest differs from the one the config implies",
             ));
         }
-        let n = c.num_hidden_layers * c.num_experts;
+        let n = c.num_expert_layers() * c.num_experts;
         if m.experts.entries.len() != n {
             return Err(Error::bad_pack(
                 &experts_path,
@@ -278,12 +292,15 @@ impl Pack {
     }
 
     /// The blob of (layer, expert) with its three matrices and global scales.
+    /// `layer` counts the main layers, then the MTP layers: MTP layer `j` is
+    /// `num_hidden_layers + j`.
     pub fn expert(&self, layer: usize, expert: usize) -> Result<ExpertView<'_>> {
         let c = self.config();
-        if layer >= c.num_hidden_layers || expert >= c.num_experts {
+        if layer >= c.num_expert_layers() || expert >= c.num_experts {
             return Err(Error::InvalidArgument(format!(
                 "expert ({layer}, {expert}) is outside {} layers x {} experts",
-                c.num_hidden_layers, c.num_experts
+                c.num_expert_layers(),
+                c.num_experts
             )));
         }
         let l = self.layout();
@@ -352,5 +369,72 @@ impl Pack {
     pub fn tokenizer_path(&self) -> Option<PathBuf> {
         let p = self.dir.join("tokenizer.json");
         self.manifest.files.iter().any(|f| f.name == "tokenizer.json").then_some(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pack::synth::{preset, synth, SynthOptions};
+
+    fn edit_manifest(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+        let p = dir.join(MANIFEST_FILE);
+        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        f(&mut v);
+        std::fs::write(&p, v.to_string()).unwrap();
+    }
+
+    fn open_err(dir: &Path) -> String {
+        Pack::open(dir).err().expect("the pack should not open").to_string()
+    }
+
+    #[test]
+    fn qwen3_next_pack_validation() {
+        let d = tempfile::tempdir().unwrap();
+        let c = preset(Arch::Qwen3Next, "tiny").unwrap();
+        let dir = d.path().join("p");
+        synth(&c, &dir, &SynthOptions::default()).unwrap();
+        let p = Pack::open(&dir).unwrap();
+        // MTP layer 0's experts are layer num_hidden_layers.
+        assert_eq!(p.expert(4, 3).unwrap().blob.len() as u64, p.layout().used_len());
+        let e = p.expert(5, 0).unwrap_err().to_string();
+        assert!(e.contains("5 layers x 8 experts"), "{e}");
+        drop(p);
+
+        let copy = |name: &str| {
+            let to = d.path().join(name);
+            std::fs::create_dir(&to).unwrap();
+            for f in std::fs::read_dir(&dir).unwrap() {
+                let f = f.unwrap().path();
+                std::fs::copy(&f, to.join(f.file_name().unwrap())).unwrap();
+            }
+            to
+        };
+        let p = copy("arch");
+        edit_manifest(&p, |v| v["arch"] = "qwen3_moe".into());
+        assert!(open_err(&p).contains("differs from config.arch"));
+
+        let p = copy("entries");
+        edit_manifest(&p, |v| {
+            v["experts"]["entries"].as_array_mut().unwrap().truncate(32);
+        });
+        assert!(open_err(&p).contains("32 expert entries, the config needs 40"));
+
+        let p = copy("mtp");
+        edit_manifest(&p, |v| v["config"]["qwen3_next"]["mtp_num_hidden_layers"] = 2.into());
+        assert!(open_err(&p).contains("mtp.layers.1."));
+
+        let p = copy("nvfp4-embedding");
+        edit_manifest(&p, |v| {
+            let t = v["tensors"].as_array_mut().unwrap().iter_mut().find(|t| t["name"] == "model.embed_tokens.weight");
+            let t = t.unwrap();
+            let numel = 384 * 64;
+            t["dtype"] = "nvfp4".into();
+            t["nbytes"] = (numel / 2).into();
+            t["scales_offset"] = t["offset"].clone();
+            t["global_scale"] = 1.0.into();
+        });
+        let e = open_err(&p);
+        assert!(e.contains("model.embed_tokens.weight is NVFP4"), "{e}");
     }
 }

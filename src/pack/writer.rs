@@ -66,7 +66,8 @@ impl PackWriter {
         let experts = File::create(&experts_path).map_err(|e| Error::io(&experts_path, e))?;
         experts.write_all_at(&bin_header(EXPERTS_MAGIC), 0).map_err(|e| Error::io(&experts_path, e))?;
         let layout = ExpertLayout::for_config(config);
-        let n = config.num_hidden_layers * config.num_experts;
+        // MTP layers' experts follow the main layers' (docs/pack-format.md).
+        let n = config.num_expert_layers() * config.num_experts;
         Ok(Self {
             dir: dir.to_path_buf(),
             config: config.clone(),
@@ -210,13 +211,15 @@ impl PackWriter {
         Ok(blob)
     }
 
-    /// Writes an assembled blob (exactly `layout.used_len()` bytes) at its offset.
+    /// Writes an assembled blob (exactly `layout.used_len()` bytes) at its
+    /// offset. `layer` counts the main layers, then the MTP layers.
     pub fn write_expert_blob(&mut self, layer: usize, expert: usize, blob: &[u8]) -> Result<()> {
         let c = &self.config;
-        if layer >= c.num_hidden_layers || expert >= c.num_experts {
+        if layer >= c.num_expert_layers() || expert >= c.num_experts {
             return Err(Error::InvalidArgument(format!(
                 "expert ({layer}, {expert}) is outside {} layers x {} experts",
-                c.num_hidden_layers, c.num_experts
+                c.num_expert_layers(),
+                c.num_experts
             )));
         }
         if blob.len() as u64 != self.layout.used_len() {
@@ -267,9 +270,18 @@ impl PackWriter {
         if !missing.is_empty() {
             return Err(Error::InvalidArgument(format!("pack is missing expert blobs: {}", missing.join(", "))));
         }
-        for name in crate::model::weights::required_dense_tensors(c) {
-            if !self.tensors.iter().any(|t| t.name == name.0) {
-                return Err(Error::tensor(name.0, "required by the model but was not written"));
+        for (name, shape, role) in crate::model::weights::required_dense_tensors(c) {
+            let Some(t) = self.tensors.iter().find(|t| t.name == name) else {
+                return Err(Error::tensor(name, "required by the model but was not written"));
+            };
+            if !t.shape.iter().map(|&d| d as usize).eq(shape.iter().copied()) {
+                return Err(Error::tensor(
+                    name,
+                    format!("written with shape {:?}, the config needs {shape:?}", t.shape),
+                ));
+            }
+            if t.dtype == DType::Nvfp4 && !role.is_linear() {
+                return Err(Error::tensor(name, "only linear weights may be NVFP4"));
             }
         }
         let dense_path = self.dense_path();
@@ -282,7 +294,7 @@ impl PackWriter {
         dense_file.sync_all().map_err(|e| Error::io(&dense_path, e))?;
 
         let experts_path = self.dir.join(EXPERTS_FILE);
-        let experts_len = HEADER_LEN + (c.num_hidden_layers * c.num_experts) as u64 * self.layout.stride;
+        let experts_len = HEADER_LEN + (c.num_expert_layers() * c.num_experts) as u64 * self.layout.stride;
         self.experts.set_len(experts_len).map_err(|e| Error::io(&experts_path, e))?;
         self.experts.sync_all().map_err(|e| Error::io(&experts_path, e))?;
 

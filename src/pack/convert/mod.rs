@@ -1,4 +1,4 @@
-//! Hugging Face checkpoint to pack conversion (qwen3_moe).
+//! Hugging Face checkpoint to pack conversion (qwen3_moe, qwen3_next).
 //!
 //! [`convert`] reads `config.json` and the safetensors files of a checkpoint
 //! directory and streams every tensor into a [`PackWriter`], one at a time
@@ -21,8 +21,15 @@
 //!   `mlp.experts.gate_up_proj` `[E, 2I, H]` (gate rows first) and
 //!   `mlp.experts.down_proj` `[E, H, I]`. Shapes are checked against the
 //!   config for the key's convention, never guessed.
+//! - qwen3_next: the MTP layers' experts (`mtp.layers.{j}.mlp.experts.*`)
+//!   become expert layers `num_hidden_layers + j`; the shared expert's
+//!   projections are NVFP4 in every pack (carried, or quantized by us with
+//!   ModelOpt's algorithm, each matrix with its own global scale); `A_log`
+//!   and `dt_bias` stay F32 unless the checkpoint has them in BF16. A
+//!   checkpoint without any `mtp.*` tensor gives a pack without the MTP head
+//!   (`mtp_num_hidden_layers` 0).
 //!
-//! See ../shared/design/formats-and-math.md sections 1 and 2.
+//! See ../shared/design/formats-and-math.md sections 1 to 3.
 
 mod checkpoint;
 mod plan;
@@ -37,10 +44,10 @@ use rayon::prelude::*;
 
 use self::checkpoint::{Checkpoint, Shards};
 use self::plan::{DensePlan, ExpertPlan, FloatData, MatrixPlan, Source, CHUNK_ELEMS};
-use super::format::Manifest;
+use super::format::{DType, Manifest};
 use super::writer::{DenseTensor, PackWriter};
 use crate::error::{Error, Result};
-use crate::model::weights::Role;
+use crate::model::weights::layer_of_tensor;
 use crate::model::ModelConfig;
 use crate::quant::nvfp4::{self, Nvfp4Matrix, Nvfp4Owned, BLOCK};
 
@@ -50,8 +57,9 @@ pub enum DenseFormat {
     /// Everything BF16.
     #[default]
     Bf16,
-    /// Attention projections and lm_head quantized to NVFP4 (`Role::may_quantize`);
-    /// embeddings, norms and the router stay BF16.
+    /// The large projections (attention, DeltaNet in/out, `mtp.fc`) and
+    /// lm_head quantized to NVFP4 (`Role::may_quantize`); embeddings, norms,
+    /// routers and small gates stay BF16.
     Nvfp4,
 }
 
@@ -91,7 +99,7 @@ pub fn convert(from: &Path, out: &Path, opts: &ConvertOptions) -> Result<Manifes
             Error::io(&cfg_path, e)
         }
     })?;
-    let config = ModelConfig::from_hf_json(&text, &cfg_path)?;
+    let mut config = ModelConfig::from_hf_json(&text, &cfg_path)?;
     let raw: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| Error::bad_checkpoint(&cfg_path, format!("not valid JSON: {e}")))?;
     let declared = checkpoint::declared_scheme(from, &raw)?;
@@ -99,12 +107,26 @@ pub fn convert(from: &Path, out: &Path, opts: &ConvertOptions) -> Result<Manifes
     let shards = Shards::open(from)?;
     let ck = Checkpoint::new(&shards)?;
     let scheme = ck.scheme(declared)?;
+    // Quantized re-exports often drop the MTP head; the pack then has none.
+    if let Some(n) = config.qwen3_next.as_mut().filter(|n| n.mtp_num_hidden_layers > 0) {
+        if !ck.names().any(|name| name.starts_with("mtp.")) {
+            if opts.progress {
+                eprintln!(
+                    "strata convert: config.json has mtp_num_hidden_layers {} but the checkpoint \
+                     has no mtp.* tensors; the pack has no MTP head",
+                    n.mtp_num_hidden_layers
+                );
+            }
+            n.mtp_num_hidden_layers = 0;
+        }
+    }
     let plan = plan::plan(&ck, &config, scheme, opts.dense)?;
     if opts.progress && !plan.skipped.is_empty() {
         let examples: Vec<&str> = plan.skipped.iter().take(3).map(String::as_str).collect();
         eprintln!(
-            "strata convert: ignoring {} checkpoint tensors qwen3_moe does not use (e.g. {})",
+            "strata convert: ignoring {} checkpoint tensors {} does not use (e.g. {})",
             plan.skipped.len(),
+            config.arch.name(),
             examples.join(", ")
         );
     }
@@ -112,7 +134,7 @@ pub fn convert(from: &Path, out: &Path, opts: &ConvertOptions) -> Result<Manifes
     let source = format!("convert {} ({})", from.display(), scheme.name());
     let mut w = PackWriter::create(out, &config, &source, opts.overwrite)?;
     let bar = (opts.progress && std::io::stderr().is_terminal()).then(|| {
-        let pb = ProgressBar::new(config.num_hidden_layers as u64);
+        let pb = ProgressBar::new(config.num_expert_layers() as u64);
         if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} layers ({elapsed}, {eta} left)") {
             pb.set_style(style);
         }
@@ -120,25 +142,17 @@ pub fn convert(from: &Path, out: &Path, opts: &ConvertOptions) -> Result<Manifes
         pb
     });
 
-    // Model-level tensors around the layers; each layer's dense tensors with
-    // its experts, so progress tracks the bytes written.
-    let (model_level, layer_level): (Vec<&DensePlan>, Vec<&DensePlan>) =
-        plan.dense.iter().partition(|d| matches!(d.role, Role::Embedding | Role::FinalNorm | Role::LmHead));
-    for d in model_level.iter().filter(|d| d.role == Role::Embedding) {
+    // Dense tensors in the model's order; a layer's experts right after its
+    // last dense tensor, so progress tracks the bytes written.
+    let layers: Vec<Option<usize>> = plan.dense.iter().map(|d| layer_of_tensor(&config, &d.name)).collect();
+    for (k, d) in plan.dense.iter().enumerate() {
         write_dense(&mut w, d)?;
-    }
-    for (l, experts) in plan.experts.iter().enumerate() {
-        let prefix = format!("model.layers.{l}.");
-        for d in layer_level.iter().filter(|d| d.name.starts_with(&prefix)) {
-            write_dense(&mut w, d)?;
+        if let Some(l) = layers[k].filter(|&l| layers.get(k + 1) != Some(&Some(l))) {
+            write_layer_experts(&mut w, l, &plan.experts[l])?;
+            if let Some(pb) = &bar {
+                pb.inc(1);
+            }
         }
-        write_layer_experts(&mut w, l, experts)?;
-        if let Some(pb) = &bar {
-            pb.inc(1);
-        }
-    }
-    for d in model_level.iter().filter(|d| d.role != Role::Embedding) {
-        write_dense(&mut w, d)?;
     }
     for name in EXTRA_FILES {
         let p = from.join(name);
@@ -154,16 +168,17 @@ pub fn convert(from: &Path, out: &Path, opts: &ConvertOptions) -> Result<Manifes
 }
 
 fn write_dense(w: &mut PackWriter, d: &DensePlan<'_>) -> Result<()> {
-    match d.src {
-        Source::Nvfp4(m) => {
+    match (d.src, d.store) {
+        (Source::Nvfp4(m), _) => {
             check_block_scales(&d.name, m.scales)?;
             w.add_tensor(&d.name, &d.shape, DenseTensor::Nvfp4(m))
         }
-        Source::Float(f) if d.quantize => {
+        (Source::Float(f), DType::Nvfp4) => {
             let q = quantize_float(f, d.shape[0], d.shape[1], &d.name, CHUNK_ELEMS)?;
             w.add_tensor(&d.name, &d.shape, DenseTensor::Nvfp4(q.view()))
         }
-        Source::Float(f) => w.add_tensor(&d.name, &d.shape, DenseTensor::Bf16(&f.to_bf16())),
+        (Source::Float(f), DType::F32) => w.add_tensor(&d.name, &d.shape, DenseTensor::F32(&f.to_f32())),
+        (Source::Float(f), DType::Bf16) => w.add_tensor(&d.name, &d.shape, DenseTensor::Bf16(&f.to_bf16())),
     }
 }
 

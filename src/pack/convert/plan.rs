@@ -11,8 +11,9 @@ use safetensors::Dtype;
 use super::checkpoint::{Checkpoint, Scheme, Tensor};
 use super::DenseFormat;
 use crate::error::{Error, Result};
-use crate::model::weights::{model_tensor_name, required_dense_tensors, Role};
+use crate::model::weights::{layer_prefix, model_tensor_name, required_dense_tensors, Role};
 use crate::model::ModelConfig;
+use crate::pack::format::DType;
 use crate::quant::nvfp4::BLOCK;
 use crate::quant::{bf16_bytes_to_f32, f16_bytes_to_f32, f32_bytes_to_f32, Nvfp4Matrix};
 
@@ -85,6 +86,17 @@ impl<'a> FloatData<'a> {
         }
         Cow::Owned(out)
     }
+
+    /// The elements as little-endian F32 (exact for every dtype): borrowed
+    /// when already F32. For small tensors (decoded whole).
+    pub fn to_f32(self) -> Cow<'a, [u8]> {
+        if self.dtype == FloatDtype::F32 {
+            return Cow::Borrowed(self.bytes);
+        }
+        let mut v = vec![0.0f32; self.len()];
+        self.decode(0, &mut v);
+        Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
 }
 
 /// Where one weight's bytes come from.
@@ -111,10 +123,9 @@ pub struct MatrixPlan<'a> {
 pub struct DensePlan<'a> {
     pub name: String,
     pub shape: Vec<usize>,
-    pub role: Role,
     pub src: Source<'a>,
-    /// Float weights to be quantized to NVFP4 by us (`DenseFormat::Nvfp4`).
-    pub quantize: bool,
+    /// How the pack stores it; `Nvfp4` with a float source means we quantize it.
+    pub store: DType,
 }
 
 /// One expert: gate and up `[moe_intermediate, hidden]`, down `[hidden, moe_intermediate]`.
@@ -128,7 +139,7 @@ pub struct ExpertPlan<'a> {
 pub struct Plan<'a> {
     /// In `required_dense_tensors` order.
     pub dense: Vec<DensePlan<'a>>,
-    /// `[layer][expert]`.
+    /// `[layer][expert]`, main layers then MTP layers.
     pub experts: Vec<Vec<ExpertPlan<'a>>>,
     /// Checkpoint tensors the model does not use, sorted.
     pub skipped: Vec<String>,
@@ -139,29 +150,43 @@ pub fn plan<'a>(ck: &Checkpoint<'a>, cfg: &ModelConfig, scheme: Scheme, dense: D
     let mut p = Planner { ck, scheme, used: HashSet::new() };
     let mut dense_plans = Vec::new();
     for (name, shape, role) in required_dense_tensors(cfg) {
-        let prefix = name.strip_suffix(".weight").expect("dense tensor names end in .weight");
-        let src = p.weight(prefix, &shape, "").map_err(|e| match e {
-            Error::Tensor { name, msg } if name == model_tensor_name(Role::LmHead) && !ck.contains(&name) => {
-                Error::Tensor {
-                    name,
-                    msg: format!("{msg}; config.json has tie_word_embeddings = false, so the model needs it"),
+        let src = match name.strip_suffix(".weight") {
+            Some(prefix) => p.weight(prefix, &shape, "").map_err(|e| match e {
+                Error::Tensor { name, msg } if name == model_tensor_name(Role::LmHead) && !ck.contains(&name) => {
+                    Error::Tensor {
+                        name,
+                        msg: format!("{msg}; config.json has tie_word_embeddings = false, so the model needs it"),
+                    }
                 }
+                e => e,
+            })?,
+            // A_log and dt_bias are parameters without a `.weight` suffix.
+            None => Source::Float(float_data(&p.require(&name)?, &shape, "")?),
+        };
+        let store = match src {
+            Source::Nvfp4(_) if !role.is_linear() => {
+                return Err(Error::tensor(&name, "is NVFP4 in the checkpoint, but only linear weights may be"));
             }
-            e => e,
-        })?;
-        let quantize = matches!(src, Source::Float(_)) && dense == DenseFormat::Nvfp4 && role.may_quantize();
-        if quantize && (shape.len() != 2 || shape[1] % BLOCK != 0) {
-            return Err(Error::tensor(
-                &name,
-                format!(
-                    "shape {shape:?} cannot be stored as NVFP4: the input dimension must be \
-                     a multiple of {BLOCK} (convert with BF16 dense tensors instead)"
-                ),
-            ));
-        }
-        dense_plans.push(DensePlan { name, shape, role, src, quantize });
+            Source::Nvfp4(_) => DType::Nvfp4,
+            // qwen3_next's shared expert is NVFP4 in every pack, like the routed experts.
+            Source::Float(_) if role.is_shared_expert() || (dense == DenseFormat::Nvfp4 && role.may_quantize()) => {
+                if shape.len() != 2 || shape[1] % BLOCK != 0 {
+                    return Err(Error::tensor(
+                        &name,
+                        format!(
+                            "shape {shape:?} cannot be stored as NVFP4: the input dimension must be \
+                             a multiple of {BLOCK} (convert with BF16 dense tensors instead)"
+                        ),
+                    ));
+                }
+                DType::Nvfp4
+            }
+            Source::Float(f) if role.keeps_f32() && f.dtype != FloatDtype::Bf16 => DType::F32,
+            Source::Float(_) => DType::Bf16,
+        };
+        dense_plans.push(DensePlan { name, shape, src, store });
     }
-    let experts = (0..cfg.num_hidden_layers).map(|l| p.layer_experts(l, cfg)).collect::<Result<Vec<_>>>()?;
+    let experts = (0..cfg.num_expert_layers()).map(|l| p.layer_experts(l, cfg)).collect::<Result<Vec<_>>>()?;
     let mut skipped: Vec<String> = ck.names().filter(|n| !p.used.contains(*n)).map(str::to_string).collect();
     skipped.sort_unstable();
     Ok(Plan { dense: dense_plans, experts, skipped })
@@ -232,10 +257,11 @@ impl<'a> Planner<'a, '_> {
         Ok(Source::Nvfp4(m))
     }
 
-    /// The experts of layer `l`: per-expert keys, or the fused 3-D pair.
+    /// The experts of layer `l` (main layers, then MTP layers): per-expert
+    /// keys, or the fused 3-D pair.
     fn layer_experts(&mut self, l: usize, cfg: &ModelConfig) -> Result<Vec<ExpertPlan<'a>>> {
         let (h, i, ne) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts);
-        let base = format!("model.layers.{l}.mlp.experts");
+        let base = format!("{}mlp.experts", layer_prefix(cfg, l));
         let fused_gu = format!("{base}.gate_up_proj");
         if !self.ck.contains(&fused_gu) {
             return (0..ne)

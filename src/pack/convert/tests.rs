@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 use super::plan::{FloatData, FloatDtype};
 use super::*;
 use crate::model::weights::{required_dense_tensors, Role};
+use crate::pack::format::DType;
 use crate::pack::{Pack, TensorData};
 use crate::quant::nvfp4::quantize;
 use crate::quant::{f32_to_bf16_bytes, Nvfp4Owned};
@@ -636,4 +637,270 @@ fn reference_fixtures_convert_alike_in_every_layout() {
         }
     }
     assert!(t.path().join("a-bf16/tokenizer.json").is_file());
+}
+
+// ---- the qwen3_next reference fixtures (tests/fixtures/README.md, "Qwen3-Next fixtures") ----
+
+fn next_fixture(model: &str, form: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/fixtures_next").join(model).join(form)
+}
+
+/// Every stored tensor of a checkpoint directory, sorted by name.
+fn load_ckpt(dir: &Path) -> Vec<St> {
+    let shards = checkpoint::Shards::open(dir).unwrap();
+    let ck = checkpoint::Checkpoint::new(&shards).unwrap();
+    let mut names: Vec<String> = ck.names().map(str::to_string).collect();
+    names.sort_unstable();
+    names
+        .into_iter()
+        .map(|n| {
+            let t = ck.get(&n).unwrap();
+            (n, t.dtype, t.shape, t.data.to_vec())
+        })
+        .collect()
+}
+
+fn nvfp4_of<'p>(p: &'p Pack, name: &str) -> crate::quant::Nvfp4Matrix<'p> {
+    match p.tensor(name).unwrap().data {
+        TensorData::Nvfp4(m) => m,
+        other => panic!("{name} is not NVFP4: {other:?}"),
+    }
+}
+
+const SHARED: [Role; 3] = [Role::SharedGateProj, Role::SharedUpProj, Role::SharedDownProj];
+
+#[test]
+fn qwen3_next_fixtures_bf16_and_modelopt_packs_agree() {
+    use crate::model::weights::tensor_name_for_layer;
+    let t = tempfile::tempdir().unwrap();
+    for model in ["a", "b"] {
+        let packs: Vec<Pack> = [("bf16", "bf16"), ("nvfp4_modelopt", "nvfp4-modelopt")]
+            .iter()
+            .map(|(form, scheme)| {
+                let (from, out) = (next_fixture(model, form), t.path().join(format!("{model}-{form}")));
+                let man = run(&from, &out, DenseFormat::Bf16).unwrap();
+                assert_eq!(man.source, format!("convert {} ({scheme})", from.display()));
+                assert_eq!(man.arch, "qwen3_next");
+                Pack::open(&out).unwrap()
+            })
+            .collect();
+        let c = packs[0].config().clone();
+        assert_eq!(c.mtp_layers(), 1);
+        let (l_main, e_n) = (c.num_hidden_layers, c.num_experts);
+        assert_eq!(packs[1].manifest().experts.entries.len(), (l_main + 1) * e_n);
+        // Routed experts, MTP layer (l_main) included: our quantization of the
+        // BF16 weights equals ModelOpt's bytes and scales.
+        for l in 0..c.num_expert_layers() {
+            for e in 0..e_n {
+                let [ours, mo] = [0, 1].map(|k| packs[k].expert(l, e).unwrap());
+                assert!(ours.blob == mo.blob, "{model}: layer {l} expert {e}");
+            }
+            // The shared expert is NVFP4 in both, byte for byte.
+            for role in SHARED {
+                let name = tensor_name_for_layer(&c, l, role);
+                let [a, b] = [0, 1].map(|k| nvfp4_of(&packs[k], &name));
+                assert_eq!((a.codes, a.scales, a.global_scale), (b.codes, b.scales, b.global_scale), "{model}: {name}");
+            }
+        }
+        // Global scales are the checkpoint's (reference.json, layer 0).
+        let reference: Value =
+            serde_json::from_str(&std::fs::read_to_string(next_fixture(model, "reference.json")).unwrap()).unwrap();
+        let projs = ["gate_proj", "up_proj", "down_proj"];
+        for (e, scales) in reference["global_scales_layer0"].as_object().unwrap() {
+            let want = projs.map(|p| scales[p].as_f64().unwrap() as f32);
+            for p in &packs {
+                let got = if e == "shared" {
+                    SHARED.map(|r| nvfp4_of(p, &tensor_name_for_layer(&c, 0, r)).global_scale)
+                } else {
+                    let x = p.expert(0, e.parse().unwrap()).unwrap();
+                    [x.gate, x.up, x.down].map(|m| m.global_scale)
+                };
+                assert_eq!(got, want, "{model}: layer 0 {e}");
+            }
+        }
+        // Every dense tensor identical between the packs; the BF16 ones are
+        // the checkpoint's bytes (conv1d keeps [C, 1, K]; A_log and dt_bias
+        // are BF16 in these checkpoints, so they stay BF16).
+        let ckpt = load_ckpt(&next_fixture(model, "bf16"));
+        let [ma, mb] = [0, 1].map(|k| packs[k].manifest());
+        assert_eq!(ma.tensors.len(), mb.tensors.len());
+        for (x, y) in ma.tensors.iter().zip(&mb.tensors) {
+            assert_eq!(
+                (&x.name, x.dtype, &x.shape, x.crc32, x.global_scale),
+                (&y.name, y.dtype, &y.shape, y.crc32, y.global_scale),
+                "{model}"
+            );
+            if x.dtype == DType::Bf16 {
+                let (_, _, shape, bytes) = ckpt.iter().find(|s| s.0 == x.name).unwrap();
+                assert_eq!(&bytes_of(&packs[1], &x.name), bytes, "{model}: {}", x.name);
+                assert_eq!(shape.iter().map(|&d| d as u64).collect::<Vec<_>>(), x.shape);
+            } else {
+                assert!(x.name.contains(".mlp.shared_expert."), "{model}: {} is {:?}", x.name, x.dtype);
+            }
+        }
+        // Every MTP tensor of the checkpoint is in the pack.
+        for (name, shape) in reference["mtp_tensors"].as_object().unwrap() {
+            let shape: Vec<u64> = shape.as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).collect();
+            if let Some(rest) = name.strip_prefix("mtp.layers.0.mlp.experts.") {
+                let e: usize = rest.split('.').next().unwrap().parse().unwrap();
+                let x = packs[1].expert(l_main, e).unwrap();
+                let m = [x.gate, x.up, x.down][projs.iter().position(|p| rest.contains(p)).unwrap()];
+                assert_eq!([m.rows as u64, m.cols as u64], shape[..], "{name}");
+            } else {
+                let t = ma.tensors.iter().find(|t| &t.name == name).unwrap_or_else(|| panic!("{model}: {name}"));
+                assert_eq!(t.shape, shape, "{name}");
+            }
+        }
+    }
+}
+
+/// Fixture `a` rewritten in the other layouts: compressed-tensors NVFP4
+/// (from the ModelOpt file), and BF16 with fused experts, F32 `A_log` /
+/// `dt_bias`; then without its MTP tensors.
+#[test]
+fn qwen3_next_other_layouts_and_f32_parameters() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path();
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(next_fixture("a", "bf16").join("config.json")).unwrap()).unwrap();
+    let mo_pack = root.join("mo");
+    run(&next_fixture("a", "nvfp4_modelopt"), &mo_pack, DenseFormat::Bf16).unwrap();
+    let bf_pack = root.join("bf");
+    run(&next_fixture("a", "bf16"), &bf_pack, DenseFormat::Bf16).unwrap();
+    let (mo, bf) = (Pack::open(&mo_pack).unwrap(), Pack::open(&bf_pack).unwrap());
+
+    // compressed-tensors: codes as weight_packed, the global scale as a divisor.
+    let mut ct = Vec::new();
+    for (n, d, s, b) in load_ckpt(&next_fixture("a", "nvfp4_modelopt")) {
+        if let Some(p) = n.strip_suffix(".weight_scale_2") {
+            let g = f32::from_le_bytes(b[..4].try_into().unwrap());
+            ct.push(f32_scalar(&format!("{p}.weight_global_scale"), &[1], 1.0 / g));
+        } else if n.ends_with(".input_scale") {
+        } else if d == Dtype::U8 && n.ends_with(".weight") {
+            ct.push((format!("{n}_packed"), d, s, b));
+        } else {
+            ct.push((n, d, s, b));
+        }
+    }
+    let mut j = config.clone();
+    j["quantization_config"] = ct_json(&model(false))["quantization_config"].clone();
+    write_ckpt(&root.join("ct"), &j, &[("model.safetensors", &ct)]);
+    let man = run(&root.join("ct"), &root.join("ct-pack"), DenseFormat::Bf16).unwrap();
+    assert!(man.source.ends_with("(nvfp4-compressed-tensors)"));
+    let ctp = Pack::open(&root.join("ct-pack")).unwrap();
+    let tail = mo.layout().tail as usize;
+    for l in 0..5 {
+        for e in 0..8 {
+            let (a, b) = (mo.expert(l, e).unwrap(), ctp.expert(l, e).unwrap());
+            assert_eq!(a.blob[..tail], b.blob[..tail], "layer {l} expert {e}");
+            for (x, y) in [(a.gate, b.gate), (a.up, b.up), (a.down, b.down)] {
+                assert!((x.global_scale - y.global_scale).abs() <= 1e-6 * x.global_scale);
+            }
+        }
+    }
+    let se = "model.layers.2.mlp.shared_expert.up_proj.weight";
+    let (x, y) = (nvfp4_of(&mo, se), nvfp4_of(&ctp, se));
+    assert_eq!((x.codes, x.scales), (y.codes, y.scales));
+    assert!((x.global_scale - y.global_scale).abs() <= 1e-6 * x.global_scale);
+
+    // BF16 with fused experts (MTP layer too) and F32 A_log / dt_bias.
+    let mut fused: Vec<St> = Vec::new();
+    let all = load_ckpt(&next_fixture("a", "bf16"));
+    for (n, d, s, b) in &all {
+        if n.contains(".mlp.experts.") {
+            continue;
+        }
+        if n.ends_with(".A_log") || n.ends_with(".dt_bias") {
+            let mut v = vec![0.0f32; b.len() / 2];
+            crate::quant::bf16_bytes_to_f32(b, &mut v);
+            // Off the BF16 grid: an F32 value the pack must keep exactly.
+            v.iter_mut().for_each(|x| *x += 1e-4);
+            fused.push((n.clone(), Dtype::F32, s.clone(), v.iter().flat_map(|x| x.to_le_bytes()).collect()));
+        } else {
+            fused.push((n.clone(), *d, s.clone(), b.clone()));
+        }
+    }
+    for prefix in ["model.layers.0.", "model.layers.1.", "model.layers.2.", "model.layers.3.", "mtp.layers.0."] {
+        let get =
+            |e: usize, p: &str| &all.iter().find(|x| x.0 == format!("{prefix}mlp.experts.{e}.{p}.weight")).unwrap().3;
+        let gu: Vec<u8> = (0..8).flat_map(|e| [get(e, "gate_proj").as_slice(), get(e, "up_proj")].concat()).collect();
+        let dn: Vec<u8> = (0..8).flat_map(|e| get(e, "down_proj").clone()).collect();
+        fused.push(bf16(&format!("{prefix}mlp.experts.gate_up_proj"), &[8, 64, 64], gu));
+        fused.push(bf16(&format!("{prefix}mlp.experts.down_proj"), &[8, 64, 32], dn));
+    }
+    write_ckpt(&root.join("fused"), &config, &[("model.safetensors", &fused)]);
+    run(&root.join("fused"), &root.join("fused-pack"), DenseFormat::Bf16).unwrap();
+    let fp = Pack::open(&root.join("fused-pack")).unwrap();
+    for l in 0..5 {
+        for e in 0..8 {
+            assert!(fp.expert(l, e).unwrap().blob == bf.expert(l, e).unwrap().blob, "layer {l} expert {e}");
+        }
+    }
+    for name in ["model.layers.1.linear_attn.A_log", "model.layers.2.linear_attn.dt_bias"] {
+        let v = fp.tensor(name).unwrap();
+        let TensorData::F32(bytes) = v.data else { panic!("{name} is not F32") };
+        let src = &fused.iter().find(|x| x.0 == name).unwrap().3;
+        assert_eq!(bytes, &src[..], "{name}");
+    }
+
+    // No mtp.* tensors at all: a pack without the MTP head.
+    let no_mtp: Vec<St> = fused.into_iter().filter(|x| !x.0.starts_with("mtp.")).collect();
+    write_ckpt(&root.join("no-mtp"), &config, &[("model.safetensors", &no_mtp)]);
+    let man = run(&root.join("no-mtp"), &root.join("no-mtp-pack"), DenseFormat::Bf16).unwrap();
+    assert_eq!((man.config.mtp_layers(), man.experts.entries.len()), (0, 4 * 8));
+    assert!(man.tensors.iter().all(|t| !t.name.starts_with("mtp.")));
+    assert!(Pack::open(&root.join("no-mtp-pack")).unwrap().expert(4, 0).is_err());
+}
+
+#[test]
+fn qwen3_next_dense_nvfp4_and_bad_dtypes() {
+    let t = tempfile::tempdir().unwrap();
+    let man = run(&next_fixture("b", "bf16"), &t.path().join("p"), DenseFormat::Nvfp4).unwrap();
+    let dtype = |n: &str| man.tensors.iter().find(|t| t.name == n).unwrap().dtype;
+    for n in [
+        "model.layers.0.linear_attn.in_proj_qkvz.weight",
+        "model.layers.0.linear_attn.out_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "mtp.fc.weight",
+        "mtp.layers.0.self_attn.o_proj.weight",
+        "model.layers.5.mlp.shared_expert.gate_proj.weight",
+    ] {
+        assert_eq!(dtype(n), DType::Nvfp4, "{n}");
+    }
+    for n in [
+        "model.layers.0.linear_attn.in_proj_ba.weight",
+        "model.layers.0.linear_attn.conv1d.weight",
+        "model.layers.0.linear_attn.A_log",
+        "model.layers.1.mlp.shared_expert_gate.weight",
+        "model.layers.1.mlp.gate.weight",
+        "mtp.norm.weight",
+    ] {
+        assert_eq!(dtype(n), DType::Bf16, "{n}");
+    }
+    Pack::open(&t.path().join("p")).unwrap();
+
+    // A checkpoint's NVFP4 is carried for linear weights (here in_proj_ba),
+    // and refused for others (the embedding) before anything is written.
+    let mut ts = load_ckpt(&next_fixture("a", "nvfp4_modelopt"));
+    let ba = "model.layers.0.linear_attn.in_proj_ba";
+    let q = quantize(&[0.5f32; 8 * 64], 8, 64);
+    ts.retain(|x| x.0 != format!("{ba}.weight"));
+    ts.extend(nvfp4_tensors(ba, &q, false));
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(next_fixture("a", "nvfp4_modelopt").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let dir = t.path().join("c");
+    write_ckpt(&dir, &config, &[("model.safetensors", &ts)]);
+    run(&dir, &t.path().join("p2"), DenseFormat::Bf16).unwrap();
+    let p2 = Pack::open(&t.path().join("p2")).unwrap();
+    assert_eq!(nvfp4_of(&p2, &format!("{ba}.weight")).codes, &q.codes[..]);
+
+    let emb = "model.embed_tokens";
+    ts.retain(|x| x.0 != format!("{emb}.weight"));
+    ts.extend(nvfp4_tensors(emb, &quantize(&[0.5f32; 384 * 64], 384, 64), false));
+    let dir = t.path().join("c3");
+    write_ckpt(&dir, &config, &[("model.safetensors", &ts)]);
+    let e = err(&dir, &t.path().join("p3"));
+    assert!(e.contains(emb) && e.contains("only linear weights"), "{e}");
 }
