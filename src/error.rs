@@ -47,6 +47,18 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// A token id outside the model's vocabulary (prompts, detokenize).
+    #[error("token {token} at index {index} is outside the vocabulary (size {vocab})")]
+    TokenOutOfRange { token: i64, index: usize, vocab: usize },
+
+    /// An id that names nothing (an unknown, released or invalidated checkpoint).
+    #[error("not found: {0}")]
+    NotFound(String),
+
+    /// The model produced NaN or infinity (the message says where).
+    #[error("non-finite values: {0}")]
+    NonFinite(String),
+
     /// The session's context window cannot hold the requested tokens.
     #[error("context overflow: {needed} tokens needed, the session holds at most {capacity}")]
     ContextOverflow { needed: usize, capacity: usize },

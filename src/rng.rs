@@ -32,6 +32,17 @@ impl Rng {
         Self::new(h)
     }
 
+    /// The generator's state, to save it (session state files).
+    pub fn state(&self) -> [u64; 4] {
+        self.s
+    }
+
+    /// A generator that continues from a saved `state`. The all-zero state
+    /// is a fixed point of xoshiro and is refused.
+    pub fn from_state(s: [u64; 4]) -> Option<Self> {
+        (s != [0; 4]).then_some(Self { s })
+    }
+
     pub fn next_u64(&mut self) -> u64 {
         let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
         let t = self.s[1] << 17;

@@ -25,6 +25,7 @@ impl Default for SamplingParams {
     }
 }
 
+#[derive(Clone)]
 pub struct Sampler {
     params: SamplingParams,
     rng: Rng,
@@ -57,6 +58,17 @@ impl Sampler {
             return Err(Error::InvalidArgument(format!("min_p {} must be in [0, 1]", p.min_p)));
         }
         Ok(Sampler { rng: Rng::new(params.seed), params })
+    }
+
+    /// A sampler with `params` whose random stream continues from `rng`
+    /// (a saved session state).
+    pub fn with_rng(params: SamplingParams, rng: Rng) -> Result<Sampler> {
+        Ok(Sampler { rng, ..Sampler::new(params)? })
+    }
+
+    /// The random stream; `rng().state()` saves it.
+    pub fn rng(&self) -> &Rng {
+        &self.rng
     }
 
     /// Greedy sampling (the default parameters).

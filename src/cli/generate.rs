@@ -54,7 +54,7 @@ pub struct GenerateArgs {
 
 pub fn run(a: GenerateArgs) -> Result<()> {
     let t_load = Instant::now();
-    let engine = Engine::load(&a.pack, &EngineOptions { threads: a.threads })?;
+    let engine = Engine::load(&a.pack, &EngineOptions { threads: a.threads, ..Default::default() })?;
     let tokenizer = match engine.pack().tokenizer_path() {
         Some(p) => Some(Tokenizer::from_file(&p)?),
         None => None,
@@ -76,7 +76,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         min_p: a.min_p,
         seed: a.seed,
     })?;
-    let mut session = engine.new_session(&SessionOptions { context_size: a.context, prefill_chunk: a.chunk })?;
+    let mut session = engine.new_session(&SessionOptions {
+        context_size: a.context,
+        prefill_chunk: a.chunk,
+        ..Default::default()
+    })?;
     eprintln!("strata generate: loaded {} in {:.2} s", a.pack.display(), t_load.elapsed().as_secs_f64());
 
     let t = Instant::now();

@@ -16,7 +16,8 @@
 pub(crate) mod test_pack;
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 
 use rayon::prelude::*;
 
@@ -34,6 +35,84 @@ pub struct EngineOptions {
     /// Threads of a dedicated pool for this engine's work; `None` shares
     /// rayon's global pool.
     pub threads: Option<usize>,
+    /// Devices to run on, as `Device::parse` reads them; empty = `["cpu"]`.
+    pub devices: Vec<String>,
+    /// Recompute every checksum of the pack while loading (`Pack::verify`).
+    pub verify_checksums: bool,
+}
+
+/// A device the engine can be asked to run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    /// `cuda` (device 0) or `cuda:N`.
+    Cuda(u32),
+}
+
+impl Device {
+    /// `"cpu"`, `"cuda"` or `"cuda:N"`; anything else is an invalid argument.
+    pub fn parse(name: &str) -> Result<Device> {
+        let bad = || Error::InvalidArgument(format!("device {name:?} is not one of \"cpu\", \"cuda\", \"cuda:N\""));
+        match name {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => {
+                let n = name.strip_prefix("cuda:").ok_or_else(bad)?;
+                if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(bad());
+                }
+                n.parse().map(Device::Cuda).map_err(|_| bad())
+            }
+        }
+    }
+
+    /// Parses a device list and checks that this build can run on it: one
+    /// CPU (the default when the list is empty); CUDA devices are refused
+    /// with `Error::NoCuda` until the CUDA backend lands.
+    pub fn parse_list(names: &[String]) -> Result<Vec<Device>> {
+        let devices = names.iter().map(|n| Device::parse(n)).collect::<Result<Vec<_>>>()?;
+        if let Some(Device::Cuda(_)) = devices.iter().find(|d| matches!(d, Device::Cuda(_))) {
+            let why = if cfg!(feature = "cuda") {
+                "the CUDA backend is not implemented yet"
+            } else {
+                "this build has no CUDA support (feature cuda)"
+            };
+            return Err(Error::NoCuda(why.into()));
+        }
+        if devices.len() > 1 {
+            return Err(Error::InvalidArgument(format!("devices {names:?}: the cpu can be listed only once")));
+        }
+        Ok(if devices.is_empty() { vec![Device::Cpu] } else { devices })
+    }
+}
+
+/// Fractions of a load at which each phase ends; the rest is decoding the
+/// dense weights (one step per layer, then the embedding and head).
+const PROGRESS_OPENED: f32 = 0.05;
+const PROGRESS_VERIFIED: f32 = 0.5;
+/// The smallest progress step reported (callbacks may be slow).
+const PROGRESS_STEP: f32 = 0.001;
+
+/// Reports load progress to a callback, monotonically and not too often;
+/// the callback returning false cancels the load.
+struct LoadProgress<'a> {
+    callback: &'a mut dyn FnMut(f32) -> bool,
+    last: Option<f32>,
+}
+
+impl LoadProgress<'_> {
+    fn report(&mut self, fraction: f32) -> Result<()> {
+        let f = fraction.clamp(self.last.unwrap_or(0.0), 1.0);
+        if self.last.is_some_and(|last| f < 1.0 && f - last < PROGRESS_STEP) {
+            return Ok(());
+        }
+        self.last = Some(f);
+        if (self.callback)(f) {
+            Ok(())
+        } else {
+            Err(Error::Cancelled)
+        }
+    }
 }
 
 /// A loaded model. Clone is cheap and clones share everything.
@@ -95,34 +174,88 @@ fn load_vector(pack: &Pack, name: &str, len: usize) -> Result<Vec<f32>> {
     Ok(t.to_f32())
 }
 
+impl LayerWeights {
+    fn load(pack: &Pack, l: usize) -> Result<LayerWeights> {
+        let c = pack.config();
+        let h = c.hidden_size;
+        let n = |role| layer_tensor_name(l, role);
+        Ok(LayerWeights {
+            input_norm: load_vector(pack, &n(Role::InputNorm), h)?,
+            q_proj: load_matrix(pack, &n(Role::QProj), c.q_dim(), h)?,
+            k_proj: load_matrix(pack, &n(Role::KProj), c.kv_dim(), h)?,
+            v_proj: load_matrix(pack, &n(Role::VProj), c.kv_dim(), h)?,
+            o_proj: load_matrix(pack, &n(Role::OProj), h, c.q_dim())?,
+            q_norm: load_vector(pack, &n(Role::QNorm), c.head_dim)?,
+            k_norm: load_vector(pack, &n(Role::KNorm), c.head_dim)?,
+            post_attn_norm: load_vector(pack, &n(Role::PostAttnNorm), h)?,
+            router: load_matrix(pack, &n(Role::Router), c.num_experts, h)?,
+        })
+    }
+}
+
 impl Weights {
-    fn load(pack: &Pack) -> Result<Weights> {
+    /// Decodes the layers in parallel on `backend`'s pool while this thread
+    /// reports progress (`done` of `total` steps: the layers, then the
+    /// embedding and head), so a caller's callback always runs on the
+    /// thread that called `load`. A false from `progress` cancels: layers
+    /// not yet started are skipped and the load returns `Error::Cancelled`.
+    fn load(
+        pack: &Pack,
+        backend: &CpuBackend,
+        progress: &mut dyn FnMut(usize, usize) -> Result<()>,
+    ) -> Result<Weights> {
         let c = pack.config();
         let (h, v) = (c.hidden_size, c.vocab_size);
-        let layers = (0..c.num_hidden_layers)
-            .into_par_iter()
-            .map(|l| {
-                let n = |role| layer_tensor_name(l, role);
-                Ok(LayerWeights {
-                    input_norm: load_vector(pack, &n(Role::InputNorm), h)?,
-                    q_proj: load_matrix(pack, &n(Role::QProj), c.q_dim(), h)?,
-                    k_proj: load_matrix(pack, &n(Role::KProj), c.kv_dim(), h)?,
-                    v_proj: load_matrix(pack, &n(Role::VProj), c.kv_dim(), h)?,
-                    o_proj: load_matrix(pack, &n(Role::OProj), h, c.q_dim())?,
-                    q_norm: load_vector(pack, &n(Role::QNorm), c.head_dim)?,
-                    k_norm: load_vector(pack, &n(Role::KNorm), c.head_dim)?,
-                    post_attn_norm: load_vector(pack, &n(Role::PostAttnNorm), h)?,
-                    router: load_matrix(pack, &n(Role::Router), c.num_experts, h)?,
+        let total = c.num_hidden_layers + 1;
+        let cancelled = AtomicBool::new(false);
+        let (tx, rx) = mpsc::channel::<()>();
+        let decode = || {
+            let layers = (0..c.num_hidden_layers)
+                .into_par_iter()
+                .map_with(tx, |tx, l| {
+                    if cancelled.load(Ordering::Relaxed) {
+                        return Err(Error::Cancelled);
+                    }
+                    let w = LayerWeights::load(pack, l);
+                    let _ = tx.send(());
+                    w
                 })
+                .collect::<Result<Vec<_>>>()?;
+            if cancelled.load(Ordering::Relaxed) {
+                return Err(Error::Cancelled);
+            }
+            let lm_head = if c.tie_word_embeddings {
+                None
+            } else {
+                Some(load_matrix(pack, model_tensor_name(Role::LmHead), v, h)?)
+            };
+            Ok(Weights {
+                embed: load_matrix(pack, model_tensor_name(Role::Embedding), v, h)?,
+                layers,
+                final_norm: load_vector(pack, model_tensor_name(Role::FinalNorm), h)?,
+                lm_head,
             })
-            .collect::<Result<Vec<_>>>()?;
-        let lm_head =
-            if c.tie_word_embeddings { None } else { Some(load_matrix(pack, model_tensor_name(Role::LmHead), v, h)?) };
-        Ok(Weights {
-            embed: load_matrix(pack, model_tensor_name(Role::Embedding), v, h)?,
-            layers,
-            final_norm: load_vector(pack, model_tensor_name(Role::FinalNorm), h)?,
-            lm_head,
+        };
+        std::thread::scope(|scope| {
+            let worker = scope.spawn(|| backend.install(decode));
+            // Ends when every sender (one per rayon split) is dropped.
+            let mut verdict = Ok(());
+            for (done, ()) in rx.iter().enumerate() {
+                if verdict.is_ok() {
+                    verdict = progress(done + 1, total);
+                    if verdict.is_err() {
+                        cancelled.store(true, Ordering::Relaxed);
+                    }
+                }
+            }
+            let weights = match worker.join() {
+                Ok(w) => w,
+                Err(panic) => std::panic::resume_unwind(panic),
+            };
+            verdict?;
+            let weights = weights?;
+            progress(total, total)?;
+            Ok(weights)
         })
     }
 
@@ -134,11 +267,48 @@ impl Weights {
 impl Engine {
     /// Opens the pack in `pack_dir` and loads it.
     pub fn load(pack_dir: &Path, opts: &EngineOptions) -> Result<Engine> {
-        Engine::from_pack(Pack::open(pack_dir)?, opts)
+        Engine::load_with_progress(pack_dir, opts, &mut |_| true)
+    }
+
+    /// `load`, calling `progress` on this thread with the fraction done
+    /// (0 to 1, non-decreasing): opening the pack ends at 0.05, verifying
+    /// checksums (when asked) at 0.5, then each decoded layer advances it;
+    /// the last call is 1. `progress` returning false cancels the load with
+    /// `Error::Cancelled`.
+    pub fn load_with_progress(
+        pack_dir: &Path,
+        opts: &EngineOptions,
+        progress: &mut dyn FnMut(f32) -> bool,
+    ) -> Result<Engine> {
+        Device::parse_list(&opts.devices)?;
+        let mut report = LoadProgress { callback: progress, last: None };
+        report.report(0.0)?;
+        let pack = Pack::open(pack_dir)?;
+        report.report(PROGRESS_OPENED)?;
+        let mut decode_from = PROGRESS_OPENED;
+        if opts.verify_checksums {
+            let span = PROGRESS_VERIFIED - PROGRESS_OPENED;
+            let mut verdict = Ok(());
+            let verified = pack.verify_with(|done, total| {
+                verdict = report.report(PROGRESS_OPENED + span * (done as f64 / total.max(1) as f64) as f32);
+                verdict.is_ok()
+            });
+            verdict?;
+            verified?;
+            decode_from = PROGRESS_VERIFIED;
+        }
+        Engine::build(pack, opts, &mut |done, total| {
+            report.report(decode_from + (1.0 - decode_from) * done as f32 / total as f32)
+        })
     }
 
     /// Decodes the dense weights of an open pack; experts stay mapped.
     pub fn from_pack(pack: Pack, opts: &EngineOptions) -> Result<Engine> {
+        Device::parse_list(&opts.devices)?;
+        Engine::build(pack, opts, &mut |_, _| Ok(()))
+    }
+
+    fn build(pack: Pack, opts: &EngineOptions, progress: &mut dyn FnMut(usize, usize) -> Result<()>) -> Result<Engine> {
         let c = pack.config();
         if c.arch != Arch::Qwen3Moe {
             return Err(Error::Unsupported(format!(
@@ -149,7 +319,7 @@ impl Engine {
         }
         c.validate()?;
         let backend = CpuBackend::new(opts.threads)?;
-        let weights = backend.install(|| Weights::load(&pack))?;
+        let weights = Weights::load(&pack, &backend, progress)?;
         let rope = Rope::new(c);
         Ok(Engine { inner: Arc::new(Inner { pack, weights, rope, backend: Box::new(backend) }) })
     }
@@ -307,9 +477,9 @@ mod tests {
         write_tiny_pack(dir.path(), &tiny_config(), &TinyPack::default()).unwrap();
         let prompt = [5, 17, 90, 3, 3, 44];
         let global = logits_of(dir.path(), &EngineOptions::default(), &prompt);
-        let pooled = logits_of(dir.path(), &EngineOptions { threads: Some(2) }, &prompt);
+        let pooled = logits_of(dir.path(), &EngineOptions { threads: Some(2), ..Default::default() }, &prompt);
         assert_eq!(global, pooled);
-        let e = Engine::load(dir.path(), &EngineOptions { threads: Some(0) });
+        let e = Engine::load(dir.path(), &EngineOptions { threads: Some(0), ..Default::default() });
         assert!(matches!(e, Err(Error::InvalidArgument(_))));
     }
 
@@ -348,5 +518,61 @@ mod tests {
         let c = tempfile::tempdir().unwrap();
         write_tiny_pack(c.path(), &cfg, &TinyPack::default()).unwrap();
         assert_ne!(logits_of(a.path(), &opts, &prompt), logits_of(c.path(), &opts, &prompt));
+    }
+
+    #[test]
+    fn devices_parse_and_cuda_is_refused_without_the_backend() {
+        assert_eq!(Device::parse("cpu").unwrap(), Device::Cpu);
+        assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(0));
+        assert_eq!(Device::parse("cuda:3").unwrap(), Device::Cuda(3));
+        for bad in ["", "gpu", "cuda:", "cuda:-1", "cuda:+1", "cuda:1x", "CPU", "cuda:99999999999"] {
+            assert!(matches!(Device::parse(bad), Err(Error::InvalidArgument(_))), "{bad:?}");
+        }
+        assert_eq!(Device::parse_list(&[]).unwrap(), vec![Device::Cpu]);
+        let err = Device::parse_list(&["cuda:1".into()]).unwrap_err();
+        assert!(matches!(err, Error::NoCuda(ref m) if m.contains("cuda")), "{err}");
+        // Bad devices are refused before the pack is opened.
+        let e = Engine::load(
+            Path::new("/nonexistent"),
+            &EngineOptions { devices: vec!["tpu".into()], ..Default::default() },
+        );
+        assert!(matches!(e, Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn load_reports_progress_verifies_and_cancels() {
+        let dir = tempfile::tempdir().unwrap();
+        write_tiny_pack(dir.path(), &tiny_config(), &TinyPack::default()).unwrap();
+        let opts = EngineOptions { verify_checksums: true, ..Default::default() };
+        let mut seen = Vec::new();
+        Engine::load_with_progress(dir.path(), &opts, &mut |f| {
+            seen.push(f);
+            true
+        })
+        .unwrap();
+        assert_eq!((seen[0], *seen.last().unwrap()), (0.0, 1.0));
+        assert!(seen.windows(2).all(|w| w[0] <= w[1]));
+        // Verify ends at 0.5; then 3 steps: 2 layers, the embedding and head.
+        let tail = &seen[seen.len() - 4..];
+        let want = [0.5, 0.5 + 0.5 / 3.0, 0.5 + 1.0 / 3.0, 1.0];
+        assert!(tail.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{seen:?}");
+        assert!(seen.iter().any(|&f| f > PROGRESS_OPENED && f < PROGRESS_VERIFIED), "{seen:?}");
+        let mut last = 0.0;
+        let err = Engine::load_with_progress(dir.path(), &opts, &mut |f| {
+            last = f;
+            f < 0.6
+        });
+        assert!(matches!(err, Err(Error::Cancelled)));
+        assert!((last - (0.5 + 0.5 / 3.0)).abs() < 1e-6, "no call after the cancel: {last}");
+        // A corrupt pack fails verification when asked, and only then.
+        let pack = Pack::open(dir.path()).unwrap();
+        let off = pack.manifest().experts.entries[3].offset as usize + 7;
+        drop(pack);
+        let path = dir.path().join("experts.bin");
+        let mut b = std::fs::read(&path).unwrap();
+        b[off] ^= 1;
+        std::fs::write(&path, b).unwrap();
+        assert!(matches!(Engine::load(dir.path(), &opts), Err(Error::Checksum { .. })));
+        assert!(Engine::load(dir.path(), &EngineOptions::default()).is_ok());
     }
 }

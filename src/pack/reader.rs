@@ -322,6 +322,15 @@ impl Pack {
 
     /// Recomputes every checksum. `progress` is called with (done, total) bytes.
     pub fn verify(&self, mut progress: impl FnMut(u64, u64)) -> Result<()> {
+        self.verify_with(|done, total| {
+            progress(done, total);
+            true
+        })
+    }
+
+    /// `verify` that can be cancelled: `progress` returning false stops it
+    /// with `Error::Cancelled`.
+    pub fn verify_with(&self, mut progress: impl FnMut(u64, u64) -> bool) -> Result<()> {
         let m = &self.manifest;
         let total: u64 =
             m.tensors.iter().map(|t| t.nbytes).sum::<u64>() + m.experts.entries.len() as u64 * self.layout().used_len();
@@ -344,7 +353,9 @@ impl Pack {
                 });
             }
             done += t.nbytes;
-            progress(done, total);
+            if !progress(done, total) {
+                return Err(Error::Cancelled);
+            }
         }
         let experts_path = self.dir.join(&m.experts.file);
         let used = self.layout().used_len() as usize;
@@ -360,7 +371,9 @@ impl Pack {
                 });
             }
             done += used as u64;
-            progress(done, total);
+            if !progress(done, total) {
+                return Err(Error::Cancelled);
+            }
         }
         Ok(())
     }

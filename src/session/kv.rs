@@ -21,9 +21,23 @@ impl KvCache {
         KvCache { kv_dim, len: 0, layers: (0..num_layers).map(|_| LayerKv { k: Vec::new(), v: Vec::new() }).collect() }
     }
 
+    /// A cache holding `len` positions: per layer, keys and values
+    /// `[len, kv_dim]` (a restored session state).
+    pub fn from_layers(kv_dim: usize, len: usize, layers: Vec<(Vec<f32>, Vec<f32>)>) -> KvCache {
+        assert!(
+            layers.iter().all(|(k, v)| k.len() == len * kv_dim && v.len() == len * kv_dim),
+            "KvCache::from_layers: layer shapes"
+        );
+        KvCache { kv_dim, len, layers: layers.into_iter().map(|(k, v)| LayerKv { k, v }).collect() }
+    }
+
     /// Committed positions.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
     }
 
     /// Appends the keys and values `[T, kv_dim]` of the rows being run to `layer`.

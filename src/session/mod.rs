@@ -1,13 +1,19 @@
-//! A session: one conversation's tokens, KV cache and last logits.
+//! A session: one conversation's tokens, KV cache and last logits, with
+//! checkpoints to rewind to and a binary state to save and restore.
 //!
 //! Bad input is rejected before any state changes, and a failing forward
 //! leaves the session as it was before the call (tokens, KV, logits).
+//! Invariant: `logits` are those of the last held position, or `None`
+//! (an empty session, or after `truncate` when they are not known).
 
 pub(crate) mod kv;
+pub mod state;
+
+use std::collections::BTreeMap;
 
 use crate::engine::{Engine, Logits};
 use crate::error::{Error, Result};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, SamplingParams};
 use kv::KvCache;
 
 #[derive(Clone, Debug, Default)]
@@ -16,6 +22,26 @@ pub struct SessionOptions {
     pub context_size: usize,
     /// Tokens per forward during prefill; 0 = the whole prompt in one forward.
     pub prefill_chunk: usize,
+    /// Keep the logits of every position of the last prefill (`logits_at`).
+    pub keep_all_logits: bool,
+}
+
+/// What a rewind restores: the number of tokens and the logits of the last
+/// of them. qwen3_moe keeps only KV, which a rewind truncates; hybrid
+/// models (Qwen3-Next) will add their recurrent state here.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    /// Tokens the session held when the checkpoint was taken.
+    pub position: usize,
+    /// Logits of the last of those tokens (`None` at position 0).
+    pub logits: Option<Vec<f32>>,
+}
+
+/// The logits of positions `start..start + rows.len() / vocab` (the last
+/// prefill, with `keep_all_logits`), trimmed when the session is shortened.
+struct KeptLogits {
+    start: usize,
+    rows: Vec<f32>,
 }
 
 pub struct Session {
@@ -24,8 +50,18 @@ pub struct Session {
     tokens: Vec<u32>,
     /// Logits of the last position, when they match `tokens`.
     logits: Option<Vec<f32>>,
+    kept: Option<KeptLogits>,
     capacity: usize,
     prefill_chunk: usize,
+    keep_all_logits: bool,
+    /// Every checkpoint here is valid: its position is at most `len()` and
+    /// the tokens before it are unchanged, because shortening the session
+    /// below a checkpoint's position drops the checkpoint.
+    checkpoints: BTreeMap<u64, Checkpoint>,
+    /// Ids are never reused, so a stale id cannot name a new checkpoint.
+    next_checkpoint: u64,
+    /// The sampler of `step_with`, kept while its parameters are unchanged.
+    sampler: Option<Sampler>,
 }
 
 impl Session {
@@ -44,8 +80,13 @@ impl Session {
             engine,
             tokens: Vec::new(),
             logits: None,
+            kept: None,
             capacity,
             prefill_chunk: opts.prefill_chunk,
+            keep_all_logits: opts.keep_all_logits,
+            checkpoints: BTreeMap::new(),
+            next_checkpoint: 1,
+            sampler: None,
         })
     }
 
@@ -66,7 +107,8 @@ impl Session {
     }
 
     /// Samples the next token from the current logits, appends it and runs
-    /// it, so that `logits()` is fresh. Returns the token.
+    /// it, so that `logits()` is fresh. Returns the token. On error nothing
+    /// changes, the sampler's random stream included.
     pub fn step(&mut self, sampler: &mut Sampler) -> Result<u32> {
         let Some(logits) = &self.logits else {
             return Err(Error::InvalidArgument(format!(
@@ -75,16 +117,86 @@ impl Session {
             )));
         };
         self.check_room(1)?;
+        if let Some((i, v)) = logits.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(Error::NonFinite(format!(
+                "logit {i} of position {} is {v}: cannot sample",
+                self.tokens.len() - 1
+            )));
+        }
+        let before = sampler.clone();
         let token = sampler.sample(logits)?;
-        let logits = self.engine.forward(&mut self.kv, &[token], Logits::Last)?;
-        self.tokens.push(token);
-        self.logits = Some(logits);
-        Ok(token)
+        match self.engine.forward(&mut self.kv, &[token], Logits::Last) {
+            Ok(logits) => {
+                self.tokens.push(token);
+                self.logits = Some(logits);
+                Ok(token)
+            }
+            Err(e) => {
+                *sampler = before;
+                Err(e)
+            }
+        }
+    }
+
+    /// `step` with the session's own sampler, made from `params` and kept
+    /// across calls while `params` stay equal: a run of `step_with` with
+    /// one seed gives the tokens of a `Sampler` loop with that seed.
+    pub fn step_with(&mut self, params: &SamplingParams) -> Result<u32> {
+        let previous = self.sampler.take();
+        let mut sampler = match &previous {
+            Some(s) if s.params() == params => s.clone(),
+            _ => match Sampler::new(params.clone()) {
+                Ok(s) => s,
+                Err(e) => {
+                    self.sampler = previous;
+                    return Err(e);
+                }
+            },
+        };
+        let r = self.step(&mut sampler);
+        self.sampler = if r.is_ok() { Some(sampler) } else { previous };
+        r
+    }
+
+    /// The sampler `step_with` uses, if it has run.
+    pub fn sampler(&self) -> Option<&Sampler> {
+        self.sampler.as_ref()
     }
 
     /// Logits of the last position, if the last call produced them.
     pub fn logits(&self) -> Option<&[f32]> {
         self.logits.as_deref()
+    }
+
+    /// Logits of one position: `index >= 0` is a position, `-1` the last,
+    /// `-2` the one before... The last position's are always there (after
+    /// a prefill or step); others only with `keep_all_logits`, for the
+    /// positions of the last prefill.
+    pub fn logits_at(&self, index: i64) -> Result<&[f32]> {
+        let len = self.tokens.len();
+        let pos = if index < 0 { len as i64 + index } else { index };
+        if pos < 0 || pos >= len as i64 {
+            return Err(Error::InvalidArgument(format!("logits index {index}: the session holds {len} positions")));
+        }
+        let pos = pos as usize;
+        if pos + 1 == len {
+            if let Some(l) = &self.logits {
+                return Ok(l);
+            }
+        }
+        self.kept_row(pos).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "logits of position {pos} are not kept (only the last position's, and with keep_all_logits \
+                 those of the last prefill)"
+            ))
+        })
+    }
+
+    fn kept_row(&self, pos: usize) -> Option<&[f32]> {
+        let vocab = self.engine.config().vocab_size;
+        let k = self.kept.as_ref()?;
+        let i = pos.checked_sub(k.start)?;
+        k.rows.get(i * vocab..(i + 1) * vocab)
     }
 
     pub fn tokens(&self) -> &[u32] {
@@ -104,22 +216,123 @@ impl Session {
         self.capacity
     }
 
-    /// Keeps the first `n` tokens and their KV, dropping the rest. Logits
-    /// become `None` unless `n == len()` (nothing changes then).
+    /// Keeps the first `n` tokens and their KV, dropping the rest. The
+    /// logits are those of position `n - 1` when the session knows them (a
+    /// checkpoint at `n`, kept logits), else `None`; `rewind_to` recomputes
+    /// them instead.
     pub fn truncate(&mut self, n: usize) -> Result<()> {
+        self.check_shorten(n, "truncate")?;
+        if n < self.tokens.len() {
+            let known = self.known_logits(n);
+            self.shorten(n);
+            self.logits = known;
+        }
+        Ok(())
+    }
+
+    /// Keeps the first `position` tokens, with exact logits: from a
+    /// checkpoint at `position` or the kept logits when there is one, else
+    /// by running token `position - 1` again. Logits then equal bit for bit
+    /// those of a fresh session fed the same tokens. If that forward fails,
+    /// the session holds `position - 1` tokens.
+    pub fn rewind_to(&mut self, position: usize) -> Result<()> {
+        self.check_shorten(position, "rewind_to")?;
+        if position == self.tokens.len() && (self.logits.is_some() || position == 0) {
+            return Ok(());
+        }
+        let known = self.known_logits(position);
+        if known.is_some() || position == 0 {
+            self.shorten(position);
+            self.logits = known;
+            return Ok(());
+        }
+        let last = self.tokens[position - 1];
+        self.shorten(position - 1);
+        self.logits = None;
+        let logits = self.engine.forward(&mut self.kv, &[last], Logits::Last)?;
+        self.tokens.push(last);
+        self.logits = Some(logits);
+        Ok(())
+    }
+
+    /// Records the current position and logits; `rewind(id)` returns here.
+    /// The id stays valid until the session is shortened below this
+    /// position (by a rewind, `rewind_to`, `truncate` or a state load) or
+    /// the checkpoint is released.
+    pub fn checkpoint(&mut self) -> u64 {
+        let id = self.next_checkpoint;
+        self.next_checkpoint += 1;
+        self.checkpoints.insert(id, Checkpoint { position: self.tokens.len(), logits: self.logits.clone() });
+        id
+    }
+
+    /// Returns to checkpoint `id`: its position and logits, exactly.
+    /// Checkpoints at later positions become invalid; this one stays.
+    pub fn rewind(&mut self, id: u64) -> Result<()> {
+        let cp = self.checkpoints.get(&id).ok_or_else(|| Self::no_checkpoint(id))?;
+        let (position, logits) = (cp.position, cp.logits.clone());
+        self.shorten(position);
+        self.logits = logits;
+        Ok(())
+    }
+
+    /// Forgets checkpoint `id` (its logits are freed).
+    pub fn release_checkpoint(&mut self, id: u64) -> Result<()> {
+        self.checkpoints.remove(&id).map(|_| ()).ok_or_else(|| Self::no_checkpoint(id))
+    }
+
+    /// The checkpoint `id`, if it is valid.
+    pub fn checkpoint_info(&self, id: u64) -> Option<&Checkpoint> {
+        self.checkpoints.get(&id)
+    }
+
+    fn no_checkpoint(id: u64) -> Error {
+        Error::NotFound(format!(
+            "checkpoint {id} is unknown, released, or was invalidated when the session was shortened below its position"
+        ))
+    }
+
+    fn check_shorten(&self, n: usize, what: &str) -> Result<()> {
         if n > self.tokens.len() {
             return Err(Error::InvalidArgument(format!(
-                "truncate to {n} tokens: the session holds only {}",
+                "{what} to {n} tokens: the session holds only {}",
                 self.tokens.len()
             )));
         }
-        if n == self.tokens.len() {
-            return Ok(());
+        Ok(())
+    }
+
+    /// The logits of position `n - 1` if the session has them without a
+    /// forward.
+    fn known_logits(&self, n: usize) -> Option<Vec<f32>> {
+        if n == 0 {
+            return None;
         }
+        if n == self.tokens.len() {
+            if let Some(l) = &self.logits {
+                return Some(l.clone());
+            }
+        }
+        if let Some(cp) = self.checkpoints.values().find(|cp| cp.position == n && cp.logits.is_some()) {
+            return cp.logits.clone();
+        }
+        self.kept_row(n - 1).map(|r| r.to_vec())
+    }
+
+    /// Drops tokens, KV and kept logits past `n`, and the checkpoints that
+    /// they invalidate. Leaves `logits` to the caller.
+    fn shorten(&mut self, n: usize) {
         self.kv.truncate(n);
         self.tokens.truncate(n);
-        self.logits = None;
-        Ok(())
+        self.checkpoints.retain(|_, cp| cp.position <= n);
+        let vocab = self.engine.config().vocab_size;
+        if let Some(k) = &mut self.kept {
+            if k.start >= n {
+                self.kept = None;
+            } else {
+                k.rows.truncate((n - k.start) * vocab);
+            }
+        }
     }
 
     fn check_room(&self, more: usize) -> Result<()> {
@@ -130,23 +343,25 @@ impl Session {
         Ok(())
     }
 
-    fn check_prompt(&self, tokens: &[u32]) -> Result<()> {
+    /// Checks a prompt against the vocabulary of `engine`: every failure of
+    /// `prefill` that does not depend on the session's state.
+    pub fn check_tokens(engine: &Engine, tokens: &[u32]) -> Result<()> {
         if tokens.is_empty() {
             return Err(Error::InvalidArgument("empty prompt: prefill needs at least one token".into()));
         }
-        let vocab = self.engine.config().vocab_size;
-        if let Some((i, &t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
-            return Err(Error::InvalidArgument(format!(
-                "token {t} at index {i} is outside the vocabulary (size {vocab})"
-            )));
+        let vocab = engine.config().vocab_size;
+        if let Some((index, &t)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+            return Err(Error::TokenOutOfRange { token: t.into(), index, vocab });
         }
-        self.check_room(tokens.len())
+        Ok(())
     }
 
     /// Runs a prompt in chunks; commits tokens and logits only when every
     /// chunk succeeded. Returns all rows' logits when `all`, else the last row's.
     fn run_prompt(&mut self, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
-        self.check_prompt(tokens)?;
+        Self::check_tokens(&self.engine, tokens)?;
+        self.check_room(tokens.len())?;
+        let all = all || self.keep_all_logits;
         let start = self.kv.len();
         let chunk = match self.prefill_chunk {
             0 => tokens.len(),
@@ -172,6 +387,9 @@ impl Session {
         let vocab = self.engine.config().vocab_size;
         self.tokens.extend_from_slice(tokens);
         self.logits = Some(out[out.len() - vocab..].to_vec());
+        if self.keep_all_logits {
+            self.kept = Some(KeptLogits { start, rows: out.clone() });
+        }
         Ok(out)
     }
 }
@@ -192,7 +410,7 @@ mod tests {
     }
 
     fn session(e: &Engine, prefill_chunk: usize) -> Session {
-        e.new_session(&SessionOptions { context_size: 0, prefill_chunk }).unwrap()
+        e.new_session(&SessionOptions { prefill_chunk, ..Default::default() }).unwrap()
     }
 
     const PROMPT: [u32; 11] = [3, 96, 14, 15, 92, 65, 35, 89, 79, 32, 38];
@@ -316,10 +534,8 @@ mod tests {
         assert_eq!(state(&s), before);
 
         let err = s.prefill_all(&[1, 2, 97, 5]).unwrap_err();
-        assert!(
-            matches!(err, Error::InvalidArgument(ref m) if m.contains("token 97 at index 2") && m.contains("97")),
-            "{err}"
-        );
+        assert!(matches!(err, Error::TokenOutOfRange { token: 97, index: 2, vocab: 97 }), "{err}");
+        assert!(err.to_string().contains("token 97 at index 2"), "{err}");
         assert_eq!(state(&s), before);
         let err = s.prefill(&[u32::MAX]).unwrap_err().to_string();
         assert!(err.contains(&u32::MAX.to_string()), "{err}");
@@ -350,9 +566,10 @@ mod tests {
     fn context_size_is_checked_and_limits_the_session() {
         let (_d, e) = tiny_engine(&TinyPack::default());
         let max = e.config().max_position_embeddings;
-        let err = e.new_session(&SessionOptions { context_size: max + 1, prefill_chunk: 0 }).err().unwrap().to_string();
+        let err =
+            e.new_session(&SessionOptions { context_size: max + 1, ..Default::default() }).err().unwrap().to_string();
         assert!(err.contains(&format!("context_size {}", max + 1)), "{err}");
-        let mut s = e.new_session(&SessionOptions { context_size: 8, prefill_chunk: 0 }).unwrap();
+        let mut s = e.new_session(&SessionOptions { context_size: 8, ..Default::default() }).unwrap();
         assert_eq!(s.capacity(), 8);
         assert_eq!(session(&e, 0).capacity(), max);
         let err = s.prefill(&PROMPT).unwrap_err();
@@ -373,5 +590,180 @@ mod tests {
         let scale = a.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let diff = a.iter().zip(&b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
         assert!(diff > 0.1 * scale, "max diff {diff} vs max logit {scale}");
+    }
+
+    fn keep_all(e: &Engine) -> Session {
+        e.new_session(&SessionOptions { keep_all_logits: true, ..Default::default() }).unwrap()
+    }
+
+    #[test]
+    fn rewind_to_a_checkpoint_restores_position_and_logits_exactly() {
+        let (_d, e) = tiny_engine(&TinyPack::default());
+        let mut s = session(&e, 3);
+        s.prefill(&PROMPT).unwrap();
+        let at_prompt = s.logits().unwrap().to_vec();
+        let cp = s.checkpoint();
+        let mut g = Sampler::greedy();
+        let first: Vec<(u32, Vec<f32>)> =
+            (0..4).map(|_| (s.step(&mut g).unwrap(), s.logits().unwrap().to_vec())).collect();
+        let late = s.checkpoint();
+        s.rewind(cp).unwrap();
+        assert_eq!((s.len(), s.tokens(), s.logits().unwrap()), (PROMPT.len(), &PROMPT[..], &at_prompt[..]));
+        let again: Vec<(u32, Vec<f32>)> =
+            (0..4).map(|_| (s.step(&mut g).unwrap(), s.logits().unwrap().to_vec())).collect();
+        assert_eq!(again, first, "bit for bit");
+        // A fresh session fed the same tokens agrees bit for bit too.
+        let mut fresh = session(&e, 0);
+        let mut all = PROMPT.to_vec();
+        all.extend(first.iter().map(|f| f.0));
+        assert_eq!(fresh.prefill(&all).unwrap(), &first[3].1[..]);
+        // `late` sits past the rewind point: invalid; `cp` stays valid.
+        assert!(matches!(s.rewind(late), Err(Error::NotFound(_))));
+        assert_eq!(s.checkpoint_info(cp).unwrap().position, PROMPT.len());
+        s.release_checkpoint(cp).unwrap();
+        assert!(matches!(s.rewind(cp), Err(Error::NotFound(_))));
+    }
+
+    #[test]
+    fn rewind_to_recomputes_logits_that_nobody_kept() {
+        let (_d, e) = tiny_engine(&TinyPack::default());
+        let mut s = session(&e, 0);
+        s.prefill(&PROMPT).unwrap();
+        let cp3 = s.checkpoint();
+        s.rewind_to(7).unwrap();
+        let mut fresh = session(&e, 0);
+        assert_eq!(s.logits().unwrap(), fresh.prefill(&PROMPT[..7]).unwrap());
+        assert_eq!(s.tokens(), &PROMPT[..7]);
+        // The checkpoint past 7 is gone, even though nothing was appended.
+        assert!(s.checkpoint_info(cp3).is_none());
+        // A checkpoint at or before the rewind point survives appends.
+        let cp7 = s.checkpoint();
+        s.prefill(&[1, 2]).unwrap();
+        s.rewind(cp7).unwrap();
+        assert_eq!(s.logits().unwrap(), fresh.logits().unwrap());
+        // truncate keeps known logits (a checkpoint here) and drops unknown ones.
+        s.prefill(&[5, 6]).unwrap();
+        s.truncate(7).unwrap();
+        assert_eq!(s.logits().unwrap(), fresh.logits().unwrap());
+        s.truncate(4).unwrap();
+        assert!(s.logits().is_none());
+        s.rewind_to(4).unwrap();
+        assert_eq!(s.logits().unwrap(), session(&e, 0).prefill(&PROMPT[..4]).unwrap());
+        s.rewind_to(0).unwrap();
+        assert!(s.is_empty() && s.logits().is_none());
+        assert!(matches!(s.rewind_to(1), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn kept_logits_cover_the_last_prefill_and_follow_truncation() {
+        let (_d, e) = tiny_engine(&TinyPack::default());
+        let vocab = e.config().vocab_size;
+        let whole = session(&e, 0).prefill_all(&PROMPT).unwrap();
+        let mut s = keep_all(&e);
+        s.prefill(&PROMPT[..2]).unwrap();
+        s.prefill(&PROMPT[2..]).unwrap();
+        for pos in 2..PROMPT.len() {
+            assert_eq!(s.logits_at(pos as i64).unwrap(), &whole[pos * vocab..(pos + 1) * vocab]);
+        }
+        assert_eq!(s.logits_at(-1).unwrap(), s.logits_at(PROMPT.len() as i64 - 1).unwrap());
+        assert_eq!(s.logits_at(-9).unwrap(), s.logits_at(2).unwrap());
+        for bad in [1, -10, 11, -12] {
+            assert!(matches!(s.logits_at(bad), Err(Error::InvalidArgument(_))), "{bad}");
+        }
+        // After a step the last position is the step's; kept rows remain.
+        s.step(&mut Sampler::greedy()).unwrap();
+        assert_eq!(s.logits_at(-1).unwrap(), s.logits().unwrap());
+        assert_eq!(s.logits_at(5).unwrap(), &whole[5 * vocab..6 * vocab]);
+        // Truncation trims them; rewind_to inside them needs no forward.
+        s.rewind_to(6).unwrap();
+        assert_eq!(s.logits().unwrap(), &whole[5 * vocab..6 * vocab]);
+        assert!(s.logits_at(6).is_err());
+        // Without keep_all_logits, only the last position's.
+        let mut plain = session(&e, 0);
+        plain.prefill(&PROMPT).unwrap();
+        let err = plain.logits_at(0).unwrap_err().to_string();
+        assert!(err.contains("not kept"), "{err}");
+    }
+
+    #[test]
+    fn step_with_keeps_its_sampler_while_params_are_equal() {
+        let (_d, e) = tiny_engine(&TinyPack::default());
+        let params = SamplingParams { temperature: 0.9, top_k: 30, seed: 5, ..SamplingParams::default() };
+        let mut a = session(&e, 0);
+        a.prefill(&PROMPT).unwrap();
+        let via_session: Vec<u32> = (0..10).map(|_| a.step_with(&params).unwrap()).collect();
+        let mut b = session(&e, 0);
+        b.prefill(&PROMPT).unwrap();
+        let mut sampler = Sampler::new(params.clone()).unwrap();
+        let via_loop: Vec<u32> = (0..10).map(|_| b.step(&mut sampler).unwrap()).collect();
+        assert_eq!(via_session, via_loop);
+        // New params start a new stream; invalid params change nothing.
+        let before = a.save_state();
+        let bad = SamplingParams { top_p: 0.0, ..params.clone() };
+        assert!(a.step_with(&bad).is_err());
+        assert_eq!(a.save_state(), before);
+        assert_eq!(a.sampler().unwrap().params(), &params);
+        // A failed step (context full) leaves the sampler's stream where it was.
+        let mut full = e.new_session(&SessionOptions { context_size: PROMPT.len() + 1, ..Default::default() }).unwrap();
+        full.prefill(&PROMPT).unwrap();
+        full.step_with(&params).unwrap();
+        let state = full.save_state();
+        assert!(matches!(full.step_with(&params), Err(Error::ContextOverflow { .. })));
+        assert_eq!(full.save_state(), state);
+    }
+
+    #[test]
+    fn non_finite_logits_are_reported_as_such() {
+        let (_d, e) = tiny_engine(&TinyPack::default());
+        let mut s = session(&e, 0);
+        s.prefill(&PROMPT).unwrap();
+        s.logits.as_mut().unwrap()[3] = f32::NAN;
+        let err = s.step(&mut Sampler::greedy()).unwrap_err();
+        assert!(matches!(err, Error::NonFinite(ref m) if m.contains("logit 3 of position 10 is NaN")), "{err}");
+        assert_eq!(s.len(), PROMPT.len());
+    }
+
+    #[test]
+    fn state_round_trips_and_is_validated_before_use() {
+        let (_d, e) = tiny_engine(&TinyPack::default());
+        let params = SamplingParams { temperature: 1.1, seed: 9, ..SamplingParams::default() };
+        let mut a = session(&e, 0);
+        a.prefill(&PROMPT).unwrap();
+        a.step_with(&params).unwrap();
+        let bytes = a.save_state();
+        assert_eq!(bytes.len(), a.state_size());
+        assert_eq!(&bytes[..8], b"STRATAST");
+        let mut b = session(&e, 0);
+        b.load_state(&bytes).unwrap();
+        assert_eq!((b.tokens(), b.logits()), (a.tokens(), a.logits()));
+        assert_eq!(b.save_state(), bytes, "save(load(x)) == x");
+        let next: Vec<u32> = (0..5).map(|_| a.step_with(&params).unwrap()).collect();
+        assert_eq!((0..5).map(|_| b.step_with(&params).unwrap()).collect::<Vec<_>>(), next);
+
+        // Every corruption is refused and leaves the session as it was.
+        let mut c = session(&e, 0);
+        c.prefill(&[4, 5]).unwrap();
+        let keep = c.save_state();
+        let mut flags = bytes.clone();
+        flags[12] |= 8;
+        let mut token = bytes.clone();
+        token[44..48].copy_from_slice(&1000u32.to_le_bytes());
+        let body = token.len() - 4;
+        let crc = crc32fast::hash(&token[..body]);
+        token[body..].copy_from_slice(&crc.to_le_bytes());
+        let mut huge = bytes.clone();
+        huge[36..44].copy_from_slice(&u64::MAX.to_le_bytes());
+        for (bad, want) in [
+            (&flags[..], "unknown flags"),
+            (&huge[..], "truncated"),
+            (&bytes[..bytes.len() - 4], "truncated"),
+            (&bytes[..0], "shorter"),
+        ] {
+            let err = c.load_state(bad).unwrap_err().to_string();
+            assert!(err.contains(want), "{err} lacks {want}");
+            assert_eq!(c.save_state(), keep);
+        }
+        assert!(matches!(c.load_state(&token), Err(Error::TokenOutOfRange { token: 1000, index: 0, .. })));
+        assert_eq!(c.save_state(), keep);
     }
 }
