@@ -25,6 +25,14 @@ pub struct strata_engine {
     tokenizer: Result<Tokenizer, String>,
 }
 
+// The thread-safety promised above: an engine is shared by reference
+// across threads, a session is moved between them.
+const _: () = {
+    const fn shareable<T: Send + Sync>() {}
+    shareable::<strata_engine>();
+    shareable::<super::session::strata_session>();
+};
+
 /// Load progress: `fraction` goes from 0 to 1 and never decreases; return
 /// false to cancel the load (it then fails with `STRATA_ERR_CANCELLED`).
 /// Called on the thread that called `strata_engine_load`, never after it
