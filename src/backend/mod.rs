@@ -8,6 +8,7 @@
 pub mod cpu;
 pub mod rope;
 
+pub use cpu::deltanet::{DeltaNetShape, DeltaNetState, GatedDeltaNetWeights};
 pub use cpu::CpuBackend;
 pub use rope::Rope;
 
@@ -90,4 +91,20 @@ pub trait Backend: Send + Sync {
     /// (in `groups` order); row r of group g gives
     /// `out[r] = down(silu(gate x[r]) * up x[r])` with g's weights.
     fn expert_ffn(&self, groups: &[ExpertRows<'_>], x: &[f32], out: &mut [f32]);
+
+    /// A whole Gated DeltaNet mixer over `x [T, hidden]` (already normed),
+    /// continuing from `state` and updating it (qwen3_next linear layers;
+    /// `cpu::deltanet::gated_deltanet_layer`). `out [T, hidden]`.
+    fn gated_deltanet(
+        &self,
+        x: &[f32],
+        w: &GatedDeltaNetWeights<'_>,
+        shape: DeltaNetShape,
+        eps: f32,
+        state: &mut DeltaNetState,
+        out: &mut [f32],
+    );
+
+    /// Gated attention's output gate, in place: `attn *= sigmoid(gate)`.
+    fn output_gate(&self, attn: &mut [f32], gate: &[f32]);
 }

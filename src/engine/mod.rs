@@ -9,6 +9,14 @@
 //! logits = lm_head(rmsnorm(x))
 //! ```
 //!
+//! qwen3_next (`Qwen3NextForCausalLM`) runs in the same forward, branching
+//! per layer: zero-centered norms (`1 + w`, folded into the weights at load),
+//! gated full attention (q_proj emits `[q | gate]` per head, partial rotary,
+//! `o_proj(attn * sigmoid(gate))`) or a Gated DeltaNet whose state lives in
+//! the session's cache, and the shared expert
+//! `sigmoid(h . shared_expert_gate) * shared_expert(h)` added to the routed
+//! experts. MTP weights are not used.
+//!
 //! Every op goes through the `Backend`; the MoE block is `moe::forward`.
 //! `Engine` is a cheap handle (an `Arc`); sessions hold one each.
 
@@ -21,12 +29,16 @@ use std::sync::{mpsc, Arc};
 
 use rayon::prelude::*;
 
-use crate::backend::{AttentionShape, Backend, CpuBackend, Matrix, Rope};
+use crate::backend::cpu::next_ops::{sigmoid, split_q_gate};
+use crate::backend::cpu::ops::silu;
+use crate::backend::{
+    AttentionShape, Backend, CpuBackend, DeltaNetShape, ExpertRows, GatedDeltaNetWeights, Matrix, Rope,
+};
 use crate::error::{Error, Result};
 use crate::model::weights::{layer_tensor_name, model_tensor_name, Role};
-use crate::model::{Arch, ModelConfig};
+use crate::model::ModelConfig;
 use crate::moe::{self, MoeLayer};
-use crate::pack::Pack;
+use crate::pack::{ExpertView, Pack, TensorData};
 use crate::session::kv::KvCache;
 use crate::session::{Session, SessionOptions};
 
@@ -138,15 +150,50 @@ struct Weights {
 }
 
 struct LayerWeights {
+    /// Norm weights as applied: `1 + w` already for zero-centered norms.
     input_norm: Vec<f32>,
-    q_proj: Matrix,
-    k_proj: Matrix,
-    v_proj: Matrix,
-    o_proj: Matrix,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
+    mixer: Mixer,
     post_attn_norm: Vec<f32>,
     router: Matrix,
+    /// qwen3_next's shared expert.
+    shared: Option<SharedExpert>,
+}
+
+/// The token mixer of a layer: full attention (gated for qwen3_next) or a
+/// Gated DeltaNet.
+enum Mixer {
+    Attention {
+        q_proj: Matrix,
+        k_proj: Matrix,
+        v_proj: Matrix,
+        o_proj: Matrix,
+        q_norm: Vec<f32>,
+        k_norm: Vec<f32>,
+    },
+    Linear {
+        in_proj_qkvz: Matrix,
+        in_proj_ba: Matrix,
+        conv1d: Vec<f32>,
+        dt_bias: Vec<f32>,
+        a_log: Vec<f32>,
+        norm: Vec<f32>,
+        out_proj: Matrix,
+    },
+}
+
+/// `sigmoid(x . gate) * mlp(x)`, added to the routed experts' output.
+struct SharedExpert {
+    /// `[1, hidden]`.
+    gate: Matrix,
+    mlp: SharedMlp,
+}
+
+enum SharedMlp {
+    /// NVFP4 in the pack (the converter's layout): run by the experts' own
+    /// `Backend::expert_ffn`, global scales included, from these tensors.
+    Nvfp4 { gate: String, up: String, down: String },
+    /// Stored dense (BF16/F32): decoded once.
+    Dense { gate: Matrix, up: Matrix, down: Matrix },
 }
 
 /// Which rows of a forward need logits.
@@ -179,18 +226,99 @@ impl LayerWeights {
         let c = pack.config();
         let h = c.hidden_size;
         let n = |role| layer_tensor_name(l, role);
+        let norm = |role, len| -> Result<Vec<f32>> {
+            let mut w = load_vector(pack, &n(role), len)?;
+            if c.arch.zero_centered_norms() {
+                w.iter_mut().for_each(|v| *v += 1.0);
+            }
+            Ok(w)
+        };
+        let mixer = if c.is_full_attention(l) {
+            Mixer::Attention {
+                q_proj: load_matrix(pack, &n(Role::QProj), c.q_proj_dim(), h)?,
+                k_proj: load_matrix(pack, &n(Role::KProj), c.kv_dim(), h)?,
+                v_proj: load_matrix(pack, &n(Role::VProj), c.kv_dim(), h)?,
+                o_proj: load_matrix(pack, &n(Role::OProj), h, c.q_dim())?,
+                q_norm: norm(Role::QNorm, c.head_dim)?,
+                k_norm: norm(Role::KNorm, c.head_dim)?,
+            }
+        } else {
+            let s = deltanet_shape(c);
+            let conv_name = n(Role::LinearConv1d);
+            let conv = pack.tensor(&conv_name)?;
+            if conv.shape != [s.conv_dim() as u64, 1, s.conv_kernel as u64] {
+                return Err(Error::tensor(
+                    &conv_name,
+                    format!("shape {:?}, the engine needs [{}, 1, {}]", conv.shape, s.conv_dim(), s.conv_kernel),
+                ));
+            }
+            Mixer::Linear {
+                in_proj_qkvz: load_matrix(pack, &n(Role::LinearInProjQkvz), s.qkvz_dim(), h)?,
+                in_proj_ba: load_matrix(pack, &n(Role::LinearInProjBa), s.ba_dim(), h)?,
+                conv1d: conv.to_f32(),
+                dt_bias: load_vector(pack, &n(Role::LinearDtBias), s.value_heads)?,
+                a_log: load_vector(pack, &n(Role::LinearALog), s.value_heads)?,
+                norm: load_vector(pack, &n(Role::LinearNorm), s.value_head_dim)?,
+                out_proj: load_matrix(pack, &n(Role::LinearOutProj), h, s.value_dim())?,
+            }
+        };
+        let shared = match c.shared_expert_intermediate_size() {
+            None => None,
+            Some(is) => Some(SharedExpert {
+                gate: load_matrix(pack, &n(Role::SharedExpertGate), 1, h)?,
+                mlp: {
+                    let names = [n(Role::SharedGateProj), n(Role::SharedUpProj), n(Role::SharedDownProj)];
+                    let shapes = [[is, h], [is, h], [h, is]];
+                    let mut nvfp4 = true;
+                    for (name, [r, cols]) in names.iter().zip(shapes) {
+                        let t = pack.tensor(name)?;
+                        if t.shape != [r as u64, cols as u64] {
+                            return Err(Error::tensor(
+                                name,
+                                format!("shape {:?}, the engine needs [{r}, {cols}]", t.shape),
+                            ));
+                        }
+                        nvfp4 &= matches!(t.data, TensorData::Nvfp4(_));
+                    }
+                    let [gate, up, down] = names;
+                    if nvfp4 {
+                        SharedMlp::Nvfp4 { gate, up, down }
+                    } else {
+                        SharedMlp::Dense {
+                            gate: load_matrix(pack, &gate, is, h)?,
+                            up: load_matrix(pack, &up, is, h)?,
+                            down: load_matrix(pack, &down, h, is)?,
+                        }
+                    }
+                },
+            }),
+        };
         Ok(LayerWeights {
-            input_norm: load_vector(pack, &n(Role::InputNorm), h)?,
-            q_proj: load_matrix(pack, &n(Role::QProj), c.q_dim(), h)?,
-            k_proj: load_matrix(pack, &n(Role::KProj), c.kv_dim(), h)?,
-            v_proj: load_matrix(pack, &n(Role::VProj), c.kv_dim(), h)?,
-            o_proj: load_matrix(pack, &n(Role::OProj), h, c.q_dim())?,
-            q_norm: load_vector(pack, &n(Role::QNorm), c.head_dim)?,
-            k_norm: load_vector(pack, &n(Role::KNorm), c.head_dim)?,
-            post_attn_norm: load_vector(pack, &n(Role::PostAttnNorm), h)?,
+            input_norm: norm(Role::InputNorm, h)?,
+            mixer,
+            post_attn_norm: norm(Role::PostAttnNorm, h)?,
             router: load_matrix(pack, &n(Role::Router), c.num_experts, h)?,
+            shared,
         })
     }
+}
+
+/// The Gated DeltaNet shape of a qwen3_next model (panics for qwen3_moe).
+fn deltanet_shape(c: &ModelConfig) -> DeltaNetShape {
+    let l = c.linear_attn().expect("a qwen3_next config");
+    DeltaNetShape {
+        key_heads: l.num_key_heads,
+        value_heads: l.num_value_heads,
+        key_head_dim: l.key_head_dim,
+        value_head_dim: l.value_head_dim,
+        conv_kernel: l.conv_kernel,
+    }
+}
+
+/// Per layer, the Gated DeltaNet shape of linear layers (`None` for full
+/// attention): what a session's cache holds.
+pub(crate) fn linear_layers(c: &ModelConfig) -> Vec<Option<DeltaNetShape>> {
+    (0..c.num_hidden_layers).map(|l| (!c.is_full_attention(l)).then(|| deltanet_shape(c))).collect()
 }
 
 impl Weights {
@@ -232,7 +360,13 @@ impl Weights {
             Ok(Weights {
                 embed: load_matrix(pack, model_tensor_name(Role::Embedding), v, h)?,
                 layers,
-                final_norm: load_vector(pack, model_tensor_name(Role::FinalNorm), h)?,
+                final_norm: {
+                    let mut w = load_vector(pack, model_tensor_name(Role::FinalNorm), h)?;
+                    if c.arch.zero_centered_norms() {
+                        w.iter_mut().for_each(|v| *v += 1.0);
+                    }
+                    w
+                },
                 lm_head,
             })
         };
@@ -310,13 +444,6 @@ impl Engine {
 
     fn build(pack: Pack, opts: &EngineOptions, progress: &mut dyn FnMut(usize, usize) -> Result<()>) -> Result<Engine> {
         let c = pack.config();
-        if c.arch != Arch::Qwen3Moe {
-            return Err(Error::Unsupported(format!(
-                "{}: architecture {} (the engine runs qwen3_moe)",
-                pack.dir().display(),
-                c.arch.name()
-            )));
-        }
         c.validate()?;
         let backend = CpuBackend::new(opts.threads)?;
         let weights = Weights::load(&pack, &backend, progress)?;
@@ -342,11 +469,13 @@ impl Engine {
     }
 
     /// Runs `tokens` at positions `kv.len()..`, appending their keys and
-    /// values, and returns the requested logits (`[rows, vocab]`). On error
-    /// the cache is back at its length before the call.
+    /// values (and advancing the Gated DeltaNet states of a hybrid), and
+    /// returns the requested logits (`[rows, vocab]`). On error the cache is
+    /// back where it was before the call, recurrent states included.
     pub(crate) fn forward(&self, kv: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         assert!(!tokens.is_empty(), "forward: no tokens (the session rejects empty prompts)");
         let start = kv.len();
+        let deltas = if kv.is_hybrid() { Some(kv.deltas()) } else { None };
         match self.forward_rows(kv, tokens, logits) {
             Ok(l) => {
                 kv.commit(tokens.len());
@@ -354,6 +483,9 @@ impl Engine {
             }
             Err(e) => {
                 kv.truncate(start);
+                if let Some(d) = deltas {
+                    kv.restore_deltas(&d);
+                }
                 Err(e)
             }
         }
@@ -369,7 +501,10 @@ impl Engine {
             row.copy_from_slice(w.embed.row(tok as usize));
         }
         for (l, lw) in w.layers.iter().enumerate() {
-            self.attention_block(l, lw, kv, &mut x);
+            match &lw.mixer {
+                Mixer::Attention { .. } => self.attention_block(l, lw, kv, &mut x),
+                Mixer::Linear { .. } => self.linear_block(l, lw, kv, &mut x),
+            }
             self.moe_block(l, lw, &mut x)?;
         }
         let rows = match logits {
@@ -398,19 +533,31 @@ impl Engine {
         let t = x.len() / c.hidden_size;
         let start_pos = kv.len();
 
+        let Mixer::Attention { q_proj, k_proj, v_proj, o_proj, q_norm, k_norm } = &lw.mixer else {
+            unreachable!("attention_block on a linear layer")
+        };
         let mut h = vec![0.0f32; x.len()];
         b.rmsnorm(x, &lw.input_norm, eps, &mut h);
         let mut q = vec![0.0f32; t * shape.q_dim()];
         let mut k = vec![0.0f32; t * shape.kv_dim()];
         let mut v = vec![0.0f32; t * shape.kv_dim()];
-        b.matmul(&h, &lw.q_proj, &mut q);
-        b.matmul(&h, &lw.k_proj, &mut k);
-        b.matmul(&h, &lw.v_proj, &mut v);
+        let mut gate = Vec::new();
+        if c.has_attention_gate() {
+            // q_proj emits [q | gate] per head.
+            let mut qg = vec![0.0f32; t * c.q_proj_dim()];
+            b.matmul(&h, q_proj, &mut qg);
+            gate = vec![0.0f32; q.len()];
+            split_q_gate(&qg, shape.heads, shape.head_dim, &mut q, &mut gate);
+        } else {
+            b.matmul(&h, q_proj, &mut q);
+        }
+        b.matmul(&h, k_proj, &mut k);
+        b.matmul(&h, v_proj, &mut v);
         // q_norm / k_norm: RMSNorm over each head's head_dim, before RoPE.
         let mut qn = vec![0.0f32; q.len()];
         let mut kn = vec![0.0f32; k.len()];
-        b.rmsnorm(&q, &lw.q_norm, eps, &mut qn);
-        b.rmsnorm(&k, &lw.k_norm, eps, &mut kn);
+        b.rmsnorm(&q, q_norm, eps, &mut qn);
+        b.rmsnorm(&k, k_norm, eps, &mut kn);
         b.rope(&mut qn, shape.heads, shape.head_dim, start_pos, &self.inner.rope);
         b.rope(&mut kn, shape.kv_heads, shape.head_dim, start_pos, &self.inner.rope);
         kv.append(layer, &kn, &v);
@@ -418,8 +565,26 @@ impl Engine {
         let (k_cache, v_cache) = kv.layer(layer);
         let mut attn = vec![0.0f32; q.len()];
         b.attention(&qn, k_cache, v_cache, shape, start_pos, &mut attn);
+        if c.has_attention_gate() {
+            b.output_gate(&mut attn, &gate);
+        }
         let mut o = vec![0.0f32; x.len()];
-        b.matmul(&attn, &lw.o_proj, &mut o);
+        b.matmul(&attn, o_proj, &mut o);
+        b.add(x, &o);
+    }
+
+    /// `x += gated_deltanet(norm(x))`, advancing the layer's recurrent state.
+    fn linear_block(&self, layer: usize, lw: &LayerWeights, kv: &mut KvCache, x: &mut [f32]) {
+        let c = self.config();
+        let b = &*self.inner.backend;
+        let Mixer::Linear { in_proj_qkvz, in_proj_ba, conv1d, dt_bias, a_log, norm, out_proj } = &lw.mixer else {
+            unreachable!("linear_block on an attention layer")
+        };
+        let mut h = vec![0.0f32; x.len()];
+        b.rmsnorm(x, &lw.input_norm, self.eps(), &mut h);
+        let w = GatedDeltaNetWeights { in_proj_qkvz, in_proj_ba, conv1d, dt_bias, a_log, norm, out_proj };
+        let mut o = vec![0.0f32; x.len()];
+        b.gated_deltanet(&h, &w, deltanet_shape(c), self.eps(), kv.delta_mut(layer), &mut o);
         b.add(x, &o);
     }
 
@@ -433,7 +598,47 @@ impl Engine {
             MoeLayer { layer, router: &lw.router, top_k: c.num_experts_per_tok, norm_topk_prob: c.norm_topk_prob };
         let mut out = vec![0.0f32; x.len()];
         moe::forward(b, &self.inner.pack, &moe, &h, &mut out)?;
+        if let Some(shared) = &lw.shared {
+            self.shared_expert(shared, &h, &mut out)?;
+        }
         b.add(x, &out);
+        Ok(())
+    }
+
+    /// `out += sigmoid(h . gate) * shared_mlp(h)` over `h [T, hidden]`.
+    fn shared_expert(&self, se: &SharedExpert, h: &[f32], out: &mut [f32]) -> Result<()> {
+        let b = &*self.inner.backend;
+        let hidden = self.config().hidden_size;
+        let t = h.len() / hidden;
+        let mut y = vec![0.0f32; h.len()];
+        match &se.mlp {
+            SharedMlp::Nvfp4 { gate, up, down } => {
+                let pack = &self.inner.pack;
+                let m = |name: &str| match pack.tensor(name)?.data {
+                    TensorData::Nvfp4(m) => Ok(m),
+                    _ => Err(Error::tensor(name, "the shared expert is no longer NVFP4")),
+                };
+                let weights = ExpertView { gate: m(gate)?, up: m(up)?, down: m(down)?, blob: &[] };
+                b.expert_ffn(&[ExpertRows { weights, rows: t }], h, &mut y);
+            }
+            SharedMlp::Dense { gate, up, down } => {
+                let (mut g, mut u) = (vec![0.0f32; t * gate.rows], vec![0.0f32; t * up.rows]);
+                b.matmul(h, gate, &mut g);
+                b.matmul(h, up, &mut u);
+                for (gv, uv) in g.iter_mut().zip(&u) {
+                    *gv = silu(*gv) * uv;
+                }
+                b.matmul(&g, down, &mut y);
+            }
+        }
+        let mut logit = vec![0.0f32; t];
+        b.matmul(h, &se.gate, &mut logit);
+        for ((o, yr), &l) in out.chunks_exact_mut(hidden).zip(y.chunks_exact(hidden)).zip(&logit) {
+            let s = sigmoid(l);
+            for (ov, yv) in o.iter_mut().zip(yr) {
+                *ov += s * yv;
+            }
+        }
         Ok(())
     }
 }

@@ -2,6 +2,13 @@
 //! position, `[len, kv_heads * head_dim]` row-major. It grows as tokens are
 //! appended (the session's capacity is a limit, not an allocation), so a
 //! session with a large context costs only what it holds.
+//!
+//! Hybrid models (qwen3_next) keep no KV for their Gated DeltaNet layers:
+//! those hold a `DeltaNetState` (conv + recurrent state) here instead. That
+//! state cannot be truncated: `truncate` leaves it alone, and whoever
+//! shortens a hybrid cache restores the states that match (a snapshot).
+
+use crate::backend::{DeltaNetShape, DeltaNetState};
 
 pub struct KvCache {
     kv_dim: usize,
@@ -9,6 +16,8 @@ pub struct KvCache {
     /// more rows to some layers; `truncate` drops them).
     len: usize,
     layers: Vec<LayerKv>,
+    /// Per layer: `Some` for a Gated DeltaNet layer (which appends no KV).
+    delta: Vec<Option<DeltaNetState>>,
 }
 
 struct LayerKv {
@@ -17,18 +26,87 @@ struct LayerKv {
 }
 
 impl KvCache {
+    #[cfg(test)]
     pub fn new(num_layers: usize, kv_dim: usize) -> KvCache {
-        KvCache { kv_dim, len: 0, layers: (0..num_layers).map(|_| LayerKv { k: Vec::new(), v: Vec::new() }).collect() }
+        KvCache::new_hybrid(kv_dim, &vec![None; num_layers])
     }
 
-    /// A cache holding `len` positions: per layer, keys and values
-    /// `[len, kv_dim]` (a restored session state).
-    pub fn from_layers(kv_dim: usize, len: usize, layers: Vec<(Vec<f32>, Vec<f32>)>) -> KvCache {
+    /// A cache whose layer `l` is a Gated DeltaNet layer of shape
+    /// `linear[l]` when that is `Some` (its state starts at zero).
+    pub fn new_hybrid(kv_dim: usize, linear: &[Option<DeltaNetShape>]) -> KvCache {
+        KvCache {
+            kv_dim,
+            len: 0,
+            layers: linear.iter().map(|_| LayerKv { k: Vec::new(), v: Vec::new() }).collect(),
+            delta: linear.iter().map(|s| s.map(DeltaNetState::new)).collect(),
+        }
+    }
+
+    /// Whether any layer holds a recurrent state.
+    pub fn is_hybrid(&self) -> bool {
+        self.delta.iter().any(Option::is_some)
+    }
+
+    /// The recurrent state of Gated DeltaNet layer `layer`.
+    pub fn delta_mut(&mut self, layer: usize) -> &mut DeltaNetState {
+        self.delta[layer].as_mut().expect("KvCache::delta_mut: not a Gated DeltaNet layer")
+    }
+
+    /// A copy of every Gated DeltaNet layer's state, in layer order.
+    pub fn deltas(&self) -> Vec<DeltaNetState> {
+        self.delta.iter().flatten().cloned().collect()
+    }
+
+    /// Puts back states taken by `deltas` (of this cache's shapes).
+    pub fn restore_deltas(&mut self, states: &[DeltaNetState]) {
+        let mut it = states.iter();
+        for d in self.delta.iter_mut().flatten() {
+            let s = it.next().expect("KvCache::restore_deltas: too few states");
+            assert!(s.conv.len() == d.conv.len() && s.recurrent.len() == d.recurrent.len(), "restore_deltas: shapes");
+            d.clone_from(s);
+        }
+        assert!(it.next().is_none(), "KvCache::restore_deltas: too many states");
+    }
+
+    /// Zeroes every recurrent state (the state before the first token).
+    pub fn reset_deltas(&mut self) {
+        for d in self.delta.iter_mut().flatten() {
+            d.conv.fill(0.0);
+            d.recurrent.fill(0.0);
+        }
+    }
+
+    /// A cache holding `len` positions (a restored session state): per
+    /// layer, keys and values `[len, kv_dim]` (empty for the Gated DeltaNet
+    /// layers of `linear`), and the recurrent states `deltas` in layer order.
+    pub fn from_state(
+        kv_dim: usize,
+        len: usize,
+        linear: &[Option<DeltaNetShape>],
+        layers: Vec<(Vec<f32>, Vec<f32>)>,
+        deltas: &[DeltaNetState],
+    ) -> KvCache {
+        assert_eq!(layers.len(), linear.len(), "KvCache::from_state: layers");
         assert!(
-            layers.iter().all(|(k, v)| k.len() == len * kv_dim && v.len() == len * kv_dim),
-            "KvCache::from_layers: layer shapes"
+            layers.iter().zip(linear).all(|((k, v), s)| {
+                let want = if s.is_some() { 0 } else { len * kv_dim };
+                k.len() == want && v.len() == want
+            }),
+            "KvCache::from_state: layer shapes"
         );
-        KvCache { kv_dim, len, layers: layers.into_iter().map(|(k, v)| LayerKv { k, v }).collect() }
+        let mut kv = KvCache::new_hybrid(kv_dim, linear);
+        kv.len = len;
+        for (l, (k, v)) in kv.layers.iter_mut().zip(layers) {
+            l.k = k;
+            l.v = v;
+        }
+        kv.restore_deltas(deltas);
+        kv
+    }
+
+    /// Whether `layer` holds keys and values (not a Gated DeltaNet layer).
+    pub fn has_kv(&self, layer: usize) -> bool {
+        self.delta[layer].is_none()
     }
 
     /// Committed positions.
@@ -58,13 +136,14 @@ impl KvCache {
     pub fn commit(&mut self, n: usize) {
         let want = (self.len + n) * self.kv_dim;
         assert!(
-            self.layers.iter().all(|l| l.k.len() == want && l.v.len() == want),
+            self.layers.iter().zip(&self.delta).all(|(l, d)| d.is_some() || (l.k.len() == want && l.v.len() == want)),
             "KvCache::commit: a layer did not append {n} rows"
         );
         self.len += n;
     }
 
     /// Keeps positions `0..n` (n <= len) and drops any uncommitted rows.
+    /// Recurrent states are left as they are (see the module doc).
     pub fn truncate(&mut self, n: usize) {
         assert!(n <= self.len, "KvCache::truncate past its length");
         for l in &mut self.layers {

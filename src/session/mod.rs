@@ -11,6 +11,7 @@ pub mod state;
 
 use std::collections::BTreeMap;
 
+use crate::backend::DeltaNetState;
 use crate::engine::{Engine, Logits};
 use crate::error::{Error, Result};
 use crate::sampling::{Sampler, SamplingParams};
@@ -28,14 +29,32 @@ pub struct SessionOptions {
 
 /// What a rewind restores: the number of tokens and the logits of the last
 /// of them. qwen3_moe keeps only KV, which a rewind truncates; hybrid
-/// models (Qwen3-Next) will add their recurrent state here.
+/// models (Qwen3-Next) also keep every Gated DeltaNet layer's state, which
+/// cannot be truncated.
 #[derive(Clone, Debug)]
 pub struct Checkpoint {
     /// Tokens the session held when the checkpoint was taken.
     pub position: usize,
     /// Logits of the last of those tokens (`None` at position 0).
     pub logits: Option<Vec<f32>>,
+    /// The recurrent states at `position` (empty for qwen3_moe).
+    pub(crate) deltas: Vec<DeltaNetState>,
+    /// Taken by prefill on a hybrid model (evicted past `MAX_AUTO_CHECKPOINTS`).
+    pub automatic: bool,
 }
+
+impl Checkpoint {
+    /// Bytes this checkpoint holds: its logits and recurrent states.
+    pub fn size_bytes(&self) -> usize {
+        let floats = self.logits.as_ref().map_or(0, Vec::len)
+            + self.deltas.iter().map(|d| d.conv.len() + d.recurrent.len()).sum::<usize>();
+        floats * std::mem::size_of::<f32>()
+    }
+}
+
+/// Automatic checkpoints (one per prefill on a hybrid model) kept at most;
+/// the oldest goes first. Explicit checkpoints are never evicted.
+pub const MAX_AUTO_CHECKPOINTS: usize = 8;
 
 /// The logits of positions `start..start + rows.len() / vocab` (the last
 /// prefill, with `keep_all_logits`), trimmed when the session is shortened.
@@ -76,7 +95,7 @@ impl Session {
         }
         let capacity = if opts.context_size == 0 { max } else { opts.context_size };
         Ok(Session {
-            kv: KvCache::new(c.num_hidden_layers, c.kv_dim()),
+            kv: KvCache::new_hybrid(c.kv_dim(), &crate::engine::linear_layers(c)),
             engine,
             tokens: Vec::new(),
             logits: None,
@@ -220,8 +239,14 @@ impl Session {
     /// logits are those of position `n - 1` when the session knows them (a
     /// checkpoint at `n`, kept logits), else `None`; `rewind_to` recomputes
     /// them instead.
+    ///
+    /// A hybrid model's recurrent state cannot be cut: there `truncate` is
+    /// `rewind_to` (restore the nearest checkpoint, re-read the rest).
     pub fn truncate(&mut self, n: usize) -> Result<()> {
         self.check_shorten(n, "truncate")?;
+        if self.kv.is_hybrid() {
+            return self.rewind_to(n);
+        }
         if n < self.tokens.len() {
             let known = self.known_logits(n);
             self.shorten(n);
@@ -235,10 +260,21 @@ impl Session {
     /// by running token `position - 1` again. Logits then equal bit for bit
     /// those of a fresh session fed the same tokens. If that forward fails,
     /// the session holds `position - 1` tokens.
+    ///
+    /// On a hybrid model (Qwen3-Next) the recurrent state comes from the
+    /// nearest checkpoint at or before `position` (the session start counts
+    /// as an empty one) and the tokens after it are read again, in the
+    /// session's prefill chunks, so the state and logits equal those of a
+    /// fresh session fed the same tokens in the same calls, split at the
+    /// checkpoints. If that forward fails, the session holds the
+    /// checkpoint's tokens.
     pub fn rewind_to(&mut self, position: usize) -> Result<()> {
         self.check_shorten(position, "rewind_to")?;
         if position == self.tokens.len() && (self.logits.is_some() || position == 0) {
             return Ok(());
+        }
+        if self.kv.is_hybrid() {
+            return self.rewind_hybrid(position);
         }
         let known = self.known_logits(position);
         if known.is_some() || position == 0 {
@@ -260,10 +296,79 @@ impl Session {
     /// position (by a rewind, `rewind_to`, `truncate` or a state load) or
     /// the checkpoint is released.
     pub fn checkpoint(&mut self) -> u64 {
+        self.take_checkpoint(false)
+    }
+
+    fn take_checkpoint(&mut self, automatic: bool) -> u64 {
         let id = self.next_checkpoint;
         self.next_checkpoint += 1;
-        self.checkpoints.insert(id, Checkpoint { position: self.tokens.len(), logits: self.logits.clone() });
+        let deltas = if self.kv.is_hybrid() { self.kv.deltas() } else { Vec::new() };
+        let cp = Checkpoint { position: self.tokens.len(), logits: self.logits.clone(), deltas, automatic };
+        self.checkpoints.insert(id, cp);
+        if automatic {
+            let autos: Vec<u64> = self.checkpoints.iter().filter(|(_, c)| c.automatic).map(|(&i, _)| i).collect();
+            for old in &autos[..autos.len().saturating_sub(MAX_AUTO_CHECKPOINTS)] {
+                self.checkpoints.remove(old);
+            }
+        }
         id
+    }
+
+    /// Ids of the valid checkpoints, oldest first (automatic ones included).
+    pub fn checkpoint_ids(&self) -> Vec<u64> {
+        self.checkpoints.keys().copied().collect()
+    }
+
+    /// Bytes checkpoint `id` holds (logits and recurrent states).
+    pub fn checkpoint_size(&self, id: u64) -> Result<usize> {
+        self.checkpoints.get(&id).map(Checkpoint::size_bytes).ok_or_else(|| Self::no_checkpoint(id))
+    }
+
+    /// `rewind_to` on a hybrid model: restore the nearest checkpoint at or
+    /// before `position`, then re-read the tokens after it.
+    fn rewind_hybrid(&mut self, position: usize) -> Result<()> {
+        let base = self.checkpoints.values().filter(|c| c.position <= position).max_by_key(|c| c.position);
+        let (base_pos, logits, deltas) = match base {
+            Some(c) => (c.position, c.logits.clone(), Some(c.deltas.clone())),
+            None => (0, None, None),
+        };
+        let replay = self.tokens[base_pos..position].to_vec();
+        self.shorten(base_pos);
+        match deltas {
+            Some(d) => self.kv.restore_deltas(&d),
+            None => self.kv.reset_deltas(),
+        }
+        self.logits = logits;
+        if !replay.is_empty() {
+            let chunk = if self.prefill_chunk == 0 { replay.len() } else { self.prefill_chunk };
+            let n_chunks = replay.len().div_ceil(chunk);
+            let mut last = None;
+            for (i, part) in replay.chunks(chunk).enumerate() {
+                let want = if i + 1 == n_chunks { Logits::Last } else { Logits::Skip };
+                match self.engine.forward(&mut self.kv, part, want) {
+                    Ok(l) => last = Some(l),
+                    Err(e) => {
+                        // Back to the checkpoint: KV and states of the chunks run so far go.
+                        self.restore_checkpoint_state(base_pos);
+                        return Err(e);
+                    }
+                }
+            }
+            self.tokens.extend_from_slice(&replay);
+            self.logits = last;
+        }
+        Ok(())
+    }
+
+    /// After a failed replay: the session back at `base_pos` with that
+    /// checkpoint's states (or the start's).
+    fn restore_checkpoint_state(&mut self, base_pos: usize) {
+        self.kv.truncate(base_pos);
+        let base = self.checkpoints.values().filter(|c| c.position == base_pos).map(|c| c.deltas.clone()).next();
+        match base {
+            Some(d) => self.kv.restore_deltas(&d),
+            None => self.kv.reset_deltas(),
+        }
     }
 
     /// Returns to checkpoint `id`: its position and logits, exactly.
@@ -271,7 +376,11 @@ impl Session {
     pub fn rewind(&mut self, id: u64) -> Result<()> {
         let cp = self.checkpoints.get(&id).ok_or_else(|| Self::no_checkpoint(id))?;
         let (position, logits) = (cp.position, cp.logits.clone());
+        let deltas = self.kv.is_hybrid().then(|| cp.deltas.clone());
         self.shorten(position);
+        if let Some(d) = deltas {
+            self.kv.restore_deltas(&d);
+        }
         self.logits = logits;
         Ok(())
     }
@@ -368,6 +477,7 @@ impl Session {
             n => n,
         };
         self.kv.reserve(tokens.len());
+        let deltas = if self.kv.is_hybrid() { Some(self.kv.deltas()) } else { None };
         let n_chunks = tokens.len().div_ceil(chunk);
         let mut out = Vec::new();
         for (i, part) in tokens.chunks(chunk).enumerate() {
@@ -380,6 +490,9 @@ impl Session {
                 Ok(l) => out.extend_from_slice(&l),
                 Err(e) => {
                     self.kv.truncate(start);
+                    if let Some(d) = &deltas {
+                        self.kv.restore_deltas(d);
+                    }
                     return Err(e);
                 }
             }
@@ -389,6 +502,9 @@ impl Session {
         self.logits = Some(out[out.len() - vocab..].to_vec());
         if self.keep_all_logits {
             self.kept = Some(KeptLogits { start, rows: out.clone() });
+        }
+        if self.kv.is_hybrid() {
+            self.take_checkpoint(true);
         }
         Ok(out)
     }

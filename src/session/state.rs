@@ -6,7 +6,7 @@
 //! ```text
 //! offset  size             field
 //! 0       8                magic "STRATAST"
-//! 8       4                version (1)
+//! 8       4                version (1 for qwen3_moe, 2 for hybrid models)
 //! 12      4                flags: bit 0 = logits present, bit 1 = sampler present
 //! 16      8                model fingerprint (FNV-1a 64 of the config as JSON)
 //! 24      4                num_layers
@@ -14,7 +14,9 @@
 //! 32      4                vocab_size
 //! 36      8                n = tokens held
 //! 44      4 n              tokens (u32)
-//!         8 n kv_dim       per layer: keys then values, f32 [n, kv_dim] each
+//!         8 n kv_dim       per full-attention layer: keys then values, f32 [n, kv_dim] each
+//!         4 R              version 2: per Gated DeltaNet layer, in layer order, its conv
+//!                          state f32 [conv_dim, K-1] then its recurrent state f32 [Hv, dk, dv]
 //!         4 vocab          logits of position n - 1 (if flag bit 0)
 //!         60               sampler (if flag bit 1): temperature f32, top_k u64,
 //!                          top_p f32, min_p f32, seed u64, rng state 4 x u64
@@ -27,13 +29,19 @@
 
 use super::kv::KvCache;
 use super::Session;
+use crate::backend::DeltaNetState;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::rng::Rng;
 use crate::sampling::{Sampler, SamplingParams};
 
 pub const STATE_MAGIC: [u8; 8] = *b"STRATAST";
-pub const STATE_VERSION: u32 = 1;
+/// The version of hybrid (qwen3_next) states: KV of the full-attention
+/// layers only, then every Gated DeltaNet layer's recurrent state. A model
+/// without linear layers writes (and reads only) version 1, whose layout
+/// is version 2's with no recurrent state.
+pub const STATE_VERSION: u32 = 2;
+const STATE_VERSION_PLAIN: u32 = 1;
 const HEADER_LEN: usize = 44;
 const SAMPLER_LEN: usize = 60;
 const CRC_LEN: usize = 4;
@@ -51,10 +59,22 @@ fn invalid(msg: impl std::fmt::Display) -> Error {
     Error::InvalidArgument(format!("session state: {msg}"))
 }
 
+/// The state's layout for a model: how many layers hold KV, and the f32s
+/// of all recurrent states; and the version it is written as.
+fn layout(c: &ModelConfig) -> (usize, usize, u32) {
+    let linear = crate::engine::linear_layers(c);
+    let kv_layers = linear.iter().filter(|s| s.is_none()).count();
+    let delta: usize = linear.iter().flatten().map(|s| s.conv_state_len() + s.recurrent_state_len()).sum();
+    let version = if kv_layers == linear.len() { STATE_VERSION_PLAIN } else { STATE_VERSION };
+    (kv_layers, delta, version)
+}
+
 /// Bytes of a state with these dimensions, or `None` on overflow.
-fn state_len(n: u64, layers: usize, kv_dim: usize, vocab: usize, flags: u32) -> Option<usize> {
+fn state_len(n: u64, c: &ModelConfig, flags: u32) -> Option<usize> {
+    let (layers, delta, _) = layout(c);
+    let (kv_dim, vocab) = (c.kv_dim(), c.vocab_size);
     let n = usize::try_from(n).ok()?;
-    let kv = n.checked_mul(kv_dim)?.checked_mul(8)?.checked_mul(layers)?;
+    let kv = n.checked_mul(kv_dim)?.checked_mul(8)?.checked_mul(layers)?.checked_add(delta * 4)?;
     let logits = if flags & FLAG_LOGITS != 0 { vocab * 4 } else { 0 };
     let sampler = if flags & FLAG_SAMPLER != 0 { SAMPLER_LEN } else { 0 };
     HEADER_LEN.checked_add(n.checked_mul(4)?)?.checked_add(kv)?.checked_add(logits + sampler + CRC_LEN)
@@ -117,8 +137,7 @@ impl Session {
     /// Bytes `write_state` needs.
     pub fn state_size(&self) -> usize {
         let c = self.engine.config();
-        state_len(self.tokens.len() as u64, c.num_hidden_layers, c.kv_dim(), c.vocab_size, self.state_flags())
-            .expect("a state the session holds has a size")
+        state_len(self.tokens.len() as u64, c, self.state_flags()).expect("a state the session holds has a size")
     }
 
     /// Writes the state into the first `state_size()` bytes of `out` and
@@ -132,7 +151,7 @@ impl Session {
         let n = self.tokens.len();
         let mut w = Writer { buf: &mut out[..size], pos: 0 };
         w.put(&STATE_MAGIC);
-        w.u32(STATE_VERSION);
+        w.u32(layout(c).2);
         w.u32(self.state_flags());
         w.u64(model_fingerprint(c));
         w.u32(c.num_hidden_layers as u32);
@@ -142,10 +161,14 @@ impl Session {
         for &t in &self.tokens {
             w.u32(t);
         }
-        for l in 0..self.kv.num_layers() {
+        for l in (0..self.kv.num_layers()).filter(|&l| self.kv.has_kv(l)) {
             let (k, v) = self.kv.layer(l);
             w.f32s(&k[..n * c.kv_dim()]);
             w.f32s(&v[..n * c.kv_dim()]);
+        }
+        for d in self.kv.deltas() {
+            w.f32s(&d.conv);
+            w.f32s(&d.recurrent);
         }
         if let Some(l) = &self.logits {
             w.f32s(l);
@@ -192,8 +215,12 @@ impl Session {
             return Err(invalid("wrong magic (not a Strata session state)"));
         }
         let version = r.u32();
-        if version != STATE_VERSION {
-            return Err(invalid(format!("version {version} is not supported (this build reads {STATE_VERSION})")));
+        let want = layout(c).2;
+        if version != want {
+            return Err(invalid(format!(
+                "version {version} is not supported for this model (this build reads version {want} for {})",
+                c.arch.name()
+            )));
         }
         let flags = r.u32();
         let fingerprint = r.u64();
@@ -214,7 +241,7 @@ impl Session {
             )));
         }
         let n = r.u64();
-        match state_len(n, layers, kv_dim, vocab, flags) {
+        match state_len(n, c, flags) {
             Some(len) if len == bytes.len() => {}
             _ => {
                 return Err(invalid(format!(
@@ -240,7 +267,16 @@ impl Session {
         if (flags & FLAG_LOGITS != 0) != (n > 0) {
             return Err(invalid(format!("{n} tokens {} logits", if n > 0 { "without" } else { "with" })));
         }
-        let kv: Vec<(Vec<f32>, Vec<f32>)> = (0..layers).map(|_| (r.f32s(n * kv_dim), r.f32s(n * kv_dim))).collect();
+        let linear = crate::engine::linear_layers(c);
+        let kv: Vec<(Vec<f32>, Vec<f32>)> = linear
+            .iter()
+            .map(|s| if s.is_some() { (Vec::new(), Vec::new()) } else { (r.f32s(n * kv_dim), r.f32s(n * kv_dim)) })
+            .collect();
+        let deltas: Vec<DeltaNetState> = linear
+            .iter()
+            .flatten()
+            .map(|s| DeltaNetState { conv: r.f32s(s.conv_state_len()), recurrent: r.f32s(s.recurrent_state_len()) })
+            .collect();
         let logits = (flags & FLAG_LOGITS != 0).then(|| r.f32s(vocab));
         let sampler = if flags & FLAG_SAMPLER != 0 {
             let temperature = r.f32();
@@ -255,7 +291,7 @@ impl Session {
         };
         debug_assert_eq!(r.pos, body);
 
-        self.kv = KvCache::from_layers(kv_dim, n, kv);
+        self.kv = KvCache::from_state(kv_dim, n, &linear, kv, &deltas);
         self.tokens = tokens;
         self.logits = logits;
         self.sampler = sampler;

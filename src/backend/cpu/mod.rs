@@ -9,7 +9,7 @@ pub mod ops;
 
 use rayon::{ThreadPool, ThreadPoolBuilder};
 
-use super::{AttentionShape, Backend, ExpertRows, Matrix, Rope};
+use super::{AttentionShape, Backend, DeltaNetShape, DeltaNetState, ExpertRows, GatedDeltaNetWeights, Matrix, Rope};
 use crate::error::{Error, Result};
 
 pub struct CpuBackend {
@@ -78,6 +78,22 @@ impl Backend for CpuBackend {
 
     fn expert_ffn(&self, groups: &[ExpertRows<'_>], x: &[f32], out: &mut [f32]) {
         self.install(|| ops::expert_ffn(groups, x, out))
+    }
+
+    fn gated_deltanet(
+        &self,
+        x: &[f32],
+        w: &GatedDeltaNetWeights<'_>,
+        shape: DeltaNetShape,
+        eps: f32,
+        state: &mut DeltaNetState,
+        out: &mut [f32],
+    ) {
+        self.install(|| deltanet::gated_deltanet_layer(x, w, shape, eps, state, out))
+    }
+
+    fn output_gate(&self, attn: &mut [f32], gate: &[f32]) {
+        self.install(|| next_ops::apply_output_gate(attn, gate))
     }
 }
 
