@@ -138,6 +138,9 @@ struct Inner {
     weights: Weights,
     rope: Rope,
     backend: Box<dyn Backend>,
+    /// Tests: layers left to run before a forward fails.
+    #[cfg(test)]
+    fail_after_layers: std::sync::Mutex<Option<usize>>,
 }
 
 /// Dense weights in f32, decoded once at load. Experts stay in the pack.
@@ -448,7 +451,24 @@ impl Engine {
         let backend = CpuBackend::new(opts.threads)?;
         let weights = Weights::load(&pack, &backend, progress)?;
         let rope = Rope::new(c);
-        Ok(Engine { inner: Arc::new(Inner { pack, weights, rope, backend: Box::new(backend) }) })
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                pack,
+                weights,
+                rope,
+                backend: Box::new(backend),
+                #[cfg(test)]
+                fail_after_layers: std::sync::Mutex::new(None),
+            }),
+        })
+    }
+
+    /// Tests: a forward fails (`Error::Cancelled`) once `layers` more layers
+    /// have run (counted across forwards), with the cache and recurrent
+    /// states already advanced.
+    #[cfg(test)]
+    pub(crate) fn fail_next_forward_after(&self, layers: usize) {
+        *self.inner.fail_after_layers.lock().unwrap() = Some(layers);
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -506,6 +526,17 @@ impl Engine {
                 Mixer::Linear { .. } => self.linear_block(l, lw, kv, &mut x),
             }
             self.moe_block(l, lw, &mut x)?;
+            #[cfg(test)]
+            {
+                let mut fail = self.inner.fail_after_layers.lock().unwrap();
+                if let Some(n) = fail.as_mut() {
+                    *n -= 1;
+                    if *n == 0 {
+                        *fail = None;
+                        return Err(Error::Cancelled);
+                    }
+                }
+            }
         }
         let rows = match logits {
             Logits::Skip => return Ok(Vec::new()),

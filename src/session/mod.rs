@@ -882,4 +882,36 @@ mod tests {
         assert!(matches!(c.load_state(&token), Err(Error::TokenOutOfRange { token: 1000, index: 0, .. })));
         assert_eq!(c.save_state(), keep);
     }
+
+    #[test]
+    fn a_failing_forward_on_a_hybrid_leaves_the_session_as_it_was() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = crate::pack::synth::preset(crate::model::Arch::Qwen3Next, "tiny").unwrap();
+        crate::pack::synth::synth(&cfg, dir.path(), &Default::default()).unwrap();
+        let e = Engine::load(dir.path(), &Default::default()).unwrap();
+        assert!(e.config().num_hidden_layers >= 2 && !e.config().is_full_attention(0));
+        let prompt: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % cfg.vocab_size as u32).collect();
+        for chunk in [0, 5] {
+            let mut s = e.new_session(&SessionOptions { prefill_chunk: chunk, ..Default::default() }).unwrap();
+            s.prefill(&prompt[..6]).unwrap();
+            let before = s.save_state();
+            let ids = s.checkpoint_ids();
+            // Fails in the second chunk (chunk 5) or the only one, after a linear layer ran.
+            e.fail_next_forward_after(if chunk == 0 { 1 } else { cfg.num_hidden_layers + 1 });
+            assert!(matches!(s.prefill(&prompt[6..]), Err(Error::Cancelled)));
+            assert_eq!(s.save_state(), before, "chunk {chunk}: prefill");
+            assert_eq!(s.checkpoint_ids(), ids);
+            e.fail_next_forward_after(1);
+            assert!(s.step(&mut Sampler::greedy()).is_err());
+            assert_eq!(s.save_state(), before, "chunk {chunk}: step");
+            let got = s.prefill(&prompt[6..]).unwrap().to_vec();
+            let mut fresh = e.new_session(&SessionOptions { prefill_chunk: chunk, ..Default::default() }).unwrap();
+            fresh.prefill(&prompt[..6]).unwrap();
+            assert_eq!(got, fresh.prefill(&prompt[6..]).unwrap());
+            // A replay that fails leaves the session at the checkpoint it restored.
+            e.fail_next_forward_after(1);
+            assert!(matches!(s.rewind_to(9), Err(Error::Cancelled)));
+            assert_eq!(s.save_state(), before, "chunk {chunk}: rewind_to");
+        }
+    }
 }
