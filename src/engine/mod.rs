@@ -811,4 +811,51 @@ mod tests {
         assert!(matches!(Engine::load(dir.path(), &opts), Err(Error::Checksum { .. })));
         assert!(Engine::load(dir.path(), &EngineOptions::default()).is_ok());
     }
+
+    #[test]
+    fn dense_shared_expert_equals_its_nvfp4_form() {
+        // A qwen3_next pack copied with the shared expert stored as the F32
+        // of its NVFP4 dequantization (global scale included) runs the
+        // dense path and lands on the NVFP4 path's logits.
+        use crate::pack::{DenseTensor, PackWriter};
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let cfg = crate::pack::synth::preset(crate::model::Arch::Qwen3Next, "tiny").unwrap();
+        crate::pack::synth::synth(&cfg, a.path(), &Default::default()).unwrap();
+        let src = Pack::open(a.path()).unwrap();
+        let mut w = PackWriter::create(b.path(), &cfg, "test", true).unwrap();
+        let mut dense = 0;
+        for t in &src.manifest().tensors {
+            let v = src.tensor(&t.name).unwrap();
+            let shape: Vec<usize> = v.shape.iter().map(|&d| d as usize).collect();
+            let data = match v.data {
+                TensorData::F32(bytes) => DenseTensor::F32(bytes),
+                TensorData::Bf16(bytes) => DenseTensor::Bf16(bytes),
+                TensorData::Nvfp4(m) if t.name.contains("shared_expert.") => {
+                    dense += 1;
+                    let bytes: Vec<u8> = m.dequantize().iter().flat_map(|x| x.to_le_bytes()).collect();
+                    w.add_tensor(&t.name, &shape, DenseTensor::F32(&bytes)).unwrap();
+                    continue;
+                }
+                TensorData::Nvfp4(m) => DenseTensor::Nvfp4(m),
+            };
+            w.add_tensor(&t.name, &shape, data).unwrap();
+        }
+        assert!(dense >= 3 * cfg.num_hidden_layers, "{dense} shared expert tensors");
+        for l in 0..cfg.num_expert_layers() {
+            for e in 0..cfg.num_experts {
+                w.write_expert_blob(l, e, src.expert(l, e).unwrap().blob).unwrap();
+            }
+        }
+        w.finish().unwrap();
+        let prompt = [3, 9, 27, 81, 5, 1];
+        let (x, y) = (
+            logits_of(a.path(), &EngineOptions::default(), &prompt),
+            logits_of(b.path(), &EngineOptions::default(), &prompt),
+        );
+        let e = Engine::load(b.path(), &EngineOptions::default()).unwrap();
+        assert!(matches!(e.inner.weights.layers[0].shared.as_ref().unwrap().mlp, SharedMlp::Dense { .. }));
+        let m = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = x.iter().zip(&y).fold(0.0f32, |d, (p, q)| d.max((p - q).abs()));
+        assert!(d <= 1e-5 * m, "dense vs NVFP4 shared expert: {d} of {m}");
+    }
 }
