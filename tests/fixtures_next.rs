@@ -265,6 +265,10 @@ fn next_state_round_trip_continues_identically() {
     let mut t = engine.new_session(&SessionOptions::default()).unwrap();
     t.load_state(&state).unwrap();
     assert_eq!(t.save_state(), state);
+    // Loading takes an automatic checkpoint at the loaded position.
+    let ids = t.checkpoint_ids();
+    assert_eq!(ids.len(), 1);
+    assert_eq!(t.checkpoint_info(ids[0]).unwrap().position, 150);
     let a = s.prefill(&r.tokens[150..]).unwrap().to_vec();
     let b = t.prefill(&r.tokens[150..]).unwrap().to_vec();
     assert_eq!(a, b);

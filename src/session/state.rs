@@ -25,7 +25,8 @@
 //!
 //! Loading validates everything (size, checksum, model, vocabulary,
 //! capacity, sampler) before it changes the session. Checkpoints and kept
-//! logits are not part of the state; loading drops the session's own.
+//! logits are not part of the state; loading drops the session's own (a
+//! hybrid session then takes an automatic checkpoint at the loaded position).
 
 use super::kv::KvCache;
 use super::Session;
@@ -297,6 +298,10 @@ impl Session {
         self.sampler = sampler;
         self.kept = None;
         self.checkpoints.clear();
+        if self.kv.is_hybrid() {
+            // rewind_to back to the loaded position needs no replay.
+            self.take_checkpoint(true);
+        }
         Ok(())
     }
 }
