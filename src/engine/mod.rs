@@ -141,6 +141,10 @@ struct Inner {
     /// Tests: layers left to run before a forward fails.
     #[cfg(test)]
     fail_after_layers: std::sync::Mutex<Option<usize>>,
+    /// Tests: `(layer, position)` whose hidden state gets a NaN at the end
+    /// of that layer, once.
+    #[cfg(test)]
+    nan_at: std::sync::Mutex<Option<(usize, usize)>>,
 }
 
 /// Dense weights in f32, decoded once at load. Experts stay in the pack.
@@ -401,6 +405,16 @@ impl Weights {
     }
 }
 
+/// `Error::NonFinite` at the first NaN or infinity of `rows` (`[n, width]`,
+/// row 0 at absolute position `first`), seen `place()` ("at layer 3"):
+/// "NaN at layer 3, position 117".
+fn check_finite(rows: &[f32], width: usize, first: usize, place: impl FnOnce() -> String) -> Result<()> {
+    match rows.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(Error::NonFinite(format!("{} {}, position {}", rows[i], place(), first + i / width))),
+    }
+}
+
 impl Engine {
     /// Opens the pack in `pack_dir` and loads it.
     pub fn load(pack_dir: &Path, opts: &EngineOptions) -> Result<Engine> {
@@ -459,6 +473,8 @@ impl Engine {
                 backend: Box::new(backend),
                 #[cfg(test)]
                 fail_after_layers: std::sync::Mutex::new(None),
+                #[cfg(test)]
+                nan_at: std::sync::Mutex::new(None),
             }),
         })
     }
@@ -469,6 +485,14 @@ impl Engine {
     #[cfg(test)]
     pub(crate) fn fail_next_forward_after(&self, layers: usize) {
         *self.inner.fail_after_layers.lock().unwrap() = Some(layers);
+    }
+
+    /// Tests: the next forward that runs absolute position `position`
+    /// writes a NaN into its hidden state at the end of layer `layer`
+    /// (once), as a numerical blow-up would.
+    #[cfg(test)]
+    pub(crate) fn inject_nan_at(&self, layer: usize, position: usize) {
+        *self.inner.nan_at.lock().unwrap() = Some((layer, position));
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -492,6 +516,11 @@ impl Engine {
     /// values (and advancing the Gated DeltaNet states of a hybrid), and
     /// returns the requested logits (`[rows, vocab]`). On error the cache is
     /// back where it was before the call, recurrent states included.
+    ///
+    /// Non-finite guard: the hidden state of these rows is checked at the
+    /// end of every layer, and the logits computed; the first NaN or
+    /// infinity fails the forward with `Error::NonFinite` naming the layer
+    /// (or the logits) and the absolute position where it was seen.
     pub(crate) fn forward(&self, kv: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         assert!(!tokens.is_empty(), "forward: no tokens (the session rejects empty prompts)");
         let start = kv.len();
@@ -516,6 +545,7 @@ impl Engine {
         let w = &self.inner.weights;
         let b = &*self.inner.backend;
         let (h, t) = (c.hidden_size, tokens.len());
+        let start = kv.len();
         let mut x = vec![0.0f32; t * h];
         for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
             row.copy_from_slice(w.embed.row(tok as usize));
@@ -528,6 +558,17 @@ impl Engine {
             self.moe_block(l, lw, &mut x)?;
             #[cfg(test)]
             {
+                let mut nan = self.inner.nan_at.lock().unwrap();
+                if let Some((layer, pos)) = *nan {
+                    if layer == l && (start..start + t).contains(&pos) {
+                        x[(pos - start) * h] = f32::NAN;
+                        *nan = None;
+                    }
+                }
+            }
+            check_finite(&x, h, start, || format!("at layer {l}"))?;
+            #[cfg(test)]
+            {
                 let mut fail = self.inner.fail_after_layers.lock().unwrap();
                 if let Some(n) = fail.as_mut() {
                     *n -= 1;
@@ -538,15 +579,16 @@ impl Engine {
                 }
             }
         }
-        let rows = match logits {
+        let (rows, first) = match logits {
             Logits::Skip => return Ok(Vec::new()),
-            Logits::Last => &x[(t - 1) * h..],
-            Logits::All => &x[..],
+            Logits::Last => (&x[(t - 1) * h..], start + t - 1),
+            Logits::All => (&x[..], start),
         };
         let mut xn = vec![0.0f32; rows.len()];
         b.rmsnorm(rows, &w.final_norm, self.eps(), &mut xn);
         let mut out = vec![0.0f32; rows.len() / h * c.vocab_size];
         b.matmul(&xn, w.lm_head(), &mut out);
+        check_finite(&out, c.vocab_size, first, || "in the logits".into())?;
         Ok(out)
     }
 

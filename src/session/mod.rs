@@ -914,4 +914,99 @@ mod tests {
             assert_eq!(s.save_state(), before, "chunk {chunk}: rewind_to");
         }
     }
+
+    fn tiny_next() -> (TempDir, Engine) {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = crate::pack::synth::preset(crate::model::Arch::Qwen3Next, "tiny").unwrap();
+        crate::pack::synth::synth(&cfg, dir.path(), &Default::default()).unwrap();
+        let e = Engine::load(dir.path(), &Default::default()).unwrap();
+        (dir, e)
+    }
+
+    fn next_prompt(e: &Engine, n: u32) -> Vec<u32> {
+        (0..n).map(|i| (i * 7 + 3) % e.config().vocab_size as u32).collect()
+    }
+
+    /// A NaN injected at `layer` in the second chunk of a prefill (chunks
+    /// of 3) fails it with `NonFinite` naming the layer and position, and
+    /// leaves the session as it was; checkpoints stay usable.
+    fn nan_guard_round_trip(e: &Engine, prompt: &[u32], layer: usize) {
+        let mut s = session(e, 3);
+        s.prefill(&prompt[..4]).unwrap();
+        let cp = s.checkpoint();
+        s.prefill(&prompt[4..6]).unwrap();
+        let (before, logits, ids) = (s.save_state(), s.logits().unwrap().to_vec(), s.checkpoint_ids());
+        // prompt[6..11] runs as positions 6..9 then 9..11.
+        e.inject_nan_at(layer, 10);
+        let err = s.prefill(&prompt[6..11]).unwrap_err();
+        let want = format!("NaN at layer {layer}, position 10");
+        assert!(matches!(err, Error::NonFinite(ref m) if *m == want), "{err}");
+        assert!(err.to_string().contains(&format!("layer {layer}, position 10")), "{err}");
+        assert_eq!(s.save_state(), before);
+        assert_eq!((s.len(), s.logits().unwrap(), s.checkpoint_ids()), (6, &logits[..], ids.clone()));
+        // A step is guarded too, and its failure changes nothing either.
+        e.inject_nan_at(layer, 6);
+        let err = s.step(&mut Sampler::greedy()).unwrap_err();
+        assert!(matches!(err, Error::NonFinite(ref m) if m.ends_with("position 6")), "{err}");
+        assert_eq!(s.save_state(), before);
+        assert_eq!(s.checkpoint_ids(), ids);
+        // Without the injection the same call succeeds, as in a fresh session.
+        let got = s.prefill(&prompt[6..11]).unwrap().to_vec();
+        let mut fresh = session(e, 3);
+        fresh.prefill(&prompt[..4]).unwrap();
+        fresh.prefill(&prompt[4..6]).unwrap();
+        assert_eq!(got, fresh.prefill(&prompt[6..11]).unwrap(), "retry");
+        // The checkpoint taken before the failure rewinds, and continuing
+        // from it equals a fresh session bit for bit.
+        s.rewind(cp).unwrap();
+        let cont = s.prefill(&prompt[4..11]).unwrap().to_vec();
+        let mut fresh = session(e, 3);
+        fresh.prefill(&prompt[..4]).unwrap();
+        assert_eq!(cont, fresh.prefill(&prompt[4..11]).unwrap(), "after rewind");
+    }
+
+    #[test]
+    fn a_nan_in_the_hidden_state_fails_the_call_and_changes_nothing() {
+        let (_d, e) = tiny_engine(&TinyPack::default());
+        for layer in 0..e.config().num_hidden_layers {
+            nan_guard_round_trip(&e, &PROMPT, layer);
+        }
+    }
+
+    #[test]
+    fn a_nan_in_the_hidden_state_of_a_hybrid_fails_the_call_and_changes_nothing() {
+        let (_d, e) = tiny_next();
+        let c = e.config();
+        let linear = (0..c.num_hidden_layers).find(|&l| !c.is_full_attention(l)).unwrap();
+        let full = (0..c.num_hidden_layers).find(|&l| c.is_full_attention(l)).unwrap();
+        let prompt = next_prompt(&e, 11);
+        nan_guard_round_trip(&e, &prompt, linear);
+        nan_guard_round_trip(&e, &prompt, full);
+    }
+
+    #[test]
+    fn a_nan_reaches_the_c_api_as_nonfinite() {
+        use crate::ffi::*;
+        use std::ffi::{CStr, CString};
+        let (d, _e) = tiny_engine(&TinyPack::default());
+        let path = CString::new(d.path().to_str().unwrap()).unwrap();
+        unsafe {
+            let mut engine = std::ptr::null_mut();
+            assert_eq!(strata_engine_load(path.as_ptr(), std::ptr::null(), &mut engine), strata_status::STRATA_OK);
+            let mut s = std::ptr::null_mut();
+            assert_eq!(strata_session_open(engine, std::ptr::null(), &mut s), strata_status::STRATA_OK);
+            (*engine).engine.inject_nan_at(1, 2);
+            let tokens: Vec<i32> = PROMPT.iter().map(|&t| t as i32).collect();
+            let status = strata_session_prefill(s, tokens.as_ptr(), tokens.len());
+            assert_eq!(status, strata_status::STRATA_ERR_NONFINITE);
+            let msg = CStr::from_ptr(strata_last_error()).to_str().unwrap().to_owned();
+            assert!(msg.contains("strata_session_prefill") && msg.contains("NaN at layer 1, position 2"), "{msg}");
+            let mut pos = 99;
+            assert_eq!(strata_session_position(s, &mut pos), strata_status::STRATA_OK);
+            assert_eq!(pos, 0);
+            assert_eq!(strata_session_prefill(s, tokens.as_ptr(), tokens.len()), strata_status::STRATA_OK);
+            strata_session_free(s);
+            strata_engine_free(engine);
+        }
+    }
 }
