@@ -81,6 +81,24 @@ pub struct Session {
     next_checkpoint: u64,
     /// The sampler of `step_with`, kept while its parameters are unchanged.
     sampler: Option<Sampler>,
+    /// Tokens run through the forward by this session, ever (successful
+    /// forwards only): `prefill_conversation` reports its share.
+    forwarded: u64,
+}
+
+/// What `prefill_conversation` did. `reused + read` is the length of the
+/// conversation it was given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefillReport {
+    /// Tokens of the conversation not run through the forward in this call:
+    /// their state was already in the session (the common prefix with the
+    /// live tokens, or on a hybrid model the checkpoint the rewind
+    /// restored).
+    pub reused: usize,
+    /// Tokens run through the forward in this call: the new tail, plus any
+    /// tokens re-read after a checkpoint (hybrids) or to recompute the
+    /// last position's logits.
+    pub read: usize,
 }
 
 impl Session {
@@ -106,6 +124,7 @@ impl Session {
             checkpoints: BTreeMap::new(),
             next_checkpoint: 1,
             sampler: None,
+            forwarded: 0,
         })
     }
 
@@ -117,6 +136,56 @@ impl Session {
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32]> {
         self.run_prompt(tokens, false)?;
         Ok(self.logits.as_deref().expect("set by run_prompt"))
+    }
+
+    /// Makes the session hold `tokens`, the WHOLE conversation so far,
+    /// reusing what it already holds: the longest common prefix `p` of
+    /// `tokens` and the live tokens is kept; when the live tokens go on
+    /// past `p` (the conversation diverges or is shorter), the session is
+    /// rewound to `p` with `rewind_to` (on a hybrid model: the nearest
+    /// checkpoint at or before `p`, then the tokens after it re-read); then
+    /// `tokens[p..]` are prefilled. When `tokens` equals the live tokens and
+    /// their logits are known, nothing runs and the logits stay.
+    ///
+    /// Logits then equal those of a fresh session fed `tokens` in the same
+    /// calls (bit for bit when the split points match, e.g. a divergence at
+    /// a checkpoint's position on a hybrid model).
+    ///
+    /// Bad input (empty, a token outside the vocabulary, more than the
+    /// capacity) changes nothing. If a forward fails, the session holds a
+    /// prefix of `tokens` (the common prefix, or on a hybrid model the
+    /// restored checkpoint's tokens) with consistent state, and calling
+    /// again with the same conversation resumes from there.
+    pub fn prefill_conversation(&mut self, tokens: &[u32]) -> Result<PrefillReport> {
+        Self::check_tokens(&self.engine, tokens)?;
+        if tokens.len() > self.capacity {
+            return Err(Error::ContextOverflow { needed: tokens.len(), capacity: self.capacity });
+        }
+        let before = self.forwarded;
+        let p = self.tokens.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        if p == tokens.len() {
+            // Equal, or a prefix of the live tokens: exact logits at p.
+            self.rewind_to(p)?;
+        } else {
+            if p < self.tokens.len() {
+                if self.kv.is_hybrid() {
+                    self.rewind_to(p)?;
+                } else {
+                    // KV truncates; the prefill below makes the logits.
+                    self.truncate(p)?;
+                }
+            }
+            self.run_prompt(&tokens[p..], false)?;
+        }
+        let read = (self.forwarded - before) as usize;
+        Ok(PrefillReport { reused: tokens.len() - read, read })
+    }
+
+    /// Runs `tokens` through the engine on this session's cache, counting them.
+    fn forward(&mut self, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
+        let logits = self.engine.forward(&mut self.kv, tokens, want)?;
+        self.forwarded += tokens.len() as u64;
+        Ok(logits)
     }
 
     /// Appends `tokens` and returns the logits of every new position,
@@ -144,7 +213,7 @@ impl Session {
         }
         let before = sampler.clone();
         let token = sampler.sample(logits)?;
-        match self.engine.forward(&mut self.kv, &[token], Logits::Last) {
+        match self.forward(&[token], Logits::Last) {
             Ok(logits) => {
                 self.tokens.push(token);
                 self.logits = Some(logits);
@@ -285,7 +354,7 @@ impl Session {
         let last = self.tokens[position - 1];
         self.shorten(position - 1);
         self.logits = None;
-        let logits = self.engine.forward(&mut self.kv, &[last], Logits::Last)?;
+        let logits = self.forward(&[last], Logits::Last)?;
         self.tokens.push(last);
         self.logits = Some(logits);
         Ok(())
@@ -345,7 +414,7 @@ impl Session {
             let mut last = None;
             for (i, part) in replay.chunks(chunk).enumerate() {
                 let want = if i + 1 == n_chunks { Logits::Last } else { Logits::Skip };
-                match self.engine.forward(&mut self.kv, part, want) {
+                match self.forward(part, want) {
                     Ok(l) => last = Some(l),
                     Err(e) => {
                         // Back to the checkpoint: KV and states of the chunks run so far go.
@@ -486,7 +555,7 @@ impl Session {
                 (false, true) => Logits::Last,
                 (false, false) => Logits::Skip,
             };
-            match self.engine.forward(&mut self.kv, part, want) {
+            match self.forward(part, want) {
                 Ok(l) => out.extend_from_slice(&l),
                 Err(e) => {
                     self.kv.truncate(start);
@@ -1008,5 +1077,80 @@ mod tests {
             strata_session_free(s);
             strata_engine_free(engine);
         }
+    }
+
+    fn report(reused: usize, read: usize) -> PrefillReport {
+        PrefillReport { reused, read }
+    }
+
+    #[test]
+    fn prefill_conversation_reuses_the_common_prefix() {
+        let (_d, e) = tiny_engine(&TinyPack::default());
+        let fresh = |conv: &[u32]| session(&e, 0).prefill(conv).unwrap().to_vec();
+        let mut s = session(&e, 0);
+        assert_eq!(s.prefill_conversation(&PROMPT[..6]).unwrap(), report(0, 6));
+        assert_eq!(s.logits().unwrap(), &fresh(&PROMPT[..6])[..]);
+        // An extension reads only the new tokens.
+        assert_eq!(s.prefill_conversation(&PROMPT).unwrap(), report(6, 5));
+        assert_eq!(s.logits().unwrap(), &fresh(&PROMPT)[..], "extension");
+        // A divergence in the last turn rewinds to the common prefix.
+        let mut diverged = PROMPT[..8].to_vec();
+        diverged.extend([1, 2, 3]);
+        assert_eq!(s.prefill_conversation(&diverged).unwrap(), report(8, 3));
+        assert_eq!((s.tokens(), s.logits().unwrap()), (&diverged[..], &fresh(&diverged)[..]), "divergence");
+        // The same conversation again reads nothing and keeps the logits.
+        let logits = s.logits().unwrap().to_vec();
+        assert_eq!(s.prefill_conversation(&diverged).unwrap(), report(11, 0));
+        assert_eq!(s.logits().unwrap(), &logits[..]);
+        // A shorter conversation recomputes only the last position's logits.
+        assert_eq!(s.prefill_conversation(&PROMPT[..5]).unwrap(), report(4, 1));
+        assert_eq!((s.tokens(), s.logits().unwrap()), (&PROMPT[..5], &fresh(&PROMPT[..5])[..]));
+        // Bad input changes nothing.
+        let state = s.save_state();
+        assert!(matches!(s.prefill_conversation(&[]), Err(Error::InvalidArgument(_))));
+        assert!(matches!(s.prefill_conversation(&[3, 97]), Err(Error::TokenOutOfRange { .. })));
+        let cap = s.capacity();
+        assert!(matches!(s.prefill_conversation(&vec![1; cap + 1]), Err(Error::ContextOverflow { .. })));
+        assert_eq!(s.save_state(), state);
+    }
+
+    #[test]
+    fn prefill_conversation_on_a_hybrid_restores_the_nearest_checkpoint() {
+        let (_d, e) = tiny_next();
+        let prompt = next_prompt(&e, 11);
+        // A fresh session fed `conv` in calls split at `splits`.
+        let fresh = |conv: &[u32], splits: &[usize]| {
+            let mut f = session(&e, 0);
+            let mut from = 0;
+            for &to in splits.iter().chain([conv.len()].iter()) {
+                f.prefill(&conv[from..to]).unwrap();
+                from = to;
+            }
+            f.logits().unwrap().to_vec()
+        };
+        let mut s = session(&e, 0);
+        assert_eq!(s.prefill_conversation(&prompt[..6]).unwrap(), report(0, 6));
+        // An extension: bit for bit a fresh session split the same way.
+        assert_eq!(s.prefill_conversation(&prompt).unwrap(), report(6, 5));
+        assert_eq!(s.logits().unwrap(), &fresh(&prompt, &[6])[..], "extension");
+        assert_close(s.logits().unwrap(), &fresh(&prompt, &[]), "extension vs one call");
+        // A divergence at a checkpoint (6) restores it and reads the rest.
+        let mut at_cp = prompt[..6].to_vec();
+        at_cp.extend([4, 5]);
+        assert_ne!(prompt[6], 4);
+        assert_eq!(s.prefill_conversation(&at_cp).unwrap(), report(6, 2));
+        assert_eq!(s.logits().unwrap(), &fresh(&at_cp, &[6])[..], "divergence at a checkpoint");
+        // A divergence past it (at 8): the checkpoint at 6, then 2 + 3 tokens read.
+        assert_eq!(s.prefill_conversation(&prompt).unwrap(), report(6, 5));
+        let mut past = prompt[..8].to_vec();
+        past.extend([1, 2, 3]);
+        assert_eq!(s.prefill_conversation(&past).unwrap(), report(6, 5));
+        assert_eq!(s.tokens(), &past[..]);
+        assert_eq!(s.logits().unwrap(), &fresh(&past, &[6, 8])[..], "divergence past a checkpoint");
+        assert_close(s.logits().unwrap(), &fresh(&past, &[]), "divergence vs one call");
+        // The same conversation again: nothing read, logits kept.
+        let logits = s.logits().unwrap().to_vec();
+        assert_eq!(s.prefill_conversation(&past).unwrap(), report(11, 0));
+        assert_eq!(s.logits().unwrap(), &logits[..]);
     }
 }
