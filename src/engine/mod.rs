@@ -737,6 +737,15 @@ mod tests {
     }
 
     #[test]
+    fn check_finite_names_the_first_bad_value_its_place_and_position() {
+        assert!(check_finite(&[1.0, -2.0, 0.0, 5.0], 2, 7, || unreachable!()).is_ok());
+        let rows = [1.0, 2.0, 3.0, f32::INFINITY, f32::NAN, 0.0];
+        let err = check_finite(&rows, 2, 10, || "in the logits".into()).unwrap_err();
+        assert!(matches!(err, Error::NonFinite(ref m) if m == "inf in the logits, position 11"), "{err}");
+        assert_eq!(err.to_string(), "non-finite values: inf in the logits, position 11");
+    }
+
+    #[test]
     fn load_exposes_config_and_pack() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = tiny_config();

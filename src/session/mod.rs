@@ -2,7 +2,9 @@
 //! checkpoints to rewind to and a binary state to save and restore.
 //!
 //! Bad input is rejected before any state changes, and a failing forward
-//! leaves the session as it was before the call (tokens, KV, logits).
+//! leaves the session as it was before the call (tokens, KV, logits) — a
+//! NaN or infinity in a forward's hidden states or logits is such a failure
+//! (`Error::NonFinite`, naming the layer and position).
 //! Invariant: `logits` are those of the last held position, or `None`
 //! (an empty session, or after `truncate` when they are not known).
 
@@ -1152,5 +1154,13 @@ mod tests {
         let logits = s.logits().unwrap().to_vec();
         assert_eq!(s.prefill_conversation(&past).unwrap(), report(11, 0));
         assert_eq!(s.logits().unwrap(), &logits[..]);
+        // A failure while reading the new tail leaves the common prefix;
+        // the same call again resumes from it.
+        assert_eq!(s.prefill_conversation(&prompt).unwrap(), report(6, 5));
+        e.inject_nan_at(0, 9);
+        assert!(matches!(s.prefill_conversation(&past), Err(Error::NonFinite(_))));
+        assert_eq!(s.tokens(), &past[..8]);
+        assert_eq!(s.prefill_conversation(&past).unwrap(), report(8, 3));
+        assert_eq!(s.logits().unwrap(), &fresh(&past, &[6, 8])[..], "after a failure");
     }
 }
