@@ -10,7 +10,11 @@
 //! quantized by our converter, must land on the same logits as the two NVFP4
 //! checkpoints.
 
+mod common;
+
 use std::path::{Path, PathBuf};
+
+use common::max_diff;
 
 use safetensors::SafeTensors;
 use strata::engine::{Engine, EngineOptions};
@@ -60,19 +64,6 @@ fn pack_of(model: &str, layout: &str, dir: &Path, dense: DenseFormat) -> Engine 
     let out = dir.join(format!("{model}-{layout}"));
     convert(&fixture(model).join(layout), &out, &ConvertOptions { dense, ..Default::default() }).unwrap();
     Engine::load(&out, &EngineOptions::default()).unwrap()
-}
-
-/// (max |a - b|, max |b|)
-fn max_diff(a: &[f32], b: &[f32]) -> (f32, f32) {
-    assert_eq!(a.len(), b.len());
-    let mut d = 0.0f32;
-    let mut m = 0.0f32;
-    for (x, y) in a.iter().zip(b) {
-        assert!(x.is_finite(), "non-finite logit {x}");
-        d = d.max((x - y).abs());
-        m = m.max(y.abs());
-    }
-    (d, m)
 }
 
 fn check_all_layouts(model: &str) {

@@ -6,7 +6,11 @@
 //! Tolerance: max |ours - reference| <= 5e-4 * max |reference| (transformers'
 //! own f32 error vs f64 is about 5e-5 absolute).
 
+mod common;
+
 use std::path::{Path, PathBuf};
+
+use common::max_diff;
 
 use safetensors::SafeTensors;
 use strata::engine::{Engine, EngineOptions};
@@ -65,19 +69,6 @@ fn pack_of(model: &str, layout: &str, dir: &Path) -> Engine {
     let out = dir.join(format!("{model}-{layout}"));
     convert(&fixture(model).join(layout), &out, &ConvertOptions::default()).unwrap();
     Engine::load(&out, &EngineOptions::default()).unwrap()
-}
-
-/// (max |a - b|, max |b|)
-fn max_diff(a: &[f32], b: &[f32]) -> (f32, f32) {
-    assert_eq!(a.len(), b.len());
-    let mut d = 0.0f32;
-    let mut m = 0.0f32;
-    for (x, y) in a.iter().zip(b) {
-        assert!(x.is_finite(), "non-finite logit {x}");
-        d = d.max((x - y).abs());
-        m = m.max(y.abs());
-    }
-    (d, m)
 }
 
 fn check_logits(model: &str) {
