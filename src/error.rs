@@ -74,6 +74,26 @@ pub enum Error {
     /// No CUDA device or driver is available (or the build has no CUDA support).
     #[error("no CUDA device: {0}")]
     NoCuda(String),
+
+    /// A CUDA driver, cuBLAS or kernel failure on a device that exists
+    /// (the message names the call or kernel). Present in every build so
+    /// that matches stay the same; only the `cuda` feature produces it.
+    #[error("CUDA error: {0}")]
+    Cuda(String),
+}
+
+#[cfg(feature = "cuda")]
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Error::Cuda(e.to_string())
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<cudarc::cublas::result::CublasError> for Error {
+    fn from(e: cudarc::cublas::result::CublasError) -> Self {
+        Error::Cuda(format!("cuBLAS: {e}"))
+    }
 }
 
 impl Error {

@@ -6,6 +6,8 @@
 //! (`cpu`) is the f32 reference; a CUDA backend implements the same list.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod rope;
 
 pub use cpu::deltanet::{DeltaNetShape, DeltaNetState, GatedDeltaNetWeights};

@@ -79,17 +79,24 @@ impl Device {
     }
 
     /// Parses a device list and checks that this build can run on it: one
-    /// CPU (the default when the list is empty); CUDA devices are refused
-    /// with `Error::NoCuda` until the CUDA backend lands.
+    /// CPU (the default when the list is empty). A CUDA device is probed
+    /// (driver library, device count, ordinal) and refused with
+    /// `Error::NoCuda` naming the cause; the engine does not run on CUDA yet.
     pub fn parse_list(names: &[String]) -> Result<Vec<Device>> {
         let devices = names.iter().map(|n| Device::parse(n)).collect::<Result<Vec<_>>>()?;
-        if let Some(Device::Cuda(_)) = devices.iter().find(|d| matches!(d, Device::Cuda(_))) {
-            let why = if cfg!(feature = "cuda") {
-                "the CUDA backend is not implemented yet"
-            } else {
-                "this build has no CUDA support (feature cuda)"
-            };
-            return Err(Error::NoCuda(why.into()));
+        for d in &devices {
+            if let Device::Cuda(ordinal) = *d {
+                #[cfg(feature = "cuda")]
+                {
+                    crate::backend::cuda::probe(ordinal as usize)?;
+                    return Err(Error::NoCuda("the CUDA engine path is not wired yet".into()));
+                }
+                #[cfg(not(feature = "cuda"))]
+                {
+                    let _ = ordinal;
+                    return Err(Error::NoCuda("this build has no CUDA support (feature cuda)".into()));
+                }
+            }
         }
         if devices.len() > 1 {
             return Err(Error::InvalidArgument(format!("devices {names:?}: the cpu can be listed only once")));
@@ -818,6 +825,30 @@ mod tests {
         assert_eq!(Device::parse_list(&[]).unwrap(), vec![Device::Cpu]);
         let err = Device::parse_list(&["cuda:1".into()]).unwrap_err();
         assert!(matches!(err, Error::NoCuda(ref m) if m.contains("cuda")), "{err}");
+        #[cfg(not(feature = "cuda"))]
+        assert!(err.to_string().contains("feature cuda"), "{err}");
+        #[cfg(feature = "cuda")]
+        {
+            // Whatever this machine has, a CUDA device is probed, then refused.
+            let err = Device::parse_list(&["cuda".into()]).unwrap_err();
+            let Error::NoCuda(m) = &err else { panic!("{err}") };
+            match crate::backend::cuda::device_count() {
+                Err(Error::NoCuda(why)) => assert_eq!(m, &why),
+                Ok(_) => assert_eq!(m, "the CUDA engine path is not wired yet"),
+                Err(e) => panic!("{e}"),
+            }
+            if !crate::backend::cuda::driver_library_present() {
+                assert_eq!(m, "the CUDA driver library (libcuda.so.1) was not found");
+            }
+            let err = Device::parse_list(&["cuda:4096".into()]).unwrap_err();
+            let Error::NoCuda(m) = &err else { panic!("{err}") };
+            if let Ok(count) = crate::backend::cuda::device_count() {
+                assert!(
+                    m.starts_with(&format!("cuda:4096 does not exist: this machine has {count} CUDA device")),
+                    "{m}"
+                );
+            }
+        }
         // Bad devices are refused before the pack is opened.
         let e = Engine::load(
             Path::new("/nonexistent"),

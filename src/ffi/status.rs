@@ -175,6 +175,8 @@ impl From<&Error> for strata_status {
             Error::Tokenizer(_) => STRATA_ERR_TOKENIZER,
             Error::Cancelled => STRATA_ERR_CANCELLED,
             Error::NoCuda(_) => STRATA_ERR_NO_CUDA,
+            // A failing driver or kernel call on a device that exists.
+            Error::Cuda(_) => STRATA_ERR_INTERNAL,
         }
     }
 }

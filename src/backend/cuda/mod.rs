@@ -1,0 +1,256 @@
+//! The CUDA device: one context, one stream, and the kernels of kernels/*.cu
+//! (compiled by build.rs into one fatbin embedded here) loaded as one module.
+//!
+//! cudarc loads libcuda/libcublas dynamically, so the library itself never
+//! needs CUDA; every entry point checks for the driver library before the
+//! first driver call (cudarc panics without it) and returns `Error::NoCuda`.
+//! `<family>.rs` holds the launch wrappers of `kernels/<family>.cu`.
+
+pub mod attention;
+pub mod ceilings;
+pub mod deltanet;
+pub mod dense;
+pub mod moe;
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{sys, CudaContext, CudaModule, DriverError};
+use parking_lot::Mutex;
+
+pub use cudarc::cublas::CudaBlas;
+pub use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
+};
+
+use crate::error::{Error, Result};
+
+/// The fatbin build.rs made from kernels/*.cu (sm_75 .. sm_90/sm_90a).
+static KERNELS_FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/strata_kernels.fatbin"));
+
+/// Threads per block of the simple elementwise kernels (fill).
+const ELEMENTWISE_THREADS: u32 = 256;
+
+/// Whether the CUDA driver library (libcuda) can be loaded; asked once per
+/// process. Every path to the driver checks this first: cudarc panics on the
+/// first driver call without it.
+pub fn driver_library_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: only tries to dlopen the driver library and closes it again.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+}
+
+/// Number of CUDA devices. `Error::NoCuda` when the driver library is absent,
+/// fails to initialize, or sees no device.
+pub fn device_count() -> Result<usize> {
+    if !driver_library_present() {
+        return Err(Error::NoCuda("the CUDA driver library (libcuda.so.1) was not found".into()));
+    }
+    match CudaContext::device_count() {
+        Ok(n) if n > 0 => Ok(n as usize),
+        Ok(_) | Err(DriverError(sys::cudaError_enum::CUDA_ERROR_NO_DEVICE)) => {
+            Err(Error::NoCuda("no CUDA device (the driver reports none on this machine)".into()))
+        }
+        Err(e) => Err(Error::NoCuda(format!("the CUDA driver failed to initialize: {e}"))),
+    }
+}
+
+/// Checks that device `cuda:ordinal` exists without opening it: `Error::NoCuda`
+/// naming the cause (no driver, no device, an ordinal past the count).
+pub fn probe(ordinal: usize) -> Result<()> {
+    let count = device_count()?;
+    if ordinal >= count {
+        return Err(Error::NoCuda(format!(
+            "cuda:{ordinal} does not exist: this machine has {count} CUDA device{}",
+            if count == 1 { "" } else { "s" }
+        )));
+    }
+    Ok(())
+}
+
+/// One CUDA device, ready to launch the embedded kernels. Shared as
+/// `Arc<Gpu>`; every method may be called from any thread (cudarc binds the
+/// context to the calling thread before each driver call).
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    module: Arc<CudaModule>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+    blas: OnceLock<CudaBlas>,
+    name: String,
+    compute_capability: (u32, u32),
+    sm_count: u32,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("ordinal", &self.ordinal())
+            .field("name", &self.name)
+            .field("compute_capability", &self.compute_capability)
+            .field("sm_count", &self.sm_count)
+            .finish()
+    }
+}
+
+impl Gpu {
+    /// Opens device `ordinal` (`cuda:N`): checks the driver, creates the
+    /// context and the stream, and loads the embedded fatbin as one module.
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
+        probe(ordinal)?;
+        let ctx = CudaContext::new(ordinal)?;
+        let stream = ctx.new_stream()?;
+        let name = ctx.name()?;
+        let (major, minor) = ctx.compute_capability()?;
+        let sm_count = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(KERNELS_FATBIN.to_vec())).map_err(|e| {
+            Error::Cuda(format!(
+                "loading the kernels on cuda:{ordinal} ({name}, compute capability {major}.{minor}): {e} \
+                     (this build has machine code for sm_75, sm_80, sm_86, sm_89, sm_90; STRATA_CUDA_ARCHS may \
+                     have restricted it)"
+            ))
+        })?;
+        Ok(Arc::new(Gpu {
+            ctx,
+            stream,
+            module,
+            functions: Mutex::new(HashMap::new()),
+            blas: OnceLock::new(),
+            name,
+            compute_capability: (major as u32, minor as u32),
+            sm_count: sm_count as u32,
+        }))
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// The device's name, e.g. "NVIDIA H200".
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// (major, minor), e.g. (9, 0) for Hopper.
+    pub fn compute_capability(&self) -> (u32, u32) {
+        self.compute_capability
+    }
+
+    /// Number of streaming multiprocessors (sizes persistent grids).
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The one stream every launch, copy and cuBLAS call of this device goes on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// A kernel of the embedded fatbin, looked up once and cached.
+    pub fn function(&self, name: &str) -> Result<CudaFunction> {
+        let mut functions = self.functions.lock();
+        if let Some(f) = functions.get(name) {
+            return Ok(f.clone());
+        }
+        let f = self
+            .module
+            .load_function(name)
+            .map_err(|e| Error::Cuda(format!("kernel {name} is not in the embedded kernels (kernels/*.cu): {e}")))?;
+        functions.insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    /// cuBLAS on `self.stream()`, created on first use.
+    pub fn blas(&self) -> Result<&CudaBlas> {
+        if let Some(blas) = self.blas.get() {
+            return Ok(blas);
+        }
+        // SAFETY: only tries to dlopen libcublas and closes it again.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(Error::Cuda("the cuBLAS library (libcublas.so.13) was not found".into()));
+        }
+        let blas = CudaBlas::new(self.stream.clone())?;
+        // Two threads may race here; the loser's handle is dropped.
+        let _ = self.blas.set(blas);
+        Ok(self.blas.get().expect("set above"))
+    }
+
+    /// Copies `host` into a new device buffer (ordered on the stream).
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        Ok(self.stream.clone_htod(host)?)
+    }
+
+    /// A new device buffer of `n` zeroed elements.
+    pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        Ok(self.stream.alloc_zeros(n)?)
+    }
+
+    /// Waits for the stream, returns the contents.
+    pub fn download<T: DeviceRepr + Clone + Default>(&self, d: &CudaSlice<T>) -> Result<Vec<T>> {
+        let mut host = vec![T::default(); d.len()];
+        self.stream.memcpy_dtoh(d, &mut host)?;
+        self.stream.synchronize()?;
+        Ok(host)
+    }
+
+    /// Waits until everything queued on the stream has run; a kernel's
+    /// fault surfaces here as `Error::Cuda`.
+    pub fn sync(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// A launch shape for a grid-stride loop over `n` elements: 256 threads
+    /// a block, at most 32 blocks per SM.
+    pub fn grid_stride_config(&self, n: usize) -> LaunchConfig {
+        let blocks = n.div_ceil(ELEMENTWISE_THREADS as usize).clamp(1, self.sm_count.max(1) as usize * 32) as u32;
+        LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (ELEMENTWISE_THREADS, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// Fills an f32 buffer with `value` on the stream (tests poison outputs with NaN).
+    pub fn fill_f32(&self, d: &mut CudaSlice<f32>, value: f32) -> Result<()> {
+        if d.is_empty() {
+            return Ok(());
+        }
+        let f = self.function("infra_fill_f32")?;
+        let (cfg, n) = (self.grid_stride_config(d.len()), d.len() as u64);
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(d).arg(&value).arg(&n);
+        // SAFETY: infra_fill_f32(float*, float, unsigned long long n) writes
+        // out[0..n) of a buffer of n floats.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Fills a buffer with random non-zero words made on the device from `seed`.
+    pub fn fill_random_u32(&self, d: &mut CudaSlice<u32>, seed: u64) -> Result<()> {
+        if d.is_empty() {
+            return Ok(());
+        }
+        let f = self.function("infra_fill_random_u32")?;
+        let (cfg, n) = (self.grid_stride_config(d.len()), d.len() as u64);
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(d).arg(&seed).arg(&n);
+        // SAFETY: infra_fill_random_u32(unsigned*, u64 seed, u64 n) writes out[0..n).
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Fills a bf16 buffer with values uniform in [-1, 1) made on the device from `seed`.
+    pub fn fill_uniform_bf16(&self, d: &mut CudaSlice<half::bf16>, seed: u64) -> Result<()> {
+        if d.is_empty() {
+            return Ok(());
+        }
+        let f = self.function("infra_fill_uniform_bf16")?;
+        let (cfg, n) = (self.grid_stride_config(d.len()), d.len() as u64);
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(d).arg(&seed).arg(&n);
+        // SAFETY: infra_fill_uniform_bf16(bf16*, u64 seed, u64 n) writes out[0..n).
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+}
