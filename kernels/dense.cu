@@ -1,0 +1,385 @@
+// Dense and elementwise kernels of the forward pass (see kernels/README.md):
+// BF16 GEMV for decode (T <= 8 rows), x -> bf16 for the cuBLAS GEMM of
+// prefill, RMSNorm (also per head), RoPE (NeoX pairs, partial rotary, YaRN
+// through precomputed inverse frequencies), the elementwise ops of both
+// architectures, the embedding gather, the non-finite guard and greedy argmax.
+// The CPU reference is src/backend/cpu/{ops,next_ops}.rs; where it matters the
+// arithmetic is spelled out with __fmul_rn / __fadd_rn so nvcc does not fuse
+// into FMAs the CPU does not have.
+#include "common.cuh"
+
+// ---------------------------------------------------------------------------
+// Helpers (file-local, dense_ prefix: one translation unit with the others).
+
+static __device__ __forceinline__ float dense_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread
+// gets the result. `scratch` holds 32 floats. Fixed order: deterministic.
+static __device__ __forceinline__ float dense_block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = dense_warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float s = lane < warps ? scratch[lane] : 0.0f;
+    return dense_warp_sum(s);
+}
+
+static __device__ __forceinline__ float dense_sigmoid_f(float x) {
+    // next_ops::sigmoid: 1 / (1 + exp(-x))
+    return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
+}
+
+// 16 bytes of a weight row, read once: no L1 allocation (x stays in L1).
+static __device__ __forceinline__ uint4 dense_ld_stream(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// bf16 element 2j of a word is its low half (little endian).
+static __device__ __forceinline__ float dense_bf16_lo(unsigned int u) { return __uint_as_float(u << 16); }
+static __device__ __forceinline__ float dense_bf16_hi(unsigned int u) { return __uint_as_float(u & 0xffff0000u); }
+
+// ---------------------------------------------------------------------------
+// GEMV: out[t, n] = sum_k x[t, k] * W[n, k] for t < T <= 8, W bf16 [N, K],
+// K % 8 == 0. A block is DENSE_GEMV_WARPS warps; `ksplit` consecutive warps
+// share ROWS rows of W and split K between them (ksplit in {1, 2, 4, 8}, so
+// small N still fills the SMs); each lane reads 16 bytes (8 weights) of each
+// of its ROWS rows per step, consecutive lanes consecutive 16 bytes
+// (coalesced 512 B per row per warp), and applies them to all T rows of x
+// (read as float4 from L1/L2). Partial sums: per lane in k order, then a warp
+// butterfly, then the ksplit warps in warp order through shared memory.
+
+#define DENSE_GEMV_WARPS 8
+
+template <int T, int ROWS, int UNROLL>
+static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__ x,
+                                                       const __nv_bfloat16* __restrict__ w,
+                                                       float* __restrict__ out, int N, int K, int ksplit) {
+    __shared__ float red[DENSE_GEMV_WARPS][ROWS * T];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int groups = DENSE_GEMV_WARPS / ksplit;
+    const int group = warp / ksplit, part = warp % ksplit;
+    const long long row0 = ((long long)blockIdx.x * groups + group) * ROWS;
+
+    const uint4* wrow[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        // Rows past N read row N-1 (in bounds) and are never stored.
+        const long long n = min(row0 + r, (long long)N - 1);
+        wrow[r] = reinterpret_cast<const uint4*>(w + n * (long long)K);
+    }
+    float acc[ROWS][T];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t) acc[r][t] = 0.0f;
+
+    const int kvec = K >> 3;  // groups of 8 weights per row
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const int xstride4 = K >> 2;
+#pragma unroll UNROLL
+    for (int v = part * 32 + lane; v < kvec; v += ksplit * 32) {
+        uint4 wv[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) wv[r] = dense_ld_stream(wrow[r] + v);
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            const float4 xa = __ldg(x4 + (long long)t * xstride4 + 2 * v);
+            const float4 xb = __ldg(x4 + (long long)t * xstride4 + 2 * v + 1);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                float a = acc[r][t];
+                a = fmaf(dense_bf16_lo(wv[r].x), xa.x, a);
+                a = fmaf(dense_bf16_hi(wv[r].x), xa.y, a);
+                a = fmaf(dense_bf16_lo(wv[r].y), xa.z, a);
+                a = fmaf(dense_bf16_hi(wv[r].y), xa.w, a);
+                a = fmaf(dense_bf16_lo(wv[r].z), xb.x, a);
+                a = fmaf(dense_bf16_hi(wv[r].z), xb.y, a);
+                a = fmaf(dense_bf16_lo(wv[r].w), xb.z, a);
+                a = fmaf(dense_bf16_hi(wv[r].w), xb.w, a);
+                acc[r][t] = a;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            const float s = dense_warp_sum(acc[r][t]);
+            if (lane == 0) red[warp][r * T + t] = s;
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < groups * ROWS * T; i += blockDim.x) {
+        const int g = i / (ROWS * T), rt = i % (ROWS * T);
+        const int r = rt / T, t = rt % T;
+        float s = 0.0f;
+        for (int p = 0; p < ksplit; ++p) s += red[g * ksplit + p][rt];
+        const long long n = ((long long)blockIdx.x * groups + g) * ROWS + r;
+        if (n < N) out[(long long)t * N + n] = s;
+    }
+}
+
+// Rows of W per warp group: 4 for T <= 2 (more blocks, two steps of the k
+// loop in flight), 8 above (x reused across more rows: less L1 traffic per
+// weight byte; one step in flight, at most 128 registers so two blocks fit
+// an SM). The Rust wrapper (dense::gemv_rows_per_group) must agree.
+#define DENSE_GEMV_KERNEL(T, ROWS, UNROLL, MINB)                                                             \
+    extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, MINB)                                \
+        dense_gemv_t##T(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,                    \
+                        float* __restrict__ out, int N, int K, int ksplit) {                                 \
+        dense_gemv_body<T, ROWS, UNROLL>(x, w, out, N, K, ksplit);                                           \
+    }
+DENSE_GEMV_KERNEL(1, 4, 2, 4)
+DENSE_GEMV_KERNEL(2, 4, 2, 3)
+DENSE_GEMV_KERNEL(3, 4, 1, 2)
+DENSE_GEMV_KERNEL(4, 4, 1, 2)
+DENSE_GEMV_KERNEL(5, 4, 1, 2)
+DENSE_GEMV_KERNEL(6, 4, 1, 2)
+DENSE_GEMV_KERNEL(7, 4, 1, 2)
+DENSE_GEMV_KERNEL(8, 4, 1, 2)
+
+// The simple path for any K (K % 8 != 0): one warp per output (t, n), lanes
+// stride over k, scalar loads. grid = (ceil(N / 8), T), block = 256.
+extern "C" __global__ void dense_matmul_simple(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                                               float* __restrict__ out, int N, int K) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long n = (long long)blockIdx.x * (blockDim.x >> 5) + warp;
+    const int t = blockIdx.y;
+    if (n >= N) return;
+    const float* xr = x + (long long)t * K;
+    const __nv_bfloat16* wr = w + n * (long long)K;
+    float s = 0.0f;
+    for (int k = lane; k < K; k += 32) s = fmaf(__bfloat162float(wr[k]), xr[k], s);
+    s = dense_warp_sum(s);
+    if (lane == 0) out[(long long)t * N + n] = s;
+}
+
+// out[i] = bf16(x[i]), round to nearest even (half::bf16::from_f32).
+extern "C" __global__ void dense_f32_to_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ out,
+                                             unsigned long long n) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        out[i] = __float2bfloat16_rn(x[i]);
+}
+
+// ---------------------------------------------------------------------------
+// RMSNorm: out = x * (1 / sqrt(mean(x^2) + eps)) * w, per row of `width`
+// (ops::rmsnorm; zero-centered norms arrive with 1 already added to w).
+
+// One warp per row, DENSE_GEMV_WARPS rows per block: small widths (per-head norms).
+extern "C" __global__ void dense_rmsnorm_warp(const float* __restrict__ x, const float* __restrict__ w,
+                                              float* __restrict__ out, int rows, int width, float eps) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const float* xr = x + row * width;
+    float* orow = out + row * width;
+    float ss = 0.0f;
+    for (int i = lane; i < width; i += 32) ss = fmaf(xr[i], xr[i], ss);
+    ss = dense_warp_sum(ss);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)width), eps)));
+    for (int i = lane; i < width; i += 32) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+}
+
+// One block per row (wide rows: hidden 2048 .. 8192).
+extern "C" __global__ void dense_rmsnorm_block(const float* __restrict__ x, const float* __restrict__ w,
+                                               float* __restrict__ out, int rows, int width, float eps) {
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const float* xr = x + row * width;
+    float* orow = out + row * width;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    ss = dense_block_sum(ss, scratch);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)width), eps)));
+    for (int i = threadIdx.x; i < width; i += blockDim.x) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+}
+
+// x += y, then out = rmsnorm(x) (the residual add fused with the next norm).
+// One block per row; each thread re-reads only the x it wrote itself.
+extern "C" __global__ void dense_add_rmsnorm(float* __restrict__ x, const float* __restrict__ y,
+                                             const float* __restrict__ w, float* __restrict__ out, int rows,
+                                             int width, float eps) {
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    float* xr = x + row * width;
+    const float* yr = y + row * width;
+    float* orow = out + row * width;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = __fadd_rn(xr[i], yr[i]);
+        xr[i] = v;
+        ss = fmaf(v, v, ss);
+    }
+    ss = dense_block_sum(ss, scratch);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)width), eps)));
+    for (int i = threadIdx.x; i < width; i += blockDim.x) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+}
+
+// ---------------------------------------------------------------------------
+// RoPE in place on x [T, heads, head_dim]: pair (i, i + half) of every head
+// of row t, half = rotary_dim / 2, at pos = start_pos + t. The angle is the
+// f32 product (float)pos * inv_freq[i] as Rope::cos_sin computes it; cos and
+// sin (full-range precise cosf/sinf) are then scaled by attention_factor.
+// One thread per pair: grid-stride over T * heads * half.
+extern "C" __global__ void dense_rope(float* __restrict__ x, const float* __restrict__ inv_freq,
+                                      unsigned long long pairs, int heads, int head_dim, int half,
+                                      unsigned long long start_pos, float attention_factor) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long g = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; g < pairs; g += stride) {
+        const int i = (int)(g % half);
+        const unsigned long long head = g / half;  // t * heads + h
+        const unsigned long long pos = start_pos + head / heads;
+        const float angle = __fmul_rn(__ull2float_rn(pos), inv_freq[i]);
+        float s, c;
+        sincosf(angle, &s, &c);
+        c = __fmul_rn(c, attention_factor);
+        s = __fmul_rn(s, attention_factor);
+        float* hp = x + head * head_dim;
+        const float a = hp[i], b = hp[i + half];
+        hp[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        hp[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Elementwise (grid-stride over n).
+
+#define DENSE_FOR_EACH(i, n)                                                                               \
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);        \
+         i += (unsigned long long)gridDim.x * blockDim.x)
+
+// x += y (ops::add).
+extern "C" __global__ void dense_add(float* __restrict__ x, const float* __restrict__ y, unsigned long long n) {
+    DENSE_FOR_EACH(i, n) x[i] = __fadd_rn(x[i], y[i]);
+}
+
+// out = silu(gate) * up, silu(g) = g / (1 + exp(-g)) (ops::silu).
+extern "C" __global__ void dense_silu_mul(const float* __restrict__ gate, const float* __restrict__ up,
+                                          float* __restrict__ out, unsigned long long n) {
+    DENSE_FOR_EACH(i, n) {
+        const float g = gate[i];
+        out[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
+    }
+}
+
+// attn *= sigmoid(gate) (next_ops::apply_output_gate).
+extern "C" __global__ void dense_output_gate(float* __restrict__ attn, const float* __restrict__ gate,
+                                             unsigned long long n) {
+    DENSE_FOR_EACH(i, n) attn[i] = __fmul_rn(attn[i], dense_sigmoid_f(gate[i]));
+}
+
+// x = sigmoid(x) in place.
+extern "C" __global__ void dense_sigmoid(float* __restrict__ x, unsigned long long n) {
+    DENSE_FOR_EACH(i, n) x[i] = dense_sigmoid_f(x[i]);
+}
+
+// out[t, j] += sigmoid(logit[t]) * y[t, j] for y, out [rows, width] (the
+// shared expert's gated add, engine::shared_expert).
+extern "C" __global__ void dense_sigmoid_scale_add(float* __restrict__ out, const float* __restrict__ y,
+                                                   const float* __restrict__ logit, unsigned long long n,
+                                                   int width) {
+    DENSE_FOR_EACH(i, n) {
+        const float s = dense_sigmoid_f(logit[i / (unsigned long long)width]);
+        out[i] = __fadd_rn(out[i], __fmul_rn(s, y[i]));
+    }
+}
+
+// qg [T, heads, 2 * hd] -> q, gate [T, heads, hd]: per head [q_h | gate_h]
+// (next_ops::split_q_gate). n = T * heads * hd.
+extern "C" __global__ void dense_split_q_gate(const float* __restrict__ qg, float* __restrict__ q,
+                                              float* __restrict__ gate, unsigned long long n, int hd) {
+    DENSE_FOR_EACH(i, n) {
+        const unsigned long long head = i / (unsigned long long)hd, d = i % (unsigned long long)hd;
+        const float* src = qg + head * 2 * hd;
+        q[i] = src[d];
+        gate[i] = src[hd + d];
+    }
+}
+
+// out[t, j] = float(table[ids[t], j]); an id >= vocab writes NaN (the
+// non-finite guard reports it) instead of reading out of bounds.
+extern "C" __global__ void dense_embed(const __nv_bfloat16* __restrict__ table, const unsigned int* __restrict__ ids,
+                                       float* __restrict__ out, unsigned long long n, int hidden,
+                                       unsigned int vocab) {
+    DENSE_FOR_EACH(i, n) {
+        const unsigned long long t = i / (unsigned long long)hidden, j = i % (unsigned long long)hidden;
+        const unsigned int id = ids[t];
+        out[i] = id < vocab ? __bfloat162float(table[(unsigned long long)id * hidden + j]) : __int_as_float(0x7fc00000);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Non-finite guard: flags[slot] = min(flags[slot], first flat index i with
+// x[i] NaN or inf). flags start at 0xffffffff (dense_fill_u32).
+extern "C" __global__ void dense_first_nonfinite(const float* __restrict__ x, unsigned long long n,
+                                                 unsigned int* __restrict__ flags, int slot) {
+    DENSE_FOR_EACH(i, n) {
+        if (!isfinite(x[i])) atomicMin(flags + slot, (unsigned int)i);
+    }
+}
+
+extern "C" __global__ void dense_fill_u32(unsigned int* __restrict__ out, unsigned int value, unsigned long long n) {
+    DENSE_FOR_EACH(i, n) out[i] = value;
+}
+
+// ---------------------------------------------------------------------------
+// Greedy argmax per row of logits [rows, V] (sampling::argmax: the largest
+// value, the lowest index on ties). One block (1024 threads) per row.
+static __device__ __forceinline__ bool dense_better(float av, unsigned int ai, float bv, unsigned int bi) {
+    return av > bv || (av == bv && ai < bi);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) dense_argmax(const float* __restrict__ logits,
+                                                                unsigned int* __restrict__ out, int V) {
+    __shared__ float sv[32];
+    __shared__ unsigned int si[32];
+    const float* row = logits + (long long)blockIdx.x * V;
+    float bv = -INFINITY;
+    unsigned int bi = 0xffffffffu;
+    // Increasing i within a thread: strict > keeps the lowest index.
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        const float v = row[i];
+        if (bi == 0xffffffffu || v > bv) {
+            bv = v;
+            bi = i;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const unsigned int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (dense_better(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < warps ? sv[lane] : -INFINITY;
+        bi = lane < warps ? si[lane] : 0xffffffffu;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const unsigned int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (dense_better(ov, oi, bv, bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (lane == 0) out[blockIdx.x] = bi;
+    }
+}

@@ -1,0 +1,670 @@
+//! CUDA launch wrappers for kernels/dense.cu (see kernels/README.md): the
+//! dense BF16 projections (own GEMV for T <= 8 rows, cuBLAS above), RMSNorm,
+//! RoPE, the elementwise ops of both architectures, the embedding gather,
+//! the non-finite guard and greedy argmax. Each wrapper checks lengths and
+//! shapes and returns `Error::InvalidArgument` before it launches anything;
+//! everything is queued on `gpu.stream()` (nothing here synchronizes).
+//!
+//! Wrappers that take explicit row counts (`matmul`, `rope`, `embed`,
+//! `argmax`) use the first rows of buffers that may be longer (buffers
+//! sized for the largest batch); the others take whole buffers.
+
+use half::bf16;
+
+use super::{CudaSlice, DevicePtr, DevicePtrMut, Gpu, LaunchConfig, PushKernelArg};
+use crate::backend::Rope;
+use crate::error::{Error, Result};
+
+/// Warps per block of the GEMV kernels (`DENSE_GEMV_WARPS`).
+const GEMV_WARPS: usize = 8;
+/// Rows of W per warp group of `dense_gemv_t{T}` (the `ROWS` of `DENSE_GEMV_KERNEL`).
+const GEMV_ROWS_PER_GROUP: usize = 4;
+/// Largest row count of the GEMV kernels; above it `matmul` goes to cuBLAS.
+pub const GEMV_MAX_ROWS: usize = 8;
+
+fn invalid(msg: String) -> Error {
+    Error::InvalidArgument(msg)
+}
+
+fn check_i32(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| invalid(format!("{what} = {v} does not fit a 32-bit kernel argument")))
+}
+
+fn need(what: &str, len: usize, want: usize) -> Result<()> {
+    if len < want {
+        return Err(invalid(format!("{what} holds {len} elements, {want} needed")));
+    }
+    Ok(())
+}
+
+fn same(what: &str, len: usize, want: usize) -> Result<()> {
+    if len != want {
+        return Err(invalid(format!("{what} holds {len} elements, expected {want}")));
+    }
+    Ok(())
+}
+
+/// Threads of a one-block-per-row kernel: about 8 elements a thread, 32..1024.
+fn row_block_threads(width: usize) -> u32 {
+    width.div_ceil(8).next_multiple_of(32).clamp(32, 1024) as u32
+}
+
+// ---------------------------------------------------------------------------
+// Dense projections.
+
+/// `out [T, N] = x [T, K] * W^T` for BF16 `w [N, K]` with f32 accumulation
+/// (a linear layer's `y = x W^T`). T <= 8 (decode, speculative verify): the
+/// own GEMV (`gemv`), exact f32 products of the bf16 weights and f32 x. T > 8:
+/// x is rounded to bf16 into a scratch buffer allocated here and cuBLAS runs
+/// the GEMM (`gemm`); pass your own scratch to `matmul_with_scratch`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<bf16>,
+    t: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    if t <= GEMV_MAX_ROWS {
+        return gemv(gpu, x, w, t, n, k, out);
+    }
+    check_matmul(x, w, t, n, k, out)?;
+    let mut scratch = gpu.stream().alloc_zeros::<bf16>(t * k)?;
+    gemm(gpu, x, w, t, n, k, out, &mut scratch)
+}
+
+/// `matmul` with the caller's bf16 scratch of at least `T * K` elements for
+/// the cuBLAS path (unused for T <= 8).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_with_scratch(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<bf16>,
+    t: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+    scratch: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    if t <= GEMV_MAX_ROWS {
+        gemv(gpu, x, w, t, n, k, out)
+    } else {
+        gemm(gpu, x, w, t, n, k, out, scratch)
+    }
+}
+
+fn check_matmul(
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<bf16>,
+    t: usize,
+    n: usize,
+    k: usize,
+    out: &CudaSlice<f32>,
+) -> Result<()> {
+    if n == 0 || k == 0 {
+        return Err(invalid(format!("matmul: empty weight [{n}, {k}]")));
+    }
+    same("matmul: w", w.len(), n * k)?;
+    need("matmul: x", x.len(), t * k)?;
+    need("matmul: out", out.len(), t * n)?;
+    check_i32("matmul: N", n)?;
+    check_i32("matmul: K", k)?;
+    check_i32("matmul: T", t)?;
+    Ok(())
+}
+
+/// The GEMV kernels' split of K between the warps of a block: the smallest
+/// power of two (<= 8, <= the 256-wide steps of K) that gives at least four
+/// blocks per SM, so N = 1 .. 2048 still fills the GPU.
+fn gemv_ksplit(n: usize, k: usize, sm_count: usize) -> usize {
+    let steps = k.div_ceil(256);
+    let blocks = |ks: usize| n.div_ceil(GEMV_WARPS / ks * GEMV_ROWS_PER_GROUP);
+    let mut ks = 1;
+    while ks < GEMV_WARPS && ks * 2 <= steps && blocks(ks) < 4 * sm_count {
+        ks *= 2;
+    }
+    ks
+}
+
+/// `out [T, N] = x [T, K] * W^T` for T in 1..=8 with the own GEMV kernels
+/// (any K; the fast kernels need K % 8 == 0, others take the simple kernel).
+pub fn gemv(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<bf16>,
+    t: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    check_matmul(x, w, t, n, k, out)?;
+    if t > GEMV_MAX_ROWS {
+        return Err(invalid(format!("gemv: T = {t} rows, at most {GEMV_MAX_ROWS}")));
+    }
+    if t == 0 {
+        return Ok(());
+    }
+    let (n_i, k_i) = (n as i32, k as i32);
+    if k % 8 != 0 {
+        let f = gpu.function("dense_matmul_simple")?;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(GEMV_WARPS) as u32, t as u32, 1),
+            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(x).arg(w).arg(out).arg(&n_i).arg(&k_i);
+        // SAFETY: dense_matmul_simple(const float* x [T,K], const bf16* w [N,K], float* out [T,N], int N, int K);
+        // lengths checked above, grid.y = T.
+        unsafe { b.launch(cfg) }?;
+        return Ok(());
+    }
+    let ks = gemv_ksplit(n, k, gpu.sm_count() as usize);
+    let rows_per_block = GEMV_WARPS / ks * GEMV_ROWS_PER_GROUP;
+    let f = gpu.function(&format!("dense_gemv_t{t}"))?;
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(rows_per_block) as u32, 1, 1),
+        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let ks_i = ks as i32;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x).arg(w).arg(out).arg(&n_i).arg(&k_i).arg(&ks_i);
+    // SAFETY: dense_gemv_tT(const float* x [T,K], const bf16* w [N,K], float* out [T,N], int N, int K, int ksplit);
+    // K % 8 == 0 keeps every 16-byte load inside its row and aligned (cudarc buffers are 256-byte aligned);
+    // rows past N are clamped in the kernel and never stored.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// `out [T, N] = bf16(x) [T, K] * W^T` through cuBLAS (bf16 inputs, f32
+/// compute and output) for any T: x is first rounded to bf16 into
+/// `scratch` (at least `T * K` elements), so results differ from the f32
+/// reference by about the bf16 rounding of x (~1e-3 relative).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<bf16>,
+    t: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+    scratch: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    check_matmul(x, w, t, n, k, out)?;
+    need("gemm: scratch", scratch.len(), t * k)?;
+    if t == 0 {
+        return Ok(());
+    }
+    convert_to_bf16(gpu, x, scratch, t * k)?;
+    let blas = gpu.blas()?;
+    let stream = gpu.stream();
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    use cudarc::cublas::{result, sys};
+    // Column-major view: C (N x T, ldc N) = W^T-as-stored (K x N, lda K)^T * x (K x T, ldb K).
+    let (a, _ra) = w.device_ptr(stream);
+    let (bx, _rb) = scratch.device_ptr(stream);
+    let (c, _rc) = out.device_ptr_mut(stream);
+    // SAFETY: w holds N*K bf16, scratch T*K bf16, out T*N f32 (checked above); cuBLAS runs on gpu.stream(),
+    // and the read/write records (_ra, _rb, _rc) are dropped after the call is queued.
+    unsafe {
+        result::gemm_ex(
+            *blas.handle(),
+            sys::cublasOperation_t::CUBLAS_OP_T,
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            n as i32,
+            t as i32,
+            k as i32,
+            (&alpha) as *const f32 as *const _,
+            a as *const _,
+            sys::cudaDataType_t::CUDA_R_16BF,
+            k as i32,
+            bx as *const _,
+            sys::cudaDataType_t::CUDA_R_16BF,
+            k as i32,
+            (&beta) as *const f32 as *const _,
+            c as *mut _,
+            sys::cudaDataType_t::CUDA_R_32F,
+            n as i32,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }?;
+    Ok(())
+}
+
+/// `out = bf16(x)` elementwise (round to nearest even, as `half::bf16::from_f32`).
+pub fn f32_to_bf16(gpu: &Gpu, x: &CudaSlice<f32>, out: &mut CudaSlice<bf16>) -> Result<()> {
+    same("f32_to_bf16: out", out.len(), x.len())?;
+    convert_to_bf16(gpu, x, out, x.len())
+}
+
+/// The first `n` elements of x into out (lengths checked by the callers).
+fn convert_to_bf16(gpu: &Gpu, x: &CudaSlice<f32>, out: &mut CudaSlice<bf16>, n: usize) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("dense_f32_to_bf16")?;
+    let n64 = n as u64;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x).arg(out).arg(&n64);
+    // SAFETY: dense_f32_to_bf16(const float*, bf16*, u64 n); both buffers hold at least n elements.
+    unsafe { b.launch(gpu.grid_stride_config(n)) }?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Norms.
+
+fn check_norm(what: &str, x_len: usize, w_len: usize, out_len: usize) -> Result<(usize, i32, i32)> {
+    let width = w_len;
+    if width == 0 || x_len % width != 0 {
+        return Err(invalid(format!("{what}: x holds {x_len} elements, not rows of the weight's {width}")));
+    }
+    same(&format!("{what}: out"), out_len, x_len)?;
+    let rows = x_len / width;
+    Ok((rows, check_i32(&format!("{what}: rows"), rows)?, check_i32(&format!("{what}: width"), width)?))
+}
+
+/// `out = x / sqrt(mean(x^2) + eps) * w` for each row of `x [rows, w.len()]`
+/// (`ops::rmsnorm`; the per-head q/k norms are rows of head_dim).
+/// Zero-centered norms pass `1 + w`, as the engine stores them.
+pub fn rmsnorm(gpu: &Gpu, x: &CudaSlice<f32>, w: &CudaSlice<f32>, eps: f32, out: &mut CudaSlice<f32>) -> Result<()> {
+    let (rows, rows_i, width_i) = check_norm("rmsnorm", x.len(), w.len(), out.len())?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let width = w.len();
+    let (f, cfg) = if width <= 512 {
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(GEMV_WARPS) as u32, 1, 1),
+            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        (gpu.function("dense_rmsnorm_warp")?, cfg)
+    } else {
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (row_block_threads(width), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        (gpu.function("dense_rmsnorm_block")?, cfg)
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x).arg(w).arg(out).arg(&rows_i).arg(&width_i).arg(&eps);
+    // SAFETY: dense_rmsnorm_{warp,block}(const float* x, const float* w, float* out, int rows, int width,
+    // float eps); x and out hold rows*width, w width (checked).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// The residual add fused with the next norm: `x += y`, then
+/// `out = rmsnorm(x)` (same numbers as `add` then `rmsnorm`).
+pub fn add_rmsnorm(
+    gpu: &Gpu,
+    x: &mut CudaSlice<f32>,
+    y: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    eps: f32,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let (rows, rows_i, width_i) = check_norm("add_rmsnorm", x.len(), w.len(), out.len())?;
+    same("add_rmsnorm: y", y.len(), x.len())?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("dense_add_rmsnorm")?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (row_block_threads(w.len()), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x).arg(y).arg(w).arg(out).arg(&rows_i).arg(&width_i).arg(&eps);
+    // SAFETY: dense_add_rmsnorm(float* x, const float* y, const float* w, float* out, int rows, int width,
+    // float eps); x, y, out hold rows*width, w width (checked).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// RoPE.
+
+/// A `Rope` on the device: the inverse frequencies of the rotated pairs,
+/// the attention factor and the rotated dims per head.
+#[derive(Debug)]
+pub struct RopeTable {
+    pub inv_freq: CudaSlice<f32>,
+    pub attention_factor: f32,
+    pub rotary_dim: usize,
+}
+
+impl RopeTable {
+    pub fn new(gpu: &Gpu, rope: &Rope) -> Result<RopeTable> {
+        if rope.rotary_dim % 2 != 0 || rope.inv_freq.len() != rope.rotary_dim / 2 || rope.rotary_dim == 0 {
+            return Err(invalid(format!(
+                "RopeTable: rotary_dim {} with {} inverse frequencies",
+                rope.rotary_dim,
+                rope.inv_freq.len()
+            )));
+        }
+        Ok(RopeTable {
+            inv_freq: gpu.upload(&rope.inv_freq)?,
+            attention_factor: rope.attention_factor,
+            rotary_dim: rope.rotary_dim,
+        })
+    }
+}
+
+/// NeoX rotary embedding in place on the first `t` rows of
+/// `x [t, heads, head_dim]`, row `i` at position `start_pos + i`
+/// (`ops::rope`): pairs `(i, i + rotary_dim/2)` of the first `rotary_dim`
+/// dims of each head, the rest pass through.
+pub fn rope(
+    gpu: &Gpu,
+    x: &mut CudaSlice<f32>,
+    t: usize,
+    heads: usize,
+    head_dim: usize,
+    start_pos: usize,
+    table: &RopeTable,
+) -> Result<()> {
+    if table.rotary_dim > head_dim {
+        return Err(invalid(format!("rope: rotary_dim {} > head_dim {head_dim}", table.rotary_dim)));
+    }
+    need("rope: x", x.len(), t * heads * head_dim)?;
+    let half = table.rotary_dim / 2;
+    let pairs = t * heads * half;
+    if pairs == 0 {
+        return Ok(());
+    }
+    if start_pos + t > 1 << 24 {
+        // Positions stop being exact f32 values (the CPU reference rounds them too, but say so).
+        return Err(invalid(format!("rope: position {} is past 2^24", start_pos + t)));
+    }
+    let (heads_i, hd_i, half_i) =
+        (check_i32("rope: heads", heads)?, check_i32("rope: head_dim", head_dim)?, half as i32);
+    let (pairs64, start64) = (pairs as u64, start_pos as u64);
+    let f = gpu.function("dense_rope")?;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x)
+        .arg(&table.inv_freq)
+        .arg(&pairs64)
+        .arg(&heads_i)
+        .arg(&hd_i)
+        .arg(&half_i)
+        .arg(&start64)
+        .arg(&table.attention_factor);
+    // SAFETY: dense_rope(float* x, const float* inv_freq [half], u64 pairs, int heads, int head_dim, int half,
+    // u64 start_pos, float attention_factor); x holds t*heads*head_dim (checked), pair i + half < head_dim.
+    unsafe { b.launch(gpu.grid_stride_config(pairs)) }?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Elementwise.
+
+/// `x += y` (`ops::add`).
+pub fn add(gpu: &Gpu, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
+    same("add: y", y.len(), x.len())?;
+    let n = x.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("dense_add")?;
+    let n64 = n as u64;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x).arg(y).arg(&n64);
+    // SAFETY: dense_add(float* x, const float* y, u64 n); both hold n.
+    unsafe { b.launch(gpu.grid_stride_config(n)) }?;
+    Ok(())
+}
+
+/// `out = silu(gate) * up` elementwise (the dense MLP's activation).
+pub fn silu_mul(gpu: &Gpu, gate: &CudaSlice<f32>, up: &CudaSlice<f32>, out: &mut CudaSlice<f32>) -> Result<()> {
+    same("silu_mul: up", up.len(), gate.len())?;
+    same("silu_mul: out", out.len(), gate.len())?;
+    let n = gate.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("dense_silu_mul")?;
+    let n64 = n as u64;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(gate).arg(up).arg(out).arg(&n64);
+    // SAFETY: dense_silu_mul(const float* gate, const float* up, float* out, u64 n); all hold n.
+    unsafe { b.launch(gpu.grid_stride_config(n)) }?;
+    Ok(())
+}
+
+/// `attn *= sigmoid(gate)` elementwise (`next_ops::apply_output_gate`).
+pub fn output_gate(gpu: &Gpu, attn: &mut CudaSlice<f32>, gate: &CudaSlice<f32>) -> Result<()> {
+    same("output_gate: gate", gate.len(), attn.len())?;
+    let n = attn.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("dense_output_gate")?;
+    let n64 = n as u64;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(attn).arg(gate).arg(&n64);
+    // SAFETY: dense_output_gate(float* attn, const float* gate, u64 n); both hold n.
+    unsafe { b.launch(gpu.grid_stride_config(n)) }?;
+    Ok(())
+}
+
+/// `x = sigmoid(x)` in place (`next_ops::sigmoid`).
+pub fn sigmoid(gpu: &Gpu, x: &mut CudaSlice<f32>) -> Result<()> {
+    let n = x.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("dense_sigmoid")?;
+    let n64 = n as u64;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x).arg(&n64);
+    // SAFETY: dense_sigmoid(float* x, u64 n).
+    unsafe { b.launch(gpu.grid_stride_config(n)) }?;
+    Ok(())
+}
+
+/// The shared expert's gated add: `out[t, :] += sigmoid(logit[t]) * y[t, :]`
+/// for `out, y [T, width]`, `logit [T]` (the engine's `shared_expert`).
+pub fn sigmoid_scale_add(
+    gpu: &Gpu,
+    out: &mut CudaSlice<f32>,
+    y: &CudaSlice<f32>,
+    logit: &CudaSlice<f32>,
+    width: usize,
+) -> Result<()> {
+    same("sigmoid_scale_add: y", y.len(), out.len())?;
+    same("sigmoid_scale_add: out", out.len(), logit.len() * width)?;
+    let n = out.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let width_i = check_i32("sigmoid_scale_add: width", width)?;
+    let f = gpu.function("dense_sigmoid_scale_add")?;
+    let n64 = n as u64;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(out).arg(y).arg(logit).arg(&n64).arg(&width_i);
+    // SAFETY: dense_sigmoid_scale_add(float* out, const float* y, const float* logit, u64 n, int width);
+    // out, y hold n = T*width, logit T.
+    unsafe { b.launch(gpu.grid_stride_config(n)) }?;
+    Ok(())
+}
+
+/// Splits `qg [T, heads * 2 * head_dim]` (per head `[q_h | gate_h]`) into
+/// `q` and `gate [T, heads * head_dim]` (`next_ops::split_q_gate`).
+pub fn split_q_gate(
+    gpu: &Gpu,
+    qg: &CudaSlice<f32>,
+    heads: usize,
+    head_dim: usize,
+    q: &mut CudaSlice<f32>,
+    gate: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let width = heads * head_dim;
+    if width == 0 || q.len() % width != 0 {
+        return Err(invalid(format!("split_q_gate: q holds {} elements, not rows of {width}", q.len())));
+    }
+    same("split_q_gate: gate", gate.len(), q.len())?;
+    same("split_q_gate: qg", qg.len(), 2 * q.len())?;
+    let n = q.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let hd_i = check_i32("split_q_gate: head_dim", head_dim)?;
+    let f = gpu.function("dense_split_q_gate")?;
+    let n64 = n as u64;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(qg).arg(q).arg(gate).arg(&n64).arg(&hd_i);
+    // SAFETY: dense_split_q_gate(const float* qg [2n], float* q [n], float* gate [n], u64 n, int hd).
+    unsafe { b.launch(gpu.grid_stride_config(n)) }?;
+    Ok(())
+}
+
+/// `out [T, H] = table[ids[t]]` widened to f32, for the BF16 embedding
+/// table `[V, H]` (V = table.len() / H). An id >= V cannot be checked here
+/// (ids live on the device): its row becomes NaN, which the non-finite
+/// guard reports.
+pub fn embed(
+    gpu: &Gpu,
+    table: &CudaSlice<bf16>,
+    ids: &CudaSlice<u32>,
+    t: usize,
+    hidden: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    if hidden == 0 || table.len() % hidden != 0 {
+        return Err(invalid(format!("embed: table holds {} elements, not rows of {hidden}", table.len())));
+    }
+    need("embed: ids", ids.len(), t)?;
+    need("embed: out", out.len(), t * hidden)?;
+    let vocab = u32::try_from(table.len() / hidden).map_err(|_| invalid("embed: vocabulary over 2^32".into()))?;
+    let n = t * hidden;
+    if n == 0 {
+        return Ok(());
+    }
+    let h_i = check_i32("embed: hidden", hidden)?;
+    let f = gpu.function("dense_embed")?;
+    let n64 = n as u64;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(table).arg(ids).arg(out).arg(&n64).arg(&h_i).arg(&vocab);
+    // SAFETY: dense_embed(const bf16* table [V,H], const u32* ids [T], float* out [T,H], u64 n, int H, u32 V);
+    // ids >= V are not read through.
+    unsafe { b.launch(gpu.grid_stride_config(n)) }?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Non-finite guard and argmax.
+
+/// The flag value meaning "no NaN/inf seen".
+pub const NONFINITE_NONE: u32 = u32::MAX;
+
+/// Sets every slot of `flags` to `NONFINITE_NONE` (before a forward).
+pub fn reset_flags(gpu: &Gpu, flags: &mut CudaSlice<u32>) -> Result<()> {
+    let n = flags.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("dense_fill_u32")?;
+    let (v, n64) = (NONFINITE_NONE, n as u64);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(flags).arg(&v).arg(&n64);
+    // SAFETY: dense_fill_u32(u32* out, u32 value, u64 n).
+    unsafe { b.launch(gpu.grid_stride_config(n)) }?;
+    Ok(())
+}
+
+/// `flags[slot] = min(flags[slot], first flat index of a NaN/inf in x)`
+/// for `x [rows, width]`; the engine reads the slots once after a forward:
+/// `NONFINITE_NONE` means all finite, otherwise the bad row is
+/// `index / width` (see `nonfinite_row`).
+pub fn first_nonfinite(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    width: usize,
+    flags: &mut CudaSlice<u32>,
+    slot: usize,
+) -> Result<()> {
+    if width == 0 || x.len() % width != 0 {
+        return Err(invalid(format!("first_nonfinite: x holds {} elements, not rows of {width}", x.len())));
+    }
+    if slot >= flags.len() {
+        return Err(invalid(format!("first_nonfinite: slot {slot} of {} flags", flags.len())));
+    }
+    if x.len() >= NONFINITE_NONE as usize {
+        return Err(invalid(format!("first_nonfinite: {} elements do not fit a 32-bit index", x.len())));
+    }
+    let n = x.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("dense_first_nonfinite")?;
+    let (n64, slot_i) = (n as u64, slot as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x).arg(&n64).arg(flags).arg(&slot_i);
+    // SAFETY: dense_first_nonfinite(const float* x, u64 n, u32* flags, int slot); slot < flags.len().
+    unsafe { b.launch(gpu.grid_stride_config(n)) }?;
+    Ok(())
+}
+
+/// The row and column of a flag value read back from `first_nonfinite`.
+pub fn nonfinite_row(flag: u32, width: usize) -> Option<(usize, usize)> {
+    (flag != NONFINITE_NONE).then(|| (flag as usize / width, flag as usize % width))
+}
+
+/// `out[r] = argmax(logits[r, :])` for the first `rows` rows of
+/// `logits [rows, vocab]`: the largest value, the lowest index on ties
+/// (`sampling::argmax`); the logits must be finite.
+pub fn argmax(gpu: &Gpu, logits: &CudaSlice<f32>, rows: usize, vocab: usize, out: &mut CudaSlice<u32>) -> Result<()> {
+    if vocab == 0 {
+        return Err(invalid("argmax: empty vocabulary".into()));
+    }
+    need("argmax: logits", logits.len(), rows * vocab)?;
+    need("argmax: out", out.len(), rows)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let v_i = check_i32("argmax: vocab", vocab)?;
+    let f = gpu.function("dense_argmax")?;
+    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(logits).arg(out).arg(&v_i);
+    // SAFETY: dense_argmax(const float* logits [rows, V], u32* out [rows], int V); one block per row.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ksplit_fills_the_gpu_for_small_n() {
+        // lm_head: plenty of rows, no split.
+        assert_eq!(gemv_ksplit(151_936, 2048, 132), 1);
+        // N = 2048, K = 2048: 64 blocks unsplit -> split 8 ways (512 blocks).
+        assert_eq!(gemv_ksplit(2048, 2048, 132), 8);
+        assert_eq!(gemv_ksplit(4096, 2048, 132), 4);
+        // The shared-expert gate (N = 1) splits K across all warps.
+        assert_eq!(gemv_ksplit(1, 2048, 132), 8);
+        // Never more warps than 256-wide steps of K.
+        assert_eq!(gemv_ksplit(1, 512, 132), 2);
+        assert_eq!(gemv_ksplit(1, 8, 132), 1);
+    }
+
+    #[test]
+    fn row_block_threads_bounds() {
+        assert_eq!(row_block_threads(1), 32);
+        assert_eq!(row_block_threads(2048), 256);
+        assert_eq!(row_block_threads(5000), 640);
+        assert_eq!(row_block_threads(8192), 1024);
+        assert_eq!(row_block_threads(100_000), 1024);
+    }
+}
