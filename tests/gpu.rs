@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use strata::backend::cuda::Gpu;
+use strata::error::Error;
 
 mod gpu {
     #[path = "../gpu/attention.rs"]
@@ -33,7 +34,10 @@ fn main() -> ExitCode {
     let gpu = match Gpu::open(0) {
         Ok(gpu) => gpu,
         Err(e) => {
-            println!("no CUDA device: {e}: GPU suite not run");
+            match e {
+                Error::NoCuda(why) => println!("no CUDA device: {why}: GPU suite not run"),
+                e => println!("{e}: GPU suite not run"),
+            }
             let required = std::env::var("STRATA_REQUIRE_GPU").is_ok_and(|v| v == "1");
             return if required { ExitCode::FAILURE } else { ExitCode::SUCCESS };
         }

@@ -29,7 +29,8 @@ fn a_cuda_device_through_the_c_api_is_no_cuda_with_the_cause() {
     assert_eq!(st, STRATA_ERR_NO_CUDA);
     assert!(engine.is_null());
     let msg = unsafe { CStr::from_ptr(strata_last_error()) }.to_str().unwrap().to_string();
-    assert!(msg.starts_with("no CUDA device: "), "{msg}");
+    // "<entry point>: <error>"
+    assert!(msg.starts_with("strata_engine_load: no CUDA device: "), "{msg}");
 
     #[cfg(not(feature = "cuda"))]
     assert!(msg.contains("feature cuda"), "{msg}");
@@ -40,7 +41,7 @@ fn a_cuda_device_through_the_c_api_is_no_cuda_with_the_cause() {
             assert!(msg.contains("the CUDA driver library (libcuda.so.1) was not found"), "{msg}");
         }
         match cuda::device_count() {
-            Err(err) => assert_eq!(msg, err.to_string()),
+            Err(err) => assert_eq!(msg, format!("strata_engine_load: {err}")),
             Ok(_) => assert!(msg.contains("not wired yet"), "{msg}"),
         }
     }
