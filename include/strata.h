@@ -255,6 +255,18 @@ typedef struct strata_session_params {
    `strata_session_logits` with earlier positions. Default false.
    */
   bool keep_all_logits;
+  /*
+   On models with recurrent state (Qwen3-Next): also take an automatic
+   checkpoint whenever a prefill reaches a multiple of this many
+   tokens; 0 (default) = only at the end of each prefill.
+   */
+  uint32_t checkpoint_every;
+  /*
+   Bytes all checkpoints of the session may hold together; automatic
+   checkpoints are evicted, oldest first, to stay under it (explicit
+   ones never are). 0 (default) = 1 GiB.
+   */
+  uint64_t checkpoint_budget;
 } strata_session_params;
 
 /*
@@ -352,6 +364,14 @@ typedef struct strata_api {
    Added in ABI 1 after the first draft of the table.
    */
   strata_status (*session_checkpoint_release)(strata_session *s, uint64_t checkpoint_id);
+  /*
+   Added in ABI 1 with prefix reuse: check `struct_size` covers it.
+   */
+  strata_status (*session_prefill_conversation)(strata_session *s,
+                                                const int32_t *tokens,
+                                                size_t n_tokens,
+                                                size_t *out_reused,
+                                                size_t *out_read);
 } strata_api;
 
 #ifdef __cplusplus
@@ -566,6 +586,34 @@ void strata_session_free(strata_session *session);
  `s` a live session; `tokens` readable for `n_tokens` ids.
  */
 strata_status strata_session_prefill(strata_session *s, const int32_t *tokens, size_t n_tokens);
+
+/*
+ Makes the session hold exactly `tokens`, the WHOLE conversation so far
+ (`n_tokens` >= 1), reusing what it already holds: the longest common
+ prefix with the session's tokens is kept (on a model with recurrent
+ state, from the nearest checkpoint at or before it) and only the rest
+ is read. Afterwards the logits of the last token are ready, as after
+ `strata_session_prefill`. `*out_reused` (tokens not run in this call)
+ and `*out_read` (tokens run) are written when not NULL; they add up to
+ `n_tokens`.
+
+ Bad input (ids, room) changes nothing. If a forward fails (e.g.
+ `STRATA_ERR_NONFINITE`), the session keeps a consistent prefix of the
+ conversation (what was reused plus the prefill pieces read before the
+ failure, with their checkpoints): calling again with the same
+ conversation resumes from there.
+
+ Thread-safety: one call per session at a time (else `STRATA_ERR_BUSY`).
+
+ # Safety
+ `s` a live session; `tokens` readable for `n_tokens` ids; `out_reused`
+ and `out_read` NULL or writable.
+ */
+strata_status strata_session_prefill_conversation(strata_session *s,
+                                                  const int32_t *tokens,
+                                                  size_t n_tokens,
+                                                  size_t *out_reused,
+                                                  size_t *out_read);
 
 /*
  Samples the next token from the current logits with `params` (NULL =

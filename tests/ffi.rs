@@ -944,3 +944,81 @@ fn sessions_keep_the_model_alive_after_the_engine_is_freed() {
     let got: Vec<i32> = (0..4).map(|_| step(&s, None)).collect();
     assert_eq!(got, want);
 }
+
+/// `strata_session_prefill_conversation` reuses the common prefix and
+/// reports the counts; the checkpoint policy fields reach the session.
+#[test]
+fn prefill_conversation_reuses_the_prefix_and_reports_counts() {
+    let (_d, path) = make_pack(&tiny_config());
+    let e = load(&path);
+    let s = open(&e);
+    let conv = |s: &SessionHandle, tokens: &[i32]| {
+        let (mut reused, mut read) = (usize::MAX, usize::MAX);
+        ok(unsafe { strata_session_prefill_conversation(s.0, tokens.as_ptr(), tokens.len(), &mut reused, &mut read) });
+        (reused, read)
+    };
+    assert_eq!(conv(&s, &PROMPT[..6]), (0, 6));
+    assert_eq!(conv(&s, &PROMPT), (6, 4));
+    let fresh = open(&e);
+    prefill(&fresh, &PROMPT);
+    assert_eq!(logits(&s, -1), logits(&fresh, -1));
+    // A divergence at 8: KV truncates to 8 (qwen3_moe), 2 tokens read.
+    let mut other = PROMPT;
+    other[8] = 7;
+    assert_eq!(conv(&s, &other), (8, 2));
+    assert_eq!(position(&s), 10);
+    // NULL counts are allowed; bad input changes nothing.
+    ok(unsafe { strata_session_prefill_conversation(s.0, PROMPT.as_ptr(), 3, ptr::null_mut(), ptr::null_mut()) });
+    assert_eq!(position(&s), 3);
+    let before = save_state(&s);
+    let bad = [1, 2, VOCAB as i32];
+    let st = unsafe { strata_session_prefill_conversation(s.0, bad.as_ptr(), 3, ptr::null_mut(), ptr::null_mut()) };
+    expect_err(st, STRATA_ERR_TOKEN_OUT_OF_RANGE, "index 2");
+    let st = unsafe { strata_session_prefill_conversation(s.0, bad.as_ptr(), 0, ptr::null_mut(), ptr::null_mut()) };
+    expect_err(st, STRATA_ERR_INVALID_ARGUMENT, "empty");
+    let st = unsafe { strata_session_prefill_conversation(s.0, ptr::null(), 2, ptr::null_mut(), ptr::null_mut()) };
+    expect_err(st, STRATA_ERR_NULL_POINTER, "tokens");
+    assert_eq!(save_state(&s), before);
+    // Through the plugin table too.
+    let mut api: *const strata_api = ptr::null();
+    ok(unsafe { strata_get_api(STRATA_ABI_VERSION, &mut api) });
+    let (mut reused, mut read) = (0, 0);
+    ok(unsafe { ((*api).session_prefill_conversation)(s.0, PROMPT.as_ptr(), PROMPT.len(), &mut reused, &mut read) });
+    assert_eq!((reused, read), (3, 7));
+}
+
+/// checkpoint_every and checkpoint_budget reach a hybrid session: with a
+/// mark every 4 tokens a 10-token prefill takes checkpoints at 4, 8 and 10
+/// (the end), and rewinding to and between them is exact.
+#[test]
+fn checkpoint_policy_params_reach_the_session() {
+    let cfg = synth::preset(Arch::Qwen3Next, "tiny").unwrap();
+    let (_d, path) = make_pack(&cfg);
+    let e = load(&path);
+    let logits = |s: &SessionHandle, index: i64| {
+        let mut buf = vec![0.0f32; cfg.vocab_size];
+        let mut n = 0;
+        ok(unsafe { strata_session_logits(s.0, index, buf.as_mut_ptr(), buf.len(), &mut n) });
+        buf
+    };
+    let mut p = session_params();
+    assert_eq!((p.checkpoint_every, p.checkpoint_budget), (0, 0));
+    p.checkpoint_every = 4;
+    let s = open_with(&e, &p);
+    prefill(&s, &PROMPT);
+    // Automatic checkpoints take ids 1, 2, 3 (positions 4, 8, 10).
+    ok(unsafe { strata_session_rewind_to(s.0, 9) });
+    let fresh = open_with(&e, &p);
+    prefill(&fresh, &PROMPT[..9]);
+    assert_eq!(logits(&s, -1), logits(&fresh, -1));
+    ok(unsafe { strata_session_rewind(s.0, 1) });
+    assert_eq!(position(&s), 4);
+    let fresh = open_with(&e, &p);
+    prefill(&fresh, &PROMPT[..4]);
+    assert_eq!(logits(&s, -1), logits(&fresh, -1));
+    // A budget of one byte keeps no automatic checkpoint.
+    p.checkpoint_budget = 1;
+    let tight = open_with(&e, &p);
+    prefill(&tight, &PROMPT);
+    expect_err(unsafe { strata_session_rewind(tight.0, 1) }, STRATA_ERR_NOT_FOUND, "checkpoint 1");
+}

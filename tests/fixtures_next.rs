@@ -214,24 +214,32 @@ fn qwen3_moe_rewind_is_exact() {
 }
 
 #[test]
-fn next_automatic_checkpoints_are_bounded_and_sized() {
+fn next_automatic_checkpoints_fit_the_budget_and_are_sized() {
     let r = reference("b");
     let dir = tempfile::tempdir().unwrap();
     let engine = pack_of("b", "nvfp4_modelopt", dir.path());
-    let mut s = engine.new_session(&SessionOptions::default()).unwrap();
+    // One automatic checkpoint (at the end of a prefill) and one explicit
+    // at position 0 (no logits) give the sizes; a budget for the explicit
+    // one and 8 automatic ones then keeps the 8 most recent.
+    let mut probe = engine.new_session(&SessionOptions::default()).unwrap();
+    let at0 = probe.checkpoint();
+    probe.prefill(&r.tokens[..10]).unwrap();
+    let (explicit_size, size) = (probe.checkpoint_size(at0).unwrap(), probe.checkpoint_size(at0 + 1).unwrap());
+    eprintln!("next b: automatic checkpoint {size} bytes");
+    let vocab = engine.config().vocab_size;
+    assert_eq!(size, explicit_size + vocab * 4);
+    let budget = explicit_size + 8 * size;
+    let mut s = engine.new_session(&SessionOptions { checkpoint_budget: budget, ..Default::default() }).unwrap();
     let explicit = s.checkpoint();
     for t in r.tokens.chunks(10) {
         s.prefill(t).unwrap();
     }
     let ids = s.checkpoint_ids();
-    assert_eq!(ids.len(), 1 + strata::session::MAX_AUTO_CHECKPOINTS, "{ids:?}");
+    assert_eq!(ids.len(), 1 + 8, "{ids:?}");
     assert_eq!(ids[0], explicit);
     let positions: Vec<usize> = ids[1..].iter().map(|&i| s.checkpoint_info(i).unwrap().position).collect();
     assert_eq!(positions, (13..=20).map(|k| k * 10).collect::<Vec<_>>());
-    let size = s.checkpoint_size(ids[1]).unwrap();
-    eprintln!("next b: automatic checkpoint {size} bytes");
-    let vocab = engine.config().vocab_size;
-    assert!(size > vocab * 4, "{size}");
+    assert_eq!(s.checkpoints_size(), budget);
     assert_eq!(s.checkpoint_size(explicit).unwrap(), s.checkpoint_info(explicit).unwrap().size_bytes());
     // rewind_to inside the last prefill restores the automatic checkpoint
     // before it and re-reads 5 tokens: equal to a fresh session fed so.

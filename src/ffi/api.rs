@@ -82,6 +82,14 @@ pub struct strata_api {
     ) -> strata_status,
     /// Added in ABI 1 after the first draft of the table.
     pub session_checkpoint_release: unsafe extern "C" fn(s: *mut strata_session, checkpoint_id: u64) -> strata_status,
+    /// Added in ABI 1 with prefix reuse: check `struct_size` covers it.
+    pub session_prefill_conversation: unsafe extern "C" fn(
+        s: *mut strata_session,
+        tokens: *const i32,
+        n_tokens: usize,
+        out_reused: *mut usize,
+        out_read: *mut usize,
+    ) -> strata_status,
 }
 
 static API: strata_api = strata_api {
@@ -113,6 +121,7 @@ static API: strata_api = strata_api {
     tokenize: strata_tokenize,
     detokenize: strata_detokenize,
     session_checkpoint_release: strata_session_checkpoint_release,
+    session_prefill_conversation: strata_session_prefill_conversation,
 };
 
 /// The plugin entry point: `*out` = a static table of every function, for

@@ -54,6 +54,14 @@ pub struct strata_session_params {
     /// Keep the logits of every position of the last prefill, for
     /// `strata_session_logits` with earlier positions. Default false.
     pub keep_all_logits: bool,
+    /// On models with recurrent state (Qwen3-Next): also take an automatic
+    /// checkpoint whenever a prefill reaches a multiple of this many
+    /// tokens; 0 (default) = only at the end of each prefill.
+    pub checkpoint_every: u32,
+    /// Bytes all checkpoints of the session may hold together; automatic
+    /// checkpoints are evicted, oldest first, to stay under it (explicit
+    /// ones never are). 0 (default) = 1 GiB.
+    pub checkpoint_budget: u64,
 }
 
 // SAFETY: the table lists every field after struct_size with its kind.
@@ -66,6 +74,8 @@ unsafe impl Versioned for strata_session_params {
             prefill_chunk: 0,
             kv_type: strata_kv_type::STRATA_KV_AUTO,
             keep_all_logits: false,
+            checkpoint_every: 0,
+            checkpoint_budget: 0,
         }
     }
     fn fields() -> Vec<Field> {
@@ -75,6 +85,8 @@ unsafe impl Versioned for strata_session_params {
             field!(T, prefill_chunk, Kind::Plain),
             field!(T, kv_type, Kind::Enum { max: strata_kv_type::STRATA_KV_INT8 as u32 }),
             field!(T, keep_all_logits, Kind::Bool),
+            field!(T, checkpoint_every, Kind::Plain),
+            field!(T, checkpoint_budget, Kind::Plain),
         ]
     }
 }
@@ -219,6 +231,8 @@ pub unsafe extern "C" fn strata_session_open(
             context_size: p.context_size as usize,
             prefill_chunk: p.prefill_chunk as usize,
             keep_all_logits: p.keep_all_logits,
+            checkpoint_every: p.checkpoint_every as usize,
+            checkpoint_budget: usize::try_from(p.checkpoint_budget).unwrap_or(usize::MAX),
         };
         let session = e.engine.new_session(&opts)?;
         let vocab = e.engine.config().vocab_size;
@@ -271,6 +285,53 @@ pub unsafe extern "C" fn strata_session_prefill(
         let ids =
             tokens.iter().enumerate().map(|(i, &t)| args::token(t, i, sess.vocab)).collect::<Result<Vec<_>, _>>()?;
         sess.lock()?.prefill(&ids)?;
+        Ok(())
+    })
+}
+
+/// Makes the session hold exactly `tokens`, the WHOLE conversation so far
+/// (`n_tokens` >= 1), reusing what it already holds: the longest common
+/// prefix with the session's tokens is kept (on a model with recurrent
+/// state, from the nearest checkpoint at or before it) and only the rest
+/// is read. Afterwards the logits of the last token are ready, as after
+/// `strata_session_prefill`. `*out_reused` (tokens not run in this call)
+/// and `*out_read` (tokens run) are written when not NULL; they add up to
+/// `n_tokens`.
+///
+/// Bad input (ids, room) changes nothing. If a forward fails (e.g.
+/// `STRATA_ERR_NONFINITE`), the session keeps a consistent prefix of the
+/// conversation (what was reused plus the prefill pieces read before the
+/// failure, with their checkpoints): calling again with the same
+/// conversation resumes from there.
+///
+/// Thread-safety: one call per session at a time (else `STRATA_ERR_BUSY`).
+///
+/// # Safety
+/// `s` a live session; `tokens` readable for `n_tokens` ids; `out_reused`
+/// and `out_read` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn strata_session_prefill_conversation(
+    s: *mut strata_session,
+    tokens: *const i32,
+    n_tokens: usize,
+    out_reused: *mut usize,
+    out_read: *mut usize,
+) -> strata_status {
+    run("strata_session_prefill_conversation", || {
+        let sess = args::get(s, "session")?;
+        if n_tokens == 0 {
+            return Err(FfiError::invalid("empty conversation: prefill_conversation needs at least one token"));
+        }
+        let tokens = args::slice(tokens, n_tokens, "tokens")?;
+        let ids =
+            tokens.iter().enumerate().map(|(i, &t)| args::token(t, i, sess.vocab)).collect::<Result<Vec<_>, _>>()?;
+        let report = sess.lock()?.prefill_conversation(&ids)?;
+        if !out_reused.is_null() {
+            *out_reused = report.reused;
+        }
+        if !out_read.is_null() {
+            *out_read = report.read;
+        }
         Ok(())
     })
 }

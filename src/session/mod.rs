@@ -27,6 +27,16 @@ pub struct SessionOptions {
     pub prefill_chunk: usize,
     /// Keep the logits of every position of the last prefill (`logits_at`).
     pub keep_all_logits: bool,
+    /// On models with recurrent state (qwen3_next): besides the automatic
+    /// checkpoint at the end of each prefill, take one whenever a prefill
+    /// reaches a position that is a multiple of this many tokens (prefill
+    /// pieces are split there). 0 = only at the end of each prefill.
+    pub checkpoint_every: usize,
+    /// Bytes that all checkpoints together may hold
+    /// (`Checkpoint::size_bytes`); automatic checkpoints are evicted, oldest
+    /// first, to stay under it (explicit ones never are, but count).
+    /// 0 = `DEFAULT_CHECKPOINT_BUDGET`.
+    pub checkpoint_budget: usize,
 }
 
 /// What a rewind restores: the number of tokens and the logits of the last
@@ -41,7 +51,8 @@ pub struct Checkpoint {
     pub logits: Option<Vec<f32>>,
     /// The recurrent states at `position` (empty for qwen3_moe).
     pub(crate) deltas: Vec<DeltaNetState>,
-    /// Taken by prefill on a hybrid model (evicted past `MAX_AUTO_CHECKPOINTS`).
+    /// Taken by the session's policy on a hybrid model (evicted, oldest
+    /// first, to keep all checkpoints under the session's budget).
     pub automatic: bool,
 }
 
@@ -54,9 +65,9 @@ impl Checkpoint {
     }
 }
 
-/// Automatic checkpoints (one per prefill on a hybrid model) kept at most;
-/// the oldest goes first. Explicit checkpoints are never evicted.
-pub const MAX_AUTO_CHECKPOINTS: usize = 8;
+/// The checkpoint budget of a session that names none: 1 GiB (about a
+/// dozen checkpoints of Qwen3-Next-80B-A3B, 79 MB of recurrent state each).
+pub const DEFAULT_CHECKPOINT_BUDGET: usize = 1 << 30;
 
 /// The logits of positions `start..start + rows.len() / vocab` (the last
 /// prefill, with `keep_all_logits`), trimmed when the session is shortened.
@@ -75,6 +86,8 @@ pub struct Session {
     capacity: usize,
     prefill_chunk: usize,
     keep_all_logits: bool,
+    checkpoint_every: usize,
+    checkpoint_budget: usize,
     /// Every checkpoint here is valid: its position is at most `len()` and
     /// the tokens before it are unchanged, because shortening the session
     /// below a checkpoint's position drops the checkpoint.
@@ -123,6 +136,12 @@ impl Session {
             capacity,
             prefill_chunk: opts.prefill_chunk,
             keep_all_logits: opts.keep_all_logits,
+            checkpoint_every: opts.checkpoint_every,
+            checkpoint_budget: if opts.checkpoint_budget == 0 {
+                DEFAULT_CHECKPOINT_BUDGET
+            } else {
+                opts.checkpoint_budget
+            },
             checkpoints: BTreeMap::new(),
             next_checkpoint: 1,
             sampler: None,
@@ -154,10 +173,12 @@ impl Session {
     /// a checkpoint's position on a hybrid model).
     ///
     /// Bad input (empty, a token outside the vocabulary, more than the
-    /// capacity) changes nothing. If a forward fails, the session holds a
-    /// prefix of `tokens` (the common prefix, or on a hybrid model the
-    /// restored checkpoint's tokens) with consistent state, and calling
-    /// again with the same conversation resumes from there.
+    /// capacity) changes nothing. If a forward fails (a non-finite value,
+    /// say), the session holds a prefix of `tokens` with consistent state:
+    /// the common prefix (on a hybrid model the restored checkpoint's
+    /// tokens) plus the prefill pieces read before the failing one, with
+    /// the checkpoints taken on the way; calling again with the same
+    /// conversation resumes from there instead of from the start.
     pub fn prefill_conversation(&mut self, tokens: &[u32]) -> Result<PrefillReport> {
         Self::check_tokens(&self.engine, tokens)?;
         if tokens.len() > self.capacity {
@@ -177,7 +198,8 @@ impl Session {
                     self.truncate(p)?;
                 }
             }
-            self.run_prompt(&tokens[p..], false)?;
+            // Keep what was read if a piece fails: calling again resumes.
+            self.read_tokens(&tokens[p..], Read { all: false, keep_progress: true, end_checkpoint: true })?;
         }
         let read = (self.forwarded - before) as usize;
         Ok(PrefillReport { reused: tokens.len() - read, read })
@@ -376,13 +398,26 @@ impl Session {
         let deltas = if self.kv.is_hybrid() { self.kv.deltas() } else { Vec::new() };
         let cp = Checkpoint { position: self.tokens.len(), logits: self.logits.clone(), deltas, automatic };
         self.checkpoints.insert(id, cp);
-        if automatic {
-            let autos: Vec<u64> = self.checkpoints.iter().filter(|(_, c)| c.automatic).map(|(&i, _)| i).collect();
-            for old in &autos[..autos.len().saturating_sub(MAX_AUTO_CHECKPOINTS)] {
-                self.checkpoints.remove(old);
-            }
-        }
+        self.enforce_checkpoint_budget();
         id
+    }
+
+    /// Evicts automatic checkpoints, oldest first, until all checkpoints
+    /// together fit the budget (or only explicit ones are left).
+    fn enforce_checkpoint_budget(&mut self) {
+        let mut total: usize = self.checkpoints.values().map(Checkpoint::size_bytes).sum();
+        while total > self.checkpoint_budget {
+            let Some((&oldest, cp)) = self.checkpoints.iter().find(|(_, c)| c.automatic) else {
+                break;
+            };
+            total -= cp.size_bytes();
+            self.checkpoints.remove(&oldest);
+        }
+    }
+
+    /// Bytes all valid checkpoints hold together.
+    pub fn checkpoints_size(&self) -> usize {
+        self.checkpoints.values().map(Checkpoint::size_bytes).sum()
     }
 
     /// Ids of the valid checkpoints, oldest first (automatic ones included).
@@ -411,35 +446,10 @@ impl Session {
         }
         self.logits = logits;
         if !replay.is_empty() {
-            let chunk = if self.prefill_chunk == 0 { replay.len() } else { self.prefill_chunk };
-            let n_chunks = replay.len().div_ceil(chunk);
-            let mut last = None;
-            for (i, part) in replay.chunks(chunk).enumerate() {
-                let want = if i + 1 == n_chunks { Logits::Last } else { Logits::Skip };
-                match self.forward(part, want) {
-                    Ok(l) => last = Some(l),
-                    Err(e) => {
-                        // Back to the checkpoint: KV and states of the chunks run so far go.
-                        self.restore_checkpoint_state(base_pos);
-                        return Err(e);
-                    }
-                }
-            }
-            self.tokens.extend_from_slice(&replay);
-            self.logits = last;
+            // On failure the session is back at the checkpoint.
+            self.read_tokens(&replay, Read { all: false, keep_progress: false, end_checkpoint: false })?;
         }
         Ok(())
-    }
-
-    /// After a failed replay: the session back at `base_pos` with that
-    /// checkpoint's states (or the start's).
-    fn restore_checkpoint_state(&mut self, base_pos: usize) {
-        self.kv.truncate(base_pos);
-        let base = self.checkpoints.values().filter(|c| c.position == base_pos).map(|c| c.deltas.clone()).next();
-        match base {
-            Some(d) => self.kv.restore_deltas(&d),
-            None => self.kv.reset_deltas(),
-        }
     }
 
     /// Returns to checkpoint `id`: its position and logits, exactly.
@@ -536,49 +546,116 @@ impl Session {
         Ok(())
     }
 
-    /// Runs a prompt in chunks; commits tokens and logits only when every
-    /// chunk succeeded. Returns all rows' logits when `all`, else the last row's.
+    /// Runs a prompt (see `read_tokens`) after checking it: every failure
+    /// that does not depend on the forward happens before anything changes.
     fn run_prompt(&mut self, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
         Self::check_tokens(&self.engine, tokens)?;
         self.check_room(tokens.len())?;
-        let all = all || self.keep_all_logits;
-        let start = self.kv.len();
-        let chunk = match self.prefill_chunk {
-            0 => tokens.len(),
-            n => n,
-        };
-        self.kv.reserve(tokens.len());
-        let deltas = if self.kv.is_hybrid() { Some(self.kv.deltas()) } else { None };
-        let n_chunks = tokens.len().div_ceil(chunk);
+        self.read_tokens(tokens, Read { all, keep_progress: false, end_checkpoint: true })
+    }
+
+    /// The pieces in which `n` tokens appended at position `start` run
+    /// through the forward: `(offset, len, checkpoint)`, at most
+    /// `prefill_chunk` tokens each, also split where a piece reaches a
+    /// multiple of `checkpoint_every` on a hybrid model (`checkpoint`: the
+    /// policy takes one after that piece).
+    fn pieces(&self, start: usize, n: usize) -> Vec<(usize, usize, bool)> {
+        let chunk = if self.prefill_chunk == 0 { n } else { self.prefill_chunk };
+        let every = if self.kv.is_hybrid() { self.checkpoint_every } else { 0 };
         let mut out = Vec::new();
-        for (i, part) in tokens.chunks(chunk).enumerate() {
-            let want = match (all, i + 1 == n_chunks) {
+        let mut off = 0;
+        while off < n {
+            let mut end = (off + chunk).min(n);
+            let mut at_mark = false;
+            if let Some(q) = (start + off).checked_div(every) {
+                let mark = (q + 1) * every - start;
+                if mark <= end {
+                    end = mark;
+                    at_mark = true;
+                }
+            }
+            out.push((off, end - off, at_mark));
+            off = end;
+        }
+        out
+    }
+
+    /// Reads `tokens` at the end of the session, piece by piece (`pieces`),
+    /// appending each piece's tokens once its forward succeeded and taking
+    /// the policy's checkpoints. Returns every row's logits when
+    /// `read.all` (or `keep_all_logits`), else the last row's.
+    ///
+    /// If a forward fails, the engine has already put the cache back as it
+    /// was before that piece. With `keep_progress` the session then keeps
+    /// the pieces read so far (with the logits of the last of them when
+    /// they were computed, else none) and the checkpoints taken on the way;
+    /// without it, everything this call did is undone: tokens, cache,
+    /// recurrent states, logits and its checkpoints.
+    fn read_tokens(&mut self, tokens: &[u32], read: Read) -> Result<Vec<f32>> {
+        let all = read.all || self.keep_all_logits;
+        let start = self.kv.len();
+        debug_assert_eq!(start, self.tokens.len());
+        self.kv.reserve(tokens.len());
+        let before = (!read.keep_progress).then(|| {
+            let deltas = if self.kv.is_hybrid() { Some(self.kv.deltas()) } else { None };
+            (deltas, self.logits.clone())
+        });
+        let vocab = self.engine.config().vocab_size;
+        let pieces = self.pieces(start, tokens.len());
+        let n_pieces = pieces.len();
+        let mut out = Vec::new();
+        for (i, (off, len, checkpoint)) in pieces.into_iter().enumerate() {
+            let last = i + 1 == n_pieces;
+            let want = match (all, last || checkpoint) {
                 (true, _) => Logits::All,
                 (false, true) => Logits::Last,
                 (false, false) => Logits::Skip,
             };
+            let part = &tokens[off..off + len];
             match self.forward(part, want) {
-                Ok(l) => out.extend_from_slice(&l),
+                Ok(l) => {
+                    self.tokens.extend_from_slice(part);
+                    self.logits = (want != Logits::Skip).then(|| l[l.len() - vocab..].to_vec());
+                    if all || last {
+                        out.extend_from_slice(&l);
+                    }
+                    if checkpoint && !(last && read.end_checkpoint) {
+                        self.take_checkpoint(true);
+                    }
+                }
                 Err(e) => {
-                    self.kv.truncate(start);
-                    if let Some(d) = &deltas {
-                        self.kv.restore_deltas(d);
+                    if let Some((deltas, logits)) = before {
+                        self.tokens.truncate(start);
+                        self.kv.truncate(start);
+                        if let Some(d) = &deltas {
+                            self.kv.restore_deltas(d);
+                        }
+                        self.logits = logits;
+                        self.checkpoints.retain(|_, cp| cp.position <= start);
                     }
                     return Err(e);
                 }
             }
         }
-        let vocab = self.engine.config().vocab_size;
-        self.tokens.extend_from_slice(tokens);
-        self.logits = Some(out[out.len() - vocab..].to_vec());
         if self.keep_all_logits {
             self.kept = Some(KeptLogits { start, rows: out.clone() });
         }
-        if self.kv.is_hybrid() {
+        if read.end_checkpoint && self.kv.is_hybrid() {
             self.take_checkpoint(true);
         }
         Ok(out)
     }
+}
+
+/// How `read_tokens` runs.
+#[derive(Clone, Copy)]
+struct Read {
+    /// Return every row's logits.
+    all: bool,
+    /// On failure keep the pieces read so far (else undo the whole call).
+    keep_progress: bool,
+    /// Take an automatic checkpoint at the end (hybrid models).
+    end_checkpoint: bool,
 }
 
 #[cfg(test)]
@@ -1162,5 +1239,119 @@ mod tests {
         assert_eq!(s.tokens(), &past[..8]);
         assert_eq!(s.prefill_conversation(&past).unwrap(), report(8, 3));
         assert_eq!(s.logits().unwrap(), &fresh(&past, &[6, 8])[..], "after a failure");
+    }
+
+    #[test]
+    fn pieces_split_at_the_chunk_size_and_the_checkpoint_marks() {
+        let (_d, e) = tiny_next();
+        let mut s =
+            e.new_session(&SessionOptions { prefill_chunk: 5, checkpoint_every: 8, ..Default::default() }).unwrap();
+        assert_eq!(s.pieces(3, 14), vec![(0, 5, true), (5, 5, false), (10, 3, true), (13, 1, false)]);
+        assert_eq!(s.pieces(0, 8), vec![(0, 5, false), (5, 3, true)]);
+        s.prefill_chunk = 0;
+        assert_eq!(s.pieces(7, 20), vec![(0, 1, true), (1, 8, true), (9, 8, true), (17, 3, false)]);
+        s.checkpoint_every = 0;
+        assert_eq!(s.pieces(7, 20), vec![(0, 20, false)]);
+        // qwen3_moe keeps no recurrent state: no marks.
+        let (_d2, m) = tiny_engine(&TinyPack::default());
+        let s = m.new_session(&SessionOptions { prefill_chunk: 5, checkpoint_every: 8, ..Default::default() }).unwrap();
+        assert_eq!(s.pieces(3, 7), vec![(0, 5, false), (5, 2, false)]);
+    }
+
+    fn positions(s: &Session) -> Vec<usize> {
+        s.checkpoint_ids().iter().map(|&i| s.checkpoint_info(i).unwrap().position).collect()
+    }
+
+    #[test]
+    fn checkpoints_every_n_tokens_hold_exact_logits_and_rewind_exactly() {
+        let (_d, e) = tiny_next();
+        let prompt = next_prompt(&e, 50);
+        let opts = SessionOptions { prefill_chunk: 5, checkpoint_every: 8, ..Default::default() };
+        let fresh = |n: usize| {
+            let mut f = e.new_session(&opts).unwrap();
+            f.prefill(&prompt[..3]).unwrap();
+            if n > 3 {
+                f.prefill(&prompt[3..n]).unwrap();
+            }
+            f.logits().unwrap().to_vec()
+        };
+        let mut s = e.new_session(&opts).unwrap();
+        s.prefill(&prompt[..3]).unwrap();
+        s.prefill(&prompt[3..]).unwrap();
+        assert_eq!(positions(&s), vec![3, 8, 16, 24, 32, 40, 48, 50]);
+        for id in s.checkpoint_ids() {
+            let cp = s.checkpoint_info(id).unwrap();
+            assert!(cp.automatic);
+            // A fresh session that stops there reads the same pieces.
+            assert_eq!(cp.logits.as_deref().unwrap(), &fresh(cp.position)[..], "checkpoint at {}", cp.position);
+        }
+        // Between marks: the checkpoint at 24, then 6 tokens re-read.
+        s.rewind_to(30).unwrap();
+        assert_eq!(positions(&s), vec![3, 8, 16, 24]);
+        assert_eq!(s.logits().unwrap(), &fresh(30)[..]);
+        // On a mark: the checkpoint itself; the replay of 24..40 retakes 32 and 40.
+        s.rewind_to(24).unwrap();
+        assert_eq!(s.logits().unwrap(), &fresh(24)[..]);
+        s.prefill(&prompt[24..41]).unwrap();
+        assert_eq!(positions(&s), vec![3, 8, 16, 24, 32, 40, 41]);
+        assert_eq!(s.logits().unwrap(), &fresh(41)[..]);
+    }
+
+    #[test]
+    fn the_checkpoint_budget_evicts_the_oldest_automatic_checkpoints() {
+        let (_d, e) = tiny_next();
+        let prompt = next_prompt(&e, 40);
+        let mut probe = e.new_session(&SessionOptions::default()).unwrap();
+        let at0 = probe.checkpoint();
+        probe.prefill(&prompt[..2]).unwrap();
+        let (explicit, auto) = (probe.checkpoint_size(at0).unwrap(), probe.checkpoint_size(at0 + 1).unwrap());
+        assert_eq!(auto - explicit, e.config().vocab_size * 4, "an automatic checkpoint adds its logits");
+        for (budget, want) in [
+            (explicit + 3 * auto, vec![0, 32, 36, 40]),
+            (explicit + 3 * auto - 1, vec![0, 36, 40]),
+            (explicit, vec![0]),
+            (1, vec![0]),
+        ] {
+            let opts = SessionOptions { checkpoint_every: 4, checkpoint_budget: budget, ..Default::default() };
+            let mut s = e.new_session(&opts).unwrap();
+            let id = s.checkpoint();
+            s.prefill(&prompt).unwrap();
+            assert_eq!(positions(&s), want, "budget {budget}");
+            assert_eq!(s.checkpoint_ids()[0], id, "explicit checkpoints are never evicted");
+            assert!(s.checkpoints_size() <= budget.max(explicit), "budget {budget}");
+        }
+        assert_eq!(e.new_session(&SessionOptions::default()).unwrap().checkpoint_budget, DEFAULT_CHECKPOINT_BUDGET);
+    }
+
+    /// The field report's failure mode: one bad window late in a long
+    /// prompt must not throw away the work before it.
+    #[test]
+    fn prefill_conversation_keeps_the_pieces_read_before_a_failure() {
+        let (_d, e) = tiny_next();
+        let prompt = next_prompt(&e, 40);
+        let opts = SessionOptions { checkpoint_every: 8, ..Default::default() };
+        let mut s = e.new_session(&opts).unwrap();
+        // Pieces 0..8, 8..16, 16..24, 24..32, 32..40: the fourth fails.
+        e.inject_nan_at(1, 29);
+        let err = s.prefill_conversation(&prompt).unwrap_err();
+        assert!(matches!(err, Error::NonFinite(ref m) if m == "NaN at layer 1, position 29"), "{err}");
+        assert_eq!(s.tokens(), &prompt[..24]);
+        assert_eq!(positions(&s), vec![8, 16, 24]);
+        assert_eq!(s.prefill_conversation(&prompt).unwrap(), report(24, 16));
+        let mut fresh = e.new_session(&opts).unwrap();
+        assert_eq!(s.logits().unwrap(), fresh.prefill(&prompt).unwrap(), "resumed vs fresh");
+        // prefill() stays all or nothing, its checkpoints included.
+        let mut a = e.new_session(&opts).unwrap();
+        e.inject_nan_at(1, 29);
+        assert!(matches!(a.prefill(&prompt), Err(Error::NonFinite(_))));
+        assert_eq!((a.len(), a.checkpoint_ids()), (0, vec![]));
+        // qwen3_moe keeps the prefill chunks read before the failure.
+        let (_d2, m) = tiny_engine(&TinyPack::default());
+        let mut q = session(&m, 4);
+        m.inject_nan_at(0, 9);
+        assert!(matches!(q.prefill_conversation(&PROMPT), Err(Error::NonFinite(_))));
+        assert_eq!((q.tokens(), q.logits()), (&PROMPT[..8], None));
+        assert_eq!(q.prefill_conversation(&PROMPT).unwrap(), report(8, 3));
+        assert_eq!(q.logits().unwrap(), session(&m, 4).prefill(&PROMPT).unwrap());
     }
 }
