@@ -83,6 +83,12 @@ pub struct Gpu {
     sm_count: u32,
 }
 
+// The engine shares one Gpu between threads.
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<Gpu>()
+};
+
 impl std::fmt::Debug for Gpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Gpu")
