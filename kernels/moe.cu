@@ -1,0 +1,798 @@
+// moe kernels (see kernels/README.md for conventions): the one MoE pipeline
+// of src/moe/mod.rs on the device.
+//
+//   route:    moe_route_topk            logits [T, E] -> ids, weights [T, k]
+//   decode:   moe_gate_up_gemv          act[t*k+j] = silu(gate_e x_t) * (up_e x_t)
+//             moe_down_gemv             out[t] (+)= sum_j w[t,j] down_e act[t*k+j]
+//   prefill:  moe_group_by_expert       counting sort of the (token, j) assignments by expert
+//             moe_gate_up_grouped_simple / moe_down_grouped_simple   (one slot per block row, SIMT)
+//             moe_gate_up_grouped_mma   / moe_down_grouped_mma       (tensor cores, sm_80+)
+//             moe_combine               out[t] (+)= sum_j w[t,j] y[slot(t,j)]
+//
+// NVFP4 (docs/pack-format.md): W[r, c] = e2m1(code) * e4m3(scale[r, c/16]) * g,
+// element 2i of a row is the LOW nibble of byte i. Each kernel receives the
+// device address of an expert blob and reads g from the blob's tail itself.
+#include "common.cuh"
+#include <cuda_fp16.h>
+
+// Mirrors the Rust `backend::cuda::moe::BlobLayout` (#[repr(C)], 9 x u64).
+struct MoeBlobLayout {
+    uint64_t hidden, intermediate;
+    uint64_t gate_codes, gate_scales, up_codes, up_scales, down_codes, down_scales, tail;
+};
+
+#define MOE_MAX_TOP_K 16
+#define MOE_ROUTE_THREADS 128
+#define MOE_ROUTE_MAX_EXPERTS 1024
+#define MOE_GROUP_WARPS 16
+// Rows of the grouped tensor-core GEMM tile (token rows of one expert).
+#define MOE_TILE_M 64
+
+// ---------------------------------------------------------------------------
+// Small helpers
+// ---------------------------------------------------------------------------
+
+static __device__ __forceinline__ float moe_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Larger value wins; equal values: the lower index wins (moe::route's order).
+static __device__ __forceinline__ void moe_argmax_merge(float& v, int& i, float v2, int i2) {
+    if (v2 > v || (v2 == v && i2 < i)) {
+        v = v2;
+        i = i2;
+    }
+}
+
+static __device__ __forceinline__ float moe_silu(float x) { return x / (1.0f + expf(-x)); }
+
+// E4M3 (e4m3fn) byte -> f32, exact (denormals included): the byte's bits
+// shifted into an f16 give value * 2^-8.
+static __device__ __forceinline__ float moe_e4m3_to_f32(uint32_t b) {
+    const unsigned short h = (unsigned short)(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7));
+    return __half2float(__ushort_as_half(h)) * 256.0f;
+}
+
+// Two E2M1 nibbles (bits 0..3 and 16..19 of t) -> f16x2 holding value * 2^-14
+// each (exact: 0.5 * 2^-14 is an f16 denormal, converted exactly to f32).
+static __device__ __forceinline__ float2 moe_e2m1x2_scaled(uint32_t t) {
+    const uint32_t h = ((t & 0x00070007u) << 9) | ((t & 0x00080008u) << 12);
+    __half2 v;
+    memcpy(&v, &h, 4);
+    return __half22float2(v);
+}
+
+// acc + sum_{i<8} e2m1(nibble i of w) * 2^-14 * x_i, with x_0..3 in a, x_4..7 in b.
+static __device__ __forceinline__ float moe_dot8(uint32_t w, float4 a, float4 b, float acc) {
+    float2 f;
+    f = moe_e2m1x2_scaled(w);
+    acc = fmaf(f.x, a.x, acc);
+    acc = fmaf(f.y, b.x, acc);
+    f = moe_e2m1x2_scaled(w >> 4);
+    acc = fmaf(f.x, a.y, acc);
+    acc = fmaf(f.y, b.y, acc);
+    f = moe_e2m1x2_scaled(w >> 8);
+    acc = fmaf(f.x, a.z, acc);
+    acc = fmaf(f.y, b.z, acc);
+    f = moe_e2m1x2_scaled(w >> 12);
+    acc = fmaf(f.x, a.w, acc);
+    acc = fmaf(f.y, b.w, acc);
+    return acc;
+}
+
+// One 32-element chunk of an NVFP4 row (16 code bytes, 2 block scales in the
+// u16 `s`) dotted with x (8 float4 of the chunk, xq[0..8)), added to acc in
+// units of 2^-14 (the caller multiplies by 2^14 * g once).
+static __device__ __forceinline__ float moe_chunk_dot(uint4 c, uint32_t s, const float4 (&xq)[8], float acc) {
+    float p0 = moe_dot8(c.x, xq[0], xq[1], 0.0f);
+    p0 = moe_dot8(c.y, xq[2], xq[3], p0);
+    float p1 = moe_dot8(c.z, xq[4], xq[5], 0.0f);
+    p1 = moe_dot8(c.w, xq[6], xq[7], p1);
+    acc = fmaf(p0, moe_e4m3_to_f32(s & 0xFFu), acc);
+    acc = fmaf(p1, moe_e4m3_to_f32((s >> 8) & 0xFFu), acc);
+    return acc;
+}
+
+static __device__ __forceinline__ uint4 moe_ld_codes(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+static __device__ __forceinline__ uint32_t moe_ld_scales2(const uint8_t* p) {
+    return (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p));
+}
+static __device__ __forceinline__ float moe_tail(const uint8_t* blob, const MoeBlobLayout& L, int m) {
+    return __ldg(reinterpret_cast<const float*>(blob + L.tail) + m);
+}
+
+// Copies a row of n floats (n % 32 == 0) into shared memory in the "chunk
+// transposed" order: float4 q (0..7) of 32-element chunk c goes to
+// dst[q * (n / 32) + c], so lane c reading its chunk's q-th float4 is
+// conflict-free across the warp.
+static __device__ __forceinline__ void moe_stage_row(float4* dst, const float* src, int n) {
+    const int nchunk = n >> 5;
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+    for (int f = threadIdx.x; f < (n >> 2); f += blockDim.x) dst[(f & 7) * nchunk + (f >> 3)] = s4[f];
+}
+
+static __device__ __forceinline__ void moe_load_xq(const float4* xs, int nchunk, int c, float4 (&xq)[8]) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) xq[q] = xs[q * nchunk + c];
+}
+
+// ---------------------------------------------------------------------------
+// 1. Routing: softmax over E in f32, top-k (ties: lower expert id), optional
+// renormalization. One block per token.
+// ---------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
+    moe_route_topk(const float* __restrict__ logits, int num_experts, int top_k, int norm_topk_prob,
+                   uint32_t* __restrict__ ids, float* __restrict__ weights) {
+    __shared__ float probs[MOE_ROUTE_MAX_EXPERTS];
+    __shared__ float red_v[MOE_ROUTE_THREADS / 32];
+    __shared__ int red_i[MOE_ROUTE_THREADS / 32];
+    __shared__ float chosen_p[MOE_MAX_TOP_K];
+    __shared__ int chosen_e[MOE_MAX_TOP_K];
+    const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float* row = logits + (size_t)t * num_experts;
+
+    float m = -INFINITY;
+    for (int i = tid; i < num_experts; i += MOE_ROUTE_THREADS) m = fmaxf(m, row[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) red_v[warp] = m;
+    __syncthreads();
+    m = red_v[0];
+#pragma unroll
+    for (int w = 1; w < MOE_ROUTE_THREADS / 32; ++w) m = fmaxf(m, red_v[w]);
+    __syncthreads();
+
+    float s = 0.0f;
+    for (int i = tid; i < num_experts; i += MOE_ROUTE_THREADS) {
+        const float p = expf(row[i] - m);
+        probs[i] = p;
+        s += p;
+    }
+    s = moe_warp_sum(s);
+    if (lane == 0) red_v[warp] = s;
+    __syncthreads();
+    s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < MOE_ROUTE_THREADS / 32; ++w) s += red_v[w];
+    for (int i = tid; i < num_experts; i += MOE_ROUTE_THREADS) probs[i] = probs[i] / s;
+    __syncthreads();
+
+    for (int j = 0; j < top_k; ++j) {
+        float bv = -1.0f;
+        int bi = 0x7fffffff;
+        for (int i = tid; i < num_experts; i += MOE_ROUTE_THREADS) moe_argmax_merge(bv, bi, probs[i], i);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float v2 = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int i2 = __shfl_xor_sync(0xffffffffu, bi, o);
+            moe_argmax_merge(bv, bi, v2, i2);
+        }
+        if (lane == 0) {
+            red_v[warp] = bv;
+            red_i[warp] = bi;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            float v = red_v[0];
+            int i = red_i[0];
+            for (int w = 1; w < MOE_ROUTE_THREADS / 32; ++w) moe_argmax_merge(v, i, red_v[w], red_i[w]);
+            chosen_p[j] = v;
+            chosen_e[j] = i;
+            probs[i] = -1.0f;  // probabilities are >= 0: never chosen again
+        }
+        __syncthreads();
+    }
+    if (tid == 0) {
+        float sum = 0.0f;
+        for (int j = 0; j < top_k; ++j) sum += chosen_p[j];  // in order, as moe::route
+        for (int j = 0; j < top_k; ++j) {
+            ids[(size_t)t * top_k + j] = (uint32_t)chosen_e[j];
+            weights[(size_t)t * top_k + j] = norm_topk_prob ? chosen_p[j] / sum : chosen_p[j];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 2. Decode GEMVs. A warp owns MOE_GEMV_ROWS output rows; each lane reads 16
+// code bytes (one 32-element chunk) per row and matrix per step, two chunks
+// per step (stride 32 chunks), so 2 rows x 2 matrices x 2 chunks = 8 16-byte
+// loads are in flight per lane.
+// ---------------------------------------------------------------------------
+
+#define MOE_GU_WARPS 8
+#define MOE_DOWN_WARPS 4
+#define MOE_GEMV_ROWS 2
+
+// Rows [row0, row0 + 2) of silu(gate x) * (up x) for one expert blob; x is
+// staged (chunk transposed) in xs; one warp. Rows >= I are computed on row
+// I - 1 and not written.
+static __device__ __forceinline__ void moe_gate_up_rows(const float4* xs, const uint8_t* blob, const MoeBlobLayout& L,
+                                                        int row0, float* act_row) {
+    const int H = (int)L.hidden, I = (int)L.intermediate, nchunk = H >> 5, lane = threadIdx.x & 31;
+    const size_t code_row = (size_t)H >> 1, scale_row = (size_t)H >> 4;
+    int rows[MOE_GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < MOE_GEMV_ROWS; ++r) rows[r] = min(row0 + r, I - 1);
+    const uint8_t* gc = blob + L.gate_codes;
+    const uint8_t* gs = blob + L.gate_scales;
+    const uint8_t* uc = blob + L.up_codes;
+    const uint8_t* us = blob + L.up_scales;
+    float ag[MOE_GEMV_ROWS] = {}, au[MOE_GEMV_ROWS] = {};
+    for (int c0 = lane; c0 < nchunk; c0 += 64) {
+        const int c1 = c0 + 32;
+        const bool has1 = c1 < nchunk;
+        uint4 cg[MOE_GEMV_ROWS][2], cu[MOE_GEMV_ROWS][2];
+        uint32_t sg[MOE_GEMV_ROWS][2], su[MOE_GEMV_ROWS][2];
+#pragma unroll
+        for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
+            const size_t co = rows[r] * code_row, so = rows[r] * scale_row;
+            cg[r][0] = moe_ld_codes(gc + co + 16 * c0);
+            cu[r][0] = moe_ld_codes(uc + co + 16 * c0);
+            sg[r][0] = moe_ld_scales2(gs + so + 2 * c0);
+            su[r][0] = moe_ld_scales2(us + so + 2 * c0);
+            if (has1) {
+                cg[r][1] = moe_ld_codes(gc + co + 16 * c1);
+                cu[r][1] = moe_ld_codes(uc + co + 16 * c1);
+                sg[r][1] = moe_ld_scales2(gs + so + 2 * c1);
+                su[r][1] = moe_ld_scales2(us + so + 2 * c1);
+            } else {
+                cg[r][1] = cu[r][1] = make_uint4(0, 0, 0, 0);
+                sg[r][1] = su[r][1] = 0;
+            }
+        }
+        float4 xq[8];
+        moe_load_xq(xs, nchunk, c0, xq);
+#pragma unroll
+        for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
+            ag[r] = moe_chunk_dot(cg[r][0], sg[r][0], xq, ag[r]);
+            au[r] = moe_chunk_dot(cu[r][0], su[r][0], xq, au[r]);
+        }
+        if (has1) {
+            moe_load_xq(xs, nchunk, c1, xq);
+#pragma unroll
+            for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
+                ag[r] = moe_chunk_dot(cg[r][1], sg[r][1], xq, ag[r]);
+                au[r] = moe_chunk_dot(cu[r][1], su[r][1], xq, au[r]);
+            }
+        }
+    }
+    const float gg = moe_tail(blob, L, 0) * 16384.0f, gu = moe_tail(blob, L, 1) * 16384.0f;
+#pragma unroll
+    for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
+        const float g = moe_warp_sum(ag[r]) * gg;
+        const float u = moe_warp_sum(au[r]) * gu;
+        if (lane == 0 && row0 + r < I) act_row[row0 + r] = moe_silu(g) * u;
+    }
+}
+
+// grid (T * k, ceil(I / (8 warps * 2 rows))), block 256, dynamic smem H * 4.
+// act[a] for assignment a = t * k + j, expert ids[a], blob table[ids[a]].
+extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32)
+    moe_gate_up_gemv(const float* __restrict__ x, const uint32_t* __restrict__ ids, const uint64_t* __restrict__ table,
+                     int table_len, MoeBlobLayout L, int top_k, float* __restrict__ act) {
+    extern __shared__ float4 moe_gu_xs[];
+    const int a = blockIdx.x, t = a / top_k;
+    const int H = (int)L.hidden, I = (int)L.intermediate;
+    const uint32_t e = ids[a];
+    float* act_row = act + (size_t)a * I;
+    const int row0 = (blockIdx.y * MOE_GU_WARPS + (threadIdx.x >> 5)) * MOE_GEMV_ROWS;
+    if (e >= (uint32_t)table_len) {  // a bad expert id: a visible NaN, never a wild read
+        if ((threadIdx.x & 31) < MOE_GEMV_ROWS && row0 + (threadIdx.x & 31) < I) act_row[row0 + (threadIdx.x & 31)] = __int_as_float(0x7fc00000);
+        return;
+    }
+    moe_stage_row(moe_gu_xs, x + (size_t)t * H, H);
+    __syncthreads();
+    if (row0 >= I) return;
+    moe_gate_up_rows(moe_gu_xs, reinterpret_cast<const uint8_t*>(table[e]), L, row0, act_row);
+}
+
+// Rows [row0, row0 + 2) of sum_j coef[j] * (down_{blob j} act_j), act_j staged
+// (chunk transposed, I floats each) at acts + j * I / 4; coef[j] already holds
+// w_j * g_down_j * 2^14. One warp. Returns the two row sums (valid in every lane).
+static __device__ __forceinline__ void moe_down_rows(const float4* acts, const uint8_t* const* blobs, const float* coef,
+                                                     int nexp, const MoeBlobLayout& L, int row0, float (&res)[MOE_GEMV_ROWS]) {
+    const int H = (int)L.hidden, I = (int)L.intermediate, nchunk = I >> 5, lane = threadIdx.x & 31;
+    const size_t code_row = (size_t)I >> 1, scale_row = (size_t)I >> 4;
+    int rows[MOE_GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < MOE_GEMV_ROWS; ++r) rows[r] = min(row0 + r, H - 1);
+    float acc[MOE_GEMV_ROWS] = {};
+    // Experts in groups of 4 (fixed order j = 0, 1, ...): 4 x 2 rows of 16-byte loads in flight.
+    for (int j0 = 0; j0 < nexp; j0 += 4) {
+        for (int c = lane; c < nchunk; c += 32) {
+            uint4 cd[4][MOE_GEMV_ROWS];
+            uint32_t sd[4][MOE_GEMV_ROWS];
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+                for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
+                    if (j0 + jj < nexp) {
+                        const uint8_t* b = blobs[j0 + jj];
+                        cd[jj][r] = moe_ld_codes(b + L.down_codes + rows[r] * code_row + 16 * c);
+                        sd[jj][r] = moe_ld_scales2(b + L.down_scales + rows[r] * scale_row + 2 * c);
+                    } else {
+                        cd[jj][r] = make_uint4(0, 0, 0, 0);
+                        sd[jj][r] = 0;
+                    }
+                }
+            }
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                if (j0 + jj < nexp) {
+                    float4 xq[8];
+                    moe_load_xq(acts + (size_t)(j0 + jj) * (I >> 2), nchunk, c, xq);
+                    const float cf = coef[j0 + jj];
+#pragma unroll
+                    for (int r = 0; r < MOE_GEMV_ROWS; ++r) acc[r] = fmaf(cf, moe_chunk_dot(cd[jj][r], sd[jj][r], xq, 0.0f), acc[r]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < MOE_GEMV_ROWS; ++r) res[r] = moe_warp_sum(acc[r]);
+}
+
+// grid (T, ceil(H / (4 warps * 2 rows))), block 128, dynamic smem k * I * 4.
+// out[t] (+)= sum_j weights[t*k+j] * down_{ids[t*k+j]} act[t*k+j].
+extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
+    moe_down_gemv(const float* __restrict__ act, const uint32_t* __restrict__ ids, const float* __restrict__ weights,
+                  const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k, float* __restrict__ out,
+                  int accumulate) {
+    extern __shared__ float4 moe_down_acts[];
+    __shared__ const uint8_t* blobs[MOE_MAX_TOP_K];
+    __shared__ float coef[MOE_MAX_TOP_K];
+    __shared__ int bad;
+    const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate;
+    if (threadIdx.x == 0) bad = 0;
+    __syncthreads();
+    if (threadIdx.x < top_k) {
+        const int a = t * top_k + threadIdx.x;
+        const uint32_t e = ids[a];
+        if (e < (uint32_t)table_len) {
+            const uint8_t* b = reinterpret_cast<const uint8_t*>(table[e]);
+            blobs[threadIdx.x] = b;
+            coef[threadIdx.x] = weights[a] * moe_tail(b, L, 2) * 16384.0f;
+        } else {
+            blobs[threadIdx.x] = nullptr;
+            coef[threadIdx.x] = 0.0f;
+            bad = 1;
+        }
+    }
+    for (int j = 0; j < top_k; ++j) moe_stage_row(moe_down_acts + (size_t)j * (I >> 2), act + ((size_t)t * top_k + j) * I, I);
+    __syncthreads();
+    const int row0 = (blockIdx.y * MOE_DOWN_WARPS + (threadIdx.x >> 5)) * MOE_GEMV_ROWS;
+    if (row0 >= H) return;
+    float* orow = out + (size_t)t * H;
+    if (bad) {
+        if ((threadIdx.x & 31) < MOE_GEMV_ROWS && row0 + (threadIdx.x & 31) < H) orow[row0 + (threadIdx.x & 31)] = __int_as_float(0x7fc00000);
+        return;
+    }
+    float res[MOE_GEMV_ROWS];
+    moe_down_rows(moe_down_acts, blobs, coef, top_k, L, row0, res);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int r = 0; r < MOE_GEMV_ROWS; ++r)
+            if (row0 + r < H) orow[row0 + r] = accumulate ? orow[row0 + r] + res[r] : res[r];
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 3. Prefill: grouping by expert (one block, deterministic, no atomics).
+// Assignment a = t * k + j. Outputs: offsets[E+1] (exclusive scan of the
+// counts), tile_offsets[E+1] (exclusive scan of ceil(count / MOE_TILE_M)),
+// rows[slot] = a sorted by (expert, a), slot_of[a], slot_expert[slot].
+// Each of the 16 warps owns a contiguous range of assignments: it counts its
+// range per expert, a scan gives every (warp, expert) its first slot, then the
+// warp walks its range again and places each assignment at its rank.
+// dynamic smem: (16 + 1) * E * 4 bytes.
+// ---------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(MOE_GROUP_WARPS * 32)
+    moe_group_by_expert(const uint32_t* __restrict__ ids, int n, int num_experts, uint32_t* __restrict__ offsets,
+                        uint32_t* __restrict__ tile_offsets, uint32_t* __restrict__ rows,
+                        uint32_t* __restrict__ slot_of, uint32_t* __restrict__ slot_expert) {
+    extern __shared__ uint32_t moe_hist[];  // [16][E] per-warp counts, then per-warp cursors
+    uint32_t* base = moe_hist + MOE_GROUP_WARPS * num_experts;  // [E] first slot of each expert
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, E = num_experts;
+    for (int i = tid; i < MOE_GROUP_WARPS * E; i += blockDim.x) moe_hist[i] = 0;
+    __syncthreads();
+    const int seg = (n + MOE_GROUP_WARPS - 1) / MOE_GROUP_WARPS;
+    const int lo = min(n, warp * seg), hi = min(n, lo + seg);
+    uint32_t* my = moe_hist + warp * E;
+    for (int b = lo; b < hi; b += 32) {
+        const int i = b + lane;
+        const uint32_t e = i < hi ? ids[i] : 0xffffffffu;
+        const uint32_t peers = __match_any_sync(0xffffffffu, e);
+        if (e < (uint32_t)E && lane == __ffs(peers) - 1) my[e] += __popc(peers);
+        __syncwarp();
+    }
+    __syncthreads();
+    // Per expert: the warps' counts become their starting ranks; base = count.
+    for (int e = tid; e < E; e += blockDim.x) {
+        uint32_t s = 0;
+        for (int w = 0; w < MOE_GROUP_WARPS; ++w) {
+            const uint32_t c = moe_hist[w * E + e];
+            moe_hist[w * E + e] = s;
+            s += c;
+        }
+        base[e] = s;
+    }
+    __syncthreads();
+    // Exclusive scans over experts by warp 0 (each lane a contiguous run of experts).
+    if (warp == 0) {
+        const int per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
+        uint32_t cnt = 0, tiles = 0;
+        for (int e = e0; e < e1; ++e) {
+            cnt += base[e];
+            tiles += (base[e] + MOE_TILE_M - 1) / MOE_TILE_M;
+        }
+        uint32_t ic = cnt, it = tiles;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const uint32_t vc = __shfl_up_sync(0xffffffffu, ic, o), vt = __shfl_up_sync(0xffffffffu, it, o);
+            if (lane >= o) {
+                ic += vc;
+                it += vt;
+            }
+        }
+        uint32_t oc = ic - cnt, ot = it - tiles;
+        for (int e = e0; e < e1; ++e) {
+            const uint32_t c = base[e];
+            offsets[e] = oc;
+            tile_offsets[e] = ot;
+            base[e] = oc;
+            oc += c;
+            ot += (c + MOE_TILE_M - 1) / MOE_TILE_M;
+        }
+        if (lane == 31) {
+            offsets[E] = ic;
+            tile_offsets[E] = it;
+        }
+    }
+    __syncthreads();
+    for (int b = lo; b < hi; b += 32) {
+        const int i = b + lane;
+        const uint32_t e = i < hi ? ids[i] : 0xffffffffu;
+        const uint32_t peers = __match_any_sync(0xffffffffu, e);
+        const uint32_t lt = (1u << lane) - 1u;
+        uint32_t slot = 0;
+        if (e < (uint32_t)E) slot = base[e] + my[e] + __popc(peers & lt);
+        __syncwarp();
+        if (e < (uint32_t)E) {
+            rows[slot] = (uint32_t)i;
+            slot_of[i] = slot;
+            slot_expert[slot] = e;
+            if (lane == __ffs(peers) - 1) my[e] += __popc(peers);
+        } else if (i < hi) {
+            slot_of[i] = 0xffffffffu;  // a bad expert id: moe_combine writes NaN for its token
+        }
+        __syncwarp();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Simple grouped expert FFN (SIMT, the decode GEMV code per slot): the
+// reference path on sm_75 and the fallback. Slots in [0, n).
+// ---------------------------------------------------------------------------
+
+// grid (n slots, ceil(I / 16)), block 256, dynamic smem H * 4. act[slot] =
+// silu(gate_e x_t) * (up_e x_t) with a = rows[slot], t = a / k, e = slot_expert[slot].
+extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32)
+    moe_gate_up_grouped_simple(const float* __restrict__ x, const uint32_t* __restrict__ rows,
+                               const uint32_t* __restrict__ slot_expert, const uint64_t* __restrict__ table,
+                               int table_len, MoeBlobLayout L, int top_k, float* __restrict__ act) {
+    extern __shared__ float4 moe_gus_xs[];
+    const int s = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate;
+    const int t = (int)(rows[s] / (uint32_t)top_k);
+    const uint32_t e = slot_expert[s];
+    float* act_row = act + (size_t)s * I;
+    const int row0 = (blockIdx.y * MOE_GU_WARPS + (threadIdx.x >> 5)) * MOE_GEMV_ROWS;
+    if (e >= (uint32_t)table_len) {
+        if ((threadIdx.x & 31) < MOE_GEMV_ROWS && row0 + (threadIdx.x & 31) < I) act_row[row0 + (threadIdx.x & 31)] = __int_as_float(0x7fc00000);
+        return;
+    }
+    moe_stage_row(moe_gus_xs, x + (size_t)t * H, H);
+    __syncthreads();
+    if (row0 >= I) return;
+    moe_gate_up_rows(moe_gus_xs, reinterpret_cast<const uint8_t*>(table[e]), L, row0, act_row);
+}
+
+// grid (n slots, ceil(H / 8)), block 128, dynamic smem I * 4. y[slot] = g_down * down_e act[slot].
+extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
+    moe_down_grouped_simple(const float* __restrict__ act, const uint32_t* __restrict__ slot_expert,
+                            const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, float* __restrict__ y) {
+    extern __shared__ float4 moe_downs_acts[];
+    const int s = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate;
+    const uint32_t e = slot_expert[s];
+    const int row0 = (blockIdx.y * MOE_DOWN_WARPS + (threadIdx.x >> 5)) * MOE_GEMV_ROWS;
+    float* yrow = y + (size_t)s * H;
+    if (e >= (uint32_t)table_len) {
+        if ((threadIdx.x & 31) < MOE_GEMV_ROWS && row0 + (threadIdx.x & 31) < H) yrow[row0 + (threadIdx.x & 31)] = __int_as_float(0x7fc00000);
+        return;
+    }
+    moe_stage_row(moe_downs_acts, act + (size_t)s * I, I);
+    __shared__ const uint8_t* blob[1];
+    __shared__ float cf[1];
+    if (threadIdx.x == 0) {
+        blob[0] = reinterpret_cast<const uint8_t*>(table[e]);
+        cf[0] = moe_tail(blob[0], L, 2) * 16384.0f;
+    }
+    __syncthreads();
+    if (row0 >= H) return;
+    float res[MOE_GEMV_ROWS];
+    moe_down_rows(moe_downs_acts, blob, cf, 1, L, row0, res);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int r = 0; r < MOE_GEMV_ROWS; ++r)
+            if (row0 + r < H) yrow[row0 + r] = res[r];
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Combine: out[t] (+)= sum_j w[t*k+j] * y[slot_of[t*k+j]], j in order.
+// grid (T, ceil(H / 4 / 256)), block 256; H % 4 == 0.
+// ---------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(256)
+    moe_combine(const float* __restrict__ y, const uint32_t* __restrict__ slot_of, const float* __restrict__ weights,
+                int hidden, int top_k, float* __restrict__ out, int accumulate) {
+    const int t = blockIdx.x, f = blockIdx.y * blockDim.x + threadIdx.x;
+    if (4 * f >= hidden) return;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int j = 0; j < top_k; ++j) {
+        const uint32_t s = slot_of[(size_t)t * top_k + j];
+        const float w = weights[(size_t)t * top_k + j];
+        if (s == 0xffffffffu) {
+            acc.x = acc.y = acc.z = acc.w = __int_as_float(0x7fc00000);
+            continue;
+        }
+        const float4 v = reinterpret_cast<const float4*>(y + (size_t)s * hidden)[f];
+        acc.x = fmaf(w, v.x, acc.x);
+        acc.y = fmaf(w, v.y, acc.y);
+        acc.z = fmaf(w, v.z, acc.z);
+        acc.w = fmaf(w, v.w, acc.w);
+    }
+    float4* o = reinterpret_cast<float4*>(out + (size_t)t * hidden) + f;
+    if (accumulate) {
+        const float4 p = *o;
+        acc.x += p.x;
+        acc.y += p.y;
+        acc.z += p.z;
+        acc.w += p.w;
+    }
+    *o = acc;
+}
+
+// ---------------------------------------------------------------------------
+// Grouped GEMM on tensor cores (sm_80+): one block per (row tile of one
+// expert, feature tile). Rows are the slots [offsets[e], offsets[e+1]) of
+// expert e, MOE_TILE_M at a time; the block finds its (expert, tile) from
+// tile_offsets on the device (binary search), blocks past the last tile exit.
+// Per K step of 64: the A tile (64 rows x 64, f32 -> bf16) and the W tile
+// (256 smem rows x 64: gate rows then up rows for gate/up, 256 down rows for
+// down) are decoded in registers (e2m1 * e4m3 is exact in bf16) into shared
+// memory, then 8 warps (2 x 4) run mma.m16n8k16 bf16 with f32 accumulators,
+// each warp 32 rows x 8 n8-tiles. The next K step's global loads are issued
+// before the MMAs of the current one. Global scales go in the f32 epilogue.
+// ---------------------------------------------------------------------------
+
+#define MOE_MMA_BK 64
+#define MOE_MMA_WROWS 256
+#define MOE_MMA_PITCH (MOE_MMA_BK + 8)  // bf16 elements per smem row (+16 bytes: no ldmatrix bank conflicts)
+#define MOE_MMA_THREADS 256
+
+static __device__ __attribute__((unused)) __forceinline__ uint32_t moe_bf16x2(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+}
+
+// 8 E2M1 codes (word w, element i = nibble i) times scale sf (= e4m3 * 2^14)
+// as 8 bf16 in element order.
+static __device__ __attribute__((unused)) __forceinline__ uint4 moe_dequant8_bf16(uint32_t w, float sf) {
+    const float2 p0 = moe_e2m1x2_scaled(w);        // elements 0, 4
+    const float2 p1 = moe_e2m1x2_scaled(w >> 4);   // 1, 5
+    const float2 p2 = moe_e2m1x2_scaled(w >> 8);   // 2, 6
+    const float2 p3 = moe_e2m1x2_scaled(w >> 12);  // 3, 7
+    uint4 r;
+    r.x = moe_bf16x2(p0.x * sf, p1.x * sf);
+    r.y = moe_bf16x2(p2.x * sf, p3.x * sf);
+    r.z = moe_bf16x2(p0.y * sf, p1.y * sf);
+    r.w = moe_bf16x2(p2.y * sf, p3.y * sf);
+    return r;
+}
+
+static __device__ __attribute__((unused)) __forceinline__ void moe_ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+#if __CUDA_ARCH__ >= 800
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+#endif
+}
+
+static __device__ __attribute__((unused)) __forceinline__ void moe_mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// GU = true: act[slot, n0 + f] = silu(g_gate * gate . x_t) * (g_up * up . x_t), 128 features per block.
+// GU = false: y[slot, n0 + f] = g_down * down . act[slot], 256 features per block.
+template <bool GU>
+static __device__ __forceinline__ void moe_grouped_mma(const float* __restrict__ a_src,
+                                                       const uint32_t* __restrict__ rows,
+                                                       const uint32_t* __restrict__ offsets,
+                                                       const uint32_t* __restrict__ tile_offsets, int num_experts,
+                                                       const uint64_t* __restrict__ table, const MoeBlobLayout& L,
+                                                       int top_k, float* __restrict__ dst) {
+#if __CUDA_ARCH__ >= 800
+    __shared__ __align__(16) __nv_bfloat16 As[MOE_TILE_M * MOE_MMA_PITCH];
+    __shared__ __align__(16) __nv_bfloat16 Ws[MOE_MMA_WROWS * MOE_MMA_PITCH];
+    const int tile = blockIdx.x;
+    if (tile >= (int)tile_offsets[num_experts]) return;
+    int lo = 0, hi = num_experts;  // the expert e with tile_offsets[e] <= tile < tile_offsets[e + 1]
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if ((int)tile_offsets[mid] <= tile) lo = mid;
+        else hi = mid - 1;
+    }
+    const int e = lo;
+    const int m0 = (int)offsets[e] + (tile - (int)tile_offsets[e]) * MOE_TILE_M;
+    const int m_valid = min(MOE_TILE_M, (int)offsets[e + 1] - m0);
+    const int H = (int)L.hidden, I = (int)L.intermediate;
+    const int K = GU ? H : I, N = GU ? I : H;
+    const int n0 = blockIdx.y * (GU ? MOE_MMA_WROWS / 2 : MOE_MMA_WROWS);
+    const uint8_t* blob = reinterpret_cast<const uint8_t*>(table[e]);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
+
+    // This thread's A row (16 floats per K step) and W rows (one 32-element chunk of each).
+    const int ar = tid >> 2, ac = (tid & 3) * 16;
+    const float* arow = nullptr;
+    if (ar < m_valid) {
+        const int s = m0 + ar;
+        arow = GU ? a_src + (size_t)(rows[s] / (uint32_t)top_k) * K : a_src + (size_t)s * K;
+    }
+    const int wr = tid >> 1, wc = tid & 1;
+    const int f0 = n0 + wr, f1 = GU ? n0 + wr : n0 + 128 + wr;
+    const bool v0 = f0 < N, v1 = f1 < N;
+    const size_t crow = (size_t)K >> 1, srow = (size_t)K >> 4;
+    const uint8_t* c0p = blob + (GU ? L.gate_codes : L.down_codes) + (size_t)(v0 ? f0 : 0) * crow;
+    const uint8_t* s0p = blob + (GU ? L.gate_scales : L.down_scales) + (size_t)(v0 ? f0 : 0) * srow;
+    // down: row f1 = f0 + 128 (only read when valid, so also f0 is).
+    const uint8_t* c1p = GU ? blob + L.up_codes + (size_t)(v1 ? f1 : 0) * crow : c0p + 128 * crow;
+    const uint8_t* s1p = GU ? blob + L.up_scales + (size_t)(v1 ? f1 : 0) * srow : s0p + 128 * srow;
+
+    float4 ra[4];
+    uint4 rc0, rc1;
+    uint32_t rs0, rs1;
+    auto load = [&](int kt) {
+        const int ka = kt * MOE_MMA_BK + ac;
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            ra[q] = (arow && ka < K) ? __ldg(reinterpret_cast<const float4*>(arow + ka) + q) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const int kw = kt * MOE_MMA_BK + wc * 32;
+        const bool kv = kw < K;
+        rc0 = (v0 && kv) ? moe_ld_codes(c0p + (kw >> 1)) : make_uint4(0, 0, 0, 0);
+        rs0 = (v0 && kv) ? moe_ld_scales2(s0p + (kw >> 4)) : 0u;
+        rc1 = (v1 && kv) ? moe_ld_codes(c1p + (kw >> 1)) : make_uint4(0, 0, 0, 0);
+        rs1 = (v1 && kv) ? moe_ld_scales2(s1p + (kw >> 4)) : 0u;
+    };
+    auto store = [&]() {
+        uint4* pa = reinterpret_cast<uint4*>(As + ar * MOE_MMA_PITCH + ac);
+        pa[0] = make_uint4(moe_bf16x2(ra[0].x, ra[0].y), moe_bf16x2(ra[0].z, ra[0].w), moe_bf16x2(ra[1].x, ra[1].y),
+                           moe_bf16x2(ra[1].z, ra[1].w));
+        pa[1] = make_uint4(moe_bf16x2(ra[2].x, ra[2].y), moe_bf16x2(ra[2].z, ra[2].w), moe_bf16x2(ra[3].x, ra[3].y),
+                           moe_bf16x2(ra[3].z, ra[3].w));
+        uint4* pw0 = reinterpret_cast<uint4*>(Ws + wr * MOE_MMA_PITCH + wc * 32);
+        uint4* pw1 = reinterpret_cast<uint4*>(Ws + (128 + wr) * MOE_MMA_PITCH + wc * 32);
+        const float s00 = moe_e4m3_to_f32(rs0 & 0xFFu) * 16384.0f, s01 = moe_e4m3_to_f32((rs0 >> 8) & 0xFFu) * 16384.0f;
+        const float s10 = moe_e4m3_to_f32(rs1 & 0xFFu) * 16384.0f, s11 = moe_e4m3_to_f32((rs1 >> 8) & 0xFFu) * 16384.0f;
+        pw0[0] = moe_dequant8_bf16(rc0.x, s00);
+        pw0[1] = moe_dequant8_bf16(rc0.y, s00);
+        pw0[2] = moe_dequant8_bf16(rc0.z, s01);
+        pw0[3] = moe_dequant8_bf16(rc0.w, s01);
+        pw1[0] = moe_dequant8_bf16(rc1.x, s10);
+        pw1[1] = moe_dequant8_bf16(rc1.y, s10);
+        pw1[2] = moe_dequant8_bf16(rc1.z, s11);
+        pw1[3] = moe_dequant8_bf16(rc1.w, s11);
+    };
+
+    float acc[2][8][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nj = 0; nj < 8; ++nj)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[mi][nj][c] = 0.0f;
+
+    const int nk = (K + MOE_MMA_BK - 1) / MOE_MMA_BK;
+    load(0);
+    for (int kt = 0; kt < nk; ++kt) {
+        __syncthreads();  // the previous step's MMAs are done with the tiles
+        store();
+        __syncthreads();
+        if (kt + 1 < nk) load(kt + 1);
+#pragma unroll
+        for (int kk = 0; kk < MOE_MMA_BK / 16; ++kk) {
+            uint32_t af[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+                moe_ldmatrix_x4(af[mi], As + (wm * 32 + mi * 16 + (lane & 15)) * MOE_MMA_PITCH + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                const int nbase = GU ? (p < 2 ? 32 * wn + 16 * p : 128 + 32 * wn + 16 * (p - 2)) : 64 * wn + 16 * p;
+                uint32_t bf[4];
+                moe_ldmatrix_x4(bf, Ws + (nbase + (lane & 7) + (lane >> 4) * 8) * MOE_MMA_PITCH + kk * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    moe_mma_bf16(acc[mi][2 * p], af[mi], bf[0], bf[1]);
+                    moe_mma_bf16(acc[mi][2 * p + 1], af[mi], bf[2], bf[3]);
+                }
+            }
+        }
+    }
+
+    const int g = lane >> 2, q = lane & 3;
+    if (GU) {
+        const float gg = moe_tail(blob, L, 0), gu = moe_tail(blob, L, 1);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = wm * 32 + mi * 16 + g + 8 * h;
+                if (r >= m_valid) continue;
+                float* orow = dst + (size_t)(m0 + r) * I;
+#pragma unroll
+                for (int nj = 0; nj < 4; ++nj) {
+                    const int f = n0 + 32 * wn + 8 * nj + 2 * q;
+                    if (f < N) {
+                        const float a0 = moe_silu(acc[mi][nj][2 * h] * gg) * (acc[mi][nj + 4][2 * h] * gu);
+                        const float a1 = moe_silu(acc[mi][nj][2 * h + 1] * gg) * (acc[mi][nj + 4][2 * h + 1] * gu);
+                        *reinterpret_cast<float2*>(orow + f) = make_float2(a0, a1);
+                    }
+                }
+            }
+    } else {
+        const float gd = moe_tail(blob, L, 2);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = wm * 32 + mi * 16 + g + 8 * h;
+                if (r >= m_valid) continue;
+                float* orow = dst + (size_t)(m0 + r) * H;
+#pragma unroll
+                for (int nj = 0; nj < 8; ++nj) {
+                    const int f = n0 + 64 * wn + 8 * nj + 2 * q;
+                    if (f < N) *reinterpret_cast<float2*>(orow + f) = make_float2(acc[mi][nj][2 * h] * gd, acc[mi][nj][2 * h + 1] * gd);
+                }
+            }
+    }
+#endif
+}
+
+// grid (max row tiles, ceil(I / 128)), block 256. act [n, I] in slot order.
+extern "C" __global__ void __launch_bounds__(MOE_MMA_THREADS, 2)
+    moe_gate_up_grouped_mma(const float* __restrict__ x, const uint32_t* __restrict__ rows,
+                            const uint32_t* __restrict__ offsets, const uint32_t* __restrict__ tile_offsets,
+                            int num_experts, const uint64_t* __restrict__ table, MoeBlobLayout L, int top_k,
+                            float* __restrict__ act) {
+    moe_grouped_mma<true>(x, rows, offsets, tile_offsets, num_experts, table, L, top_k, act);
+}
+
+// grid (max row tiles, ceil(H / 256)), block 256. y [n, H] in slot order.
+extern "C" __global__ void __launch_bounds__(MOE_MMA_THREADS, 2)
+    moe_down_grouped_mma(const float* __restrict__ act, const uint32_t* __restrict__ offsets,
+                         const uint32_t* __restrict__ tile_offsets, int num_experts,
+                         const uint64_t* __restrict__ table, MoeBlobLayout L, float* __restrict__ y) {
+    moe_grouped_mma<false>(act, nullptr, offsets, tile_offsets, num_experts, table, L, 1, y);
+}

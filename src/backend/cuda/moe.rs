@@ -1,0 +1,582 @@
+//! CUDA launch wrappers for kernels/moe.cu (see kernels/README.md): the one
+//! MoE pipeline of `crate::moe` on the device.
+//!
+//! - `route_topk`: router softmax + top-k (`moe::route`).
+//! - decode (T <= 8 rows): `expert_gate_up_gemv` then `expert_down_gemv`,
+//!   which also sums each token's experts (the combine) in j order.
+//! - prefill: `group_by_expert` (counting sort on the device), then
+//!   `expert_gate_up_grouped` / `expert_down_grouped` over the rows of each
+//!   expert (tensor cores on sm_80+, the SIMT kernels elsewhere), then
+//!   `moe_combine`.
+//!
+//! Experts are found through a per-layer device table `u64 [E]` of blob
+//! addresses (docs/pack-format.md, "experts.bin and the expert blob"); every
+//! kernel reads an expert's three global scales from its blob's tail, so no
+//! call can drop them. Blob addresses must be 256-byte aligned (the pack's
+//! blobs and cache slots are 4096-aligned). An expert id at or past the
+//! table's length makes the rows that use it NaN (never a wild read).
+//! Wrappers check lengths and shapes and return `Error::InvalidArgument`
+//! before launching; everything is queued on `gpu.stream()`.
+
+use super::{CudaSlice, DeviceRepr, Gpu, LaunchConfig, PushKernelArg};
+use crate::error::{Error, Result};
+use crate::pack::format::ExpertLayout;
+
+/// Largest `top_k` of the kernels (`MOE_MAX_TOP_K`).
+pub const MAX_TOP_K: usize = 16;
+/// Largest expert count of `route_topk` (`MOE_ROUTE_MAX_EXPERTS`).
+pub const ROUTE_MAX_EXPERTS: usize = 1024;
+/// Largest expert count of `group_by_expert` (its shared memory: 17 * E * 4 bytes).
+pub const GROUP_MAX_EXPERTS: usize = 512;
+/// Rows of one tile of the grouped GEMM (`MOE_TILE_M`); `tile_offsets` count these.
+pub const TILE_M: usize = 64;
+
+const ROUTE_THREADS: u32 = 128;
+const GU_WARPS: usize = 8;
+const DOWN_WARPS: usize = 4;
+const GEMV_ROWS: usize = 2;
+const GROUP_WARPS: usize = 16;
+/// Default dynamic shared memory limit; above it a kernel's limit is raised.
+const SMEM_DEFAULT: usize = 48 * 1024;
+/// Threads of the tensor-core grouped GEMM (8 warps).
+const MMA_THREADS: u32 = 256;
+/// Output features per block of the tensor-core grouped GEMMs (gate/up: 128 of
+/// each matrix; down: 256).
+const MMA_FEATURES_GATE_UP: usize = 128;
+const MMA_FEATURES_DOWN: usize = 256;
+
+/// The blob layout passed to kernels by value (`MoeBlobLayout` in
+/// kernels/moe.cu): u64 offsets inside a blob, mirroring
+/// `pack::format::ExpertLayout` without its stride.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlobLayout {
+    pub hidden: u64,
+    pub intermediate: u64,
+    pub gate_codes: u64,
+    pub gate_scales: u64,
+    pub up_codes: u64,
+    pub up_scales: u64,
+    pub down_codes: u64,
+    pub down_scales: u64,
+    pub tail: u64,
+}
+
+// SAFETY: #[repr(C)] plain old data of nine u64, the layout of MoeBlobLayout.
+unsafe impl DeviceRepr for BlobLayout {}
+
+impl From<&ExpertLayout> for BlobLayout {
+    fn from(l: &ExpertLayout) -> Self {
+        BlobLayout {
+            hidden: l.hidden,
+            intermediate: l.intermediate,
+            gate_codes: l.gate_codes,
+            gate_scales: l.gate_scales,
+            up_codes: l.up_codes,
+            up_scales: l.up_scales,
+            down_codes: l.down_codes,
+            down_scales: l.down_scales,
+            tail: l.tail,
+        }
+    }
+}
+
+impl BlobLayout {
+    /// The kernels read codes 16 bytes and scales 2 bytes at a time, 32
+    /// elements per step: both dimensions must be multiples of 32 and every
+    /// section 16-byte aligned.
+    fn check(&self) -> Result<(usize, usize)> {
+        let (h, i) = (self.hidden as usize, self.intermediate as usize);
+        if h == 0 || i == 0 || h % 32 != 0 || i % 32 != 0 || h > i32::MAX as usize / 8 || i > i32::MAX as usize / 8 {
+            return Err(invalid(format!(
+                "expert layout: hidden {h} and intermediate {i} must be positive multiples of 32"
+            )));
+        }
+        let sections = [
+            self.gate_codes,
+            self.gate_scales,
+            self.up_codes,
+            self.up_scales,
+            self.down_codes,
+            self.down_scales,
+            self.tail,
+        ];
+        if sections.iter().any(|o| o % 16 != 0) {
+            return Err(invalid(format!("expert layout: every section must be 16-byte aligned: {self:?}")));
+        }
+        Ok((h, i))
+    }
+}
+
+fn invalid(msg: String) -> Error {
+    Error::InvalidArgument(msg)
+}
+
+fn need(what: &str, len: usize, want: usize) -> Result<()> {
+    if len < want {
+        return Err(invalid(format!("{what} holds {len} elements, {want} needed")));
+    }
+    Ok(())
+}
+
+fn i32_of(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| invalid(format!("{what} = {v} does not fit a 32-bit kernel argument")))
+}
+
+fn check_top_k(tokens: usize, top_k: usize) -> Result<()> {
+    if top_k == 0 || top_k > MAX_TOP_K {
+        return Err(invalid(format!("top_k {top_k} is not in 1..={MAX_TOP_K}")));
+    }
+    i32_of("tokens * top_k", tokens * top_k)?;
+    Ok(())
+}
+
+/// Raises a kernel's dynamic shared memory limit when `bytes` exceeds the default.
+fn allow_smem(f: &super::CudaFunction, bytes: usize) -> Result<()> {
+    if bytes > SMEM_DEFAULT {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            i32_of("shared memory bytes", bytes)?,
+        )?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Routing.
+
+/// `moe::route` on the device: for each of `tokens` rows of `logits [T, E]`,
+/// softmax in f32, the `top_k` largest probabilities (ties: the lower expert
+/// id), renormalized to sum 1 when `norm_topk_prob`. Writes `ids [T * k]`
+/// (highest probability first) and `weights [T * k]`. E <= 1024, k <= 16.
+#[allow(clippy::too_many_arguments)]
+pub fn route_topk(
+    gpu: &Gpu,
+    logits: &CudaSlice<f32>,
+    tokens: usize,
+    num_experts: usize,
+    top_k: usize,
+    norm_topk_prob: bool,
+    ids: &mut CudaSlice<u32>,
+    weights: &mut CudaSlice<f32>,
+) -> Result<()> {
+    if num_experts == 0 || num_experts > ROUTE_MAX_EXPERTS {
+        return Err(invalid(format!("route_topk: {num_experts} experts is not in 1..={ROUTE_MAX_EXPERTS}")));
+    }
+    check_top_k(tokens, top_k)?;
+    if top_k > num_experts {
+        return Err(invalid(format!("route_topk: top_k {top_k} of {num_experts} experts")));
+    }
+    need("route_topk: logits", logits.len(), tokens * num_experts)?;
+    need("route_topk: ids", ids.len(), tokens * top_k)?;
+    need("route_topk: weights", weights.len(), tokens * top_k)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("moe_route_topk")?;
+    let (e, k, norm) = (num_experts as i32, top_k as i32, norm_topk_prob as i32);
+    let cfg = LaunchConfig { grid_dim: (tokens as u32, 1, 1), block_dim: (ROUTE_THREADS, 1, 1), shared_mem_bytes: 0 };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(logits).arg(&e).arg(&k).arg(&norm).arg(ids).arg(weights);
+    // SAFETY: moe_route_topk(const float* logits [T, E], int E, int k, int norm,
+    // unsigned* ids [T * k], float* weights [T * k]); lengths checked above.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Decode.
+
+/// `act[t*k + j] = silu(gate_e . x_t) * (up_e . x_t)` for `e = ids[t*k + j]`,
+/// each matrix with its own global scale from the blob tail; f32 throughout.
+/// `x [T, H]`, `ids [T * k]`, `table [E]` blob addresses, `act [T * k, I]`.
+/// Meant for T <= 8 (decode); correct for any T. The shared expert is a
+/// table of one entry, ids all 0, k = 1.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_gate_up_gemv(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    ids: &CudaSlice<u32>,
+    table: &CudaSlice<u64>,
+    layout: &BlobLayout,
+    tokens: usize,
+    top_k: usize,
+    act: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let (h, i) = layout.check()?;
+    check_top_k(tokens, top_k)?;
+    need("expert_gate_up_gemv: x", x.len(), tokens * h)?;
+    need("expert_gate_up_gemv: ids", ids.len(), tokens * top_k)?;
+    need("expert_gate_up_gemv: act", act.len(), tokens * top_k * i)?;
+    let table_len = i32_of("table length", table.len())?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("moe_gate_up_gemv")?;
+    let smem = h * 4;
+    allow_smem(&f, smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: ((tokens * top_k) as u32, i.div_ceil(GU_WARPS * GEMV_ROWS) as u32, 1),
+        block_dim: ((GU_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let k = top_k as i32;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x).arg(ids).arg(table).arg(&table_len).arg(layout).arg(&k).arg(act);
+    // SAFETY: moe_gate_up_gemv(const float* x [T, H], const unsigned* ids [T*k],
+    // const u64* table [table_len], int table_len, MoeBlobLayout, int k, float* act [T*k, I]);
+    // lengths checked above; ids past the table give NaN rows.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// `out[t] (+)= sum_j weights[t*k + j] * (down_e . act[t*k + j])` for
+/// `e = ids[t*k + j]`, with the down matrix's global scale from the blob tail;
+/// the sum over j runs in j order (deterministic). `act [T * k, I]`,
+/// `out [T, H]`; `accumulate` adds to `out` instead of overwriting it (the
+/// shared expert: weights = its sigmoid gate, k = 1).
+#[allow(clippy::too_many_arguments)]
+pub fn expert_down_gemv(
+    gpu: &Gpu,
+    act: &CudaSlice<f32>,
+    ids: &CudaSlice<u32>,
+    weights: &CudaSlice<f32>,
+    table: &CudaSlice<u64>,
+    layout: &BlobLayout,
+    tokens: usize,
+    top_k: usize,
+    out: &mut CudaSlice<f32>,
+    accumulate: bool,
+) -> Result<()> {
+    let (h, i) = layout.check()?;
+    check_top_k(tokens, top_k)?;
+    need("expert_down_gemv: act", act.len(), tokens * top_k * i)?;
+    need("expert_down_gemv: ids", ids.len(), tokens * top_k)?;
+    need("expert_down_gemv: weights", weights.len(), tokens * top_k)?;
+    need("expert_down_gemv: out", out.len(), tokens * h)?;
+    let table_len = i32_of("table length", table.len())?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("moe_down_gemv")?;
+    let smem = top_k * i * 4;
+    allow_smem(&f, smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: (tokens as u32, h.div_ceil(DOWN_WARPS * GEMV_ROWS) as u32, 1),
+        block_dim: ((DOWN_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let (k, acc) = (top_k as i32, accumulate as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(act).arg(ids).arg(weights).arg(table).arg(&table_len).arg(layout).arg(&k).arg(out).arg(&acc);
+    // SAFETY: moe_down_gemv(const float* act [T*k, I], const unsigned* ids, const float* weights [T*k],
+    // const u64* table, int table_len, MoeBlobLayout, int k, float* out [T, H], int accumulate).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Prefill.
+
+/// The assignments `a = t * k + j` of a batch sorted by expert on the device
+/// (`moe::group_by_expert`): slot `s` in `[offsets[e], offsets[e+1])` belongs
+/// to expert `e`, and an expert's slots are in ascending `a` (token order).
+pub struct ExpertGrouping {
+    pub tokens: usize,
+    pub top_k: usize,
+    pub num_experts: usize,
+    /// `[E + 1]` exclusive scan of the per-expert counts.
+    pub offsets: CudaSlice<u32>,
+    /// `[E + 1]` exclusive scan of `ceil(count / TILE_M)`: the grouped GEMM's row tiles.
+    pub tile_offsets: CudaSlice<u32>,
+    /// `[T * k]` slot -> assignment `t * k + j`.
+    pub rows: CudaSlice<u32>,
+    /// `[T * k]` assignment -> slot (`u32::MAX` for an id >= E).
+    pub slot_of: CudaSlice<u32>,
+    /// `[T * k]` slot -> expert.
+    pub slot_expert: CudaSlice<u32>,
+}
+
+impl ExpertGrouping {
+    /// Buffers for up to `max_assignments` (T * k) assignments over `num_experts`.
+    pub fn new(gpu: &Gpu, max_assignments: usize, num_experts: usize) -> Result<Self> {
+        let n = max_assignments.max(1);
+        Ok(ExpertGrouping {
+            tokens: 0,
+            top_k: 1,
+            num_experts,
+            offsets: gpu.alloc_zeros(num_experts + 1)?,
+            tile_offsets: gpu.alloc_zeros(num_experts + 1)?,
+            rows: gpu.alloc_zeros(n)?,
+            slot_of: gpu.alloc_zeros(n)?,
+            slot_expert: gpu.alloc_zeros(n)?,
+        })
+    }
+
+    pub fn assignments(&self) -> usize {
+        self.tokens * self.top_k
+    }
+
+    /// An upper bound on the number of row tiles (grid size of the grouped GEMM).
+    fn max_tiles(&self) -> usize {
+        let n = self.assignments();
+        n.div_ceil(TILE_M) + n.min(self.num_experts)
+    }
+}
+
+/// Groups `ids [T * k]` by expert into new buffers (see `group_by_expert_into`).
+pub fn group_by_expert(
+    gpu: &Gpu,
+    ids: &CudaSlice<u32>,
+    tokens: usize,
+    top_k: usize,
+    num_experts: usize,
+) -> Result<ExpertGrouping> {
+    let mut g = ExpertGrouping::new(gpu, tokens * top_k, num_experts)?;
+    group_by_expert_into(gpu, ids, tokens, top_k, &mut g)?;
+    Ok(g)
+}
+
+/// Counting sort of the assignments by expert on the device, one block,
+/// deterministic (no atomics): fills `g`'s offsets, tile offsets, rows,
+/// slot_of and slot_expert for `tokens * top_k` assignments.
+pub fn group_by_expert_into(
+    gpu: &Gpu,
+    ids: &CudaSlice<u32>,
+    tokens: usize,
+    top_k: usize,
+    g: &mut ExpertGrouping,
+) -> Result<()> {
+    let e = g.num_experts;
+    if e == 0 || e > GROUP_MAX_EXPERTS {
+        return Err(invalid(format!("group_by_expert: {e} experts is not in 1..={GROUP_MAX_EXPERTS}")));
+    }
+    check_top_k(tokens, top_k)?;
+    let n = tokens * top_k;
+    need("group_by_expert: ids", ids.len(), n)?;
+    need("group_by_expert: offsets", g.offsets.len(), e + 1)?;
+    need("group_by_expert: tile_offsets", g.tile_offsets.len(), e + 1)?;
+    need("group_by_expert: rows", g.rows.len(), n)?;
+    need("group_by_expert: slot_of", g.slot_of.len(), n)?;
+    need("group_by_expert: slot_expert", g.slot_expert.len(), n)?;
+    g.tokens = tokens;
+    g.top_k = top_k;
+    let f = gpu.function("moe_group_by_expert")?;
+    let smem = (GROUP_WARPS + 1) * e * 4;
+    allow_smem(&f, smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: ((GROUP_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let (n_i, e_i) = (n as i32, e as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(ids)
+        .arg(&n_i)
+        .arg(&e_i)
+        .arg(&mut g.offsets)
+        .arg(&mut g.tile_offsets)
+        .arg(&mut g.rows)
+        .arg(&mut g.slot_of)
+        .arg(&mut g.slot_expert);
+    // SAFETY: moe_group_by_expert(const unsigned* ids [n], int n, int E, unsigned* offsets [E+1],
+    // unsigned* tile_offsets [E+1], unsigned* rows [n], unsigned* slot_of [n], unsigned* slot_expert [n]).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+fn check_grouped(what: &str, g: &ExpertGrouping, table: &CudaSlice<u64>) -> Result<i32> {
+    if g.top_k == 0 || g.top_k > MAX_TOP_K {
+        return Err(invalid(format!("{what}: the grouping was not filled (top_k {})", g.top_k)));
+    }
+    need(&format!("{what}: rows"), g.rows.len(), g.assignments())?;
+    need(&format!("{what}: slot_expert"), g.slot_expert.len(), g.assignments())?;
+    need(&format!("{what}: offsets"), g.offsets.len(), g.num_experts + 1)?;
+    need(&format!("{what}: tile_offsets"), g.tile_offsets.len(), g.num_experts + 1)?;
+    need(&format!("{what}: table"), table.len(), g.num_experts)?;
+    i32_of("table length", table.len())
+}
+
+/// Whether the grouped GEMMs run on tensor cores on this device (sm_80+).
+pub fn grouped_uses_tensor_cores(gpu: &Gpu) -> bool {
+    gpu.compute_capability().0 >= 8
+}
+
+/// `act[s] = silu(gate_e . x_t) * (up_e . x_t)` for every slot `s` of the
+/// grouping (`t = rows[s] / k`, `e` its expert): the rows of each expert as
+/// one GEMM. `x [T, H]`, `act [T * k, I]` in slot order.
+pub fn expert_gate_up_grouped(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    g: &ExpertGrouping,
+    table: &CudaSlice<u64>,
+    layout: &BlobLayout,
+    act: &mut CudaSlice<f32>,
+) -> Result<()> {
+    if !grouped_uses_tensor_cores(gpu) {
+        return expert_gate_up_grouped_simple(gpu, x, g, table, layout, act);
+    }
+    let (h, i) = layout.check()?;
+    check_grouped("expert_gate_up_grouped", g, table)?;
+    let n = g.assignments();
+    need("expert_gate_up_grouped: x", x.len(), g.tokens * h)?;
+    need("expert_gate_up_grouped: act", act.len(), n * i)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("moe_gate_up_grouped_mma")?;
+    let cfg = LaunchConfig {
+        grid_dim: (g.max_tiles() as u32, i.div_ceil(MMA_FEATURES_GATE_UP) as u32, 1),
+        block_dim: (MMA_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (e, k) = (g.num_experts as i32, g.top_k as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x).arg(&g.rows).arg(&g.offsets).arg(&g.tile_offsets).arg(&e).arg(table).arg(layout).arg(&k).arg(act);
+    // SAFETY: moe_gate_up_grouped_mma(const float* x [T, H], const unsigned* rows [n],
+    // const unsigned* offsets [E+1], const unsigned* tile_offsets [E+1], int E, const u64* table [>= E],
+    // MoeBlobLayout, int k, float* act [n, I]); blocks past tile_offsets[E] exit.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// `y[s] = down_e . act[s]` for every slot (`y [T * k, H]` in slot order).
+pub fn expert_down_grouped(
+    gpu: &Gpu,
+    act: &CudaSlice<f32>,
+    g: &ExpertGrouping,
+    table: &CudaSlice<u64>,
+    layout: &BlobLayout,
+    y: &mut CudaSlice<f32>,
+) -> Result<()> {
+    if !grouped_uses_tensor_cores(gpu) {
+        return expert_down_grouped_simple(gpu, act, g, table, layout, y);
+    }
+    let (h, i) = layout.check()?;
+    check_grouped("expert_down_grouped", g, table)?;
+    let n = g.assignments();
+    need("expert_down_grouped: act", act.len(), n * i)?;
+    need("expert_down_grouped: y", y.len(), n * h)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("moe_down_grouped_mma")?;
+    let cfg = LaunchConfig {
+        grid_dim: (g.max_tiles() as u32, h.div_ceil(MMA_FEATURES_DOWN) as u32, 1),
+        block_dim: (MMA_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let e = g.num_experts as i32;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(act).arg(&g.offsets).arg(&g.tile_offsets).arg(&e).arg(table).arg(layout).arg(y);
+    // SAFETY: moe_down_grouped_mma(const float* act [n, I], const unsigned* offsets [E+1],
+    // const unsigned* tile_offsets [E+1], int E, const u64* table [>= E], MoeBlobLayout, float* y [n, H]).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// `expert_gate_up_grouped` by the SIMT kernel (f32 throughout; one slot per block row).
+pub fn expert_gate_up_grouped_simple(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    g: &ExpertGrouping,
+    table: &CudaSlice<u64>,
+    layout: &BlobLayout,
+    act: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let (h, i) = layout.check()?;
+    let table_len = check_grouped("expert_gate_up_grouped", g, table)?;
+    let n = g.assignments();
+    need("expert_gate_up_grouped: x", x.len(), g.tokens * h)?;
+    need("expert_gate_up_grouped: act", act.len(), n * i)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("moe_gate_up_grouped_simple")?;
+    let smem = h * 4;
+    allow_smem(&f, smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, i.div_ceil(GU_WARPS * GEMV_ROWS) as u32, 1),
+        block_dim: ((GU_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let k = g.top_k as i32;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x).arg(&g.rows).arg(&g.slot_expert).arg(table).arg(&table_len).arg(layout).arg(&k).arg(act);
+    // SAFETY: moe_gate_up_grouped_simple(const float* x [T, H], const unsigned* rows [n],
+    // const unsigned* slot_expert [n], const u64* table, int table_len, MoeBlobLayout, int k,
+    // float* act [n, I]).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// `expert_down_grouped` by the SIMT kernel (f32 throughout).
+pub fn expert_down_grouped_simple(
+    gpu: &Gpu,
+    act: &CudaSlice<f32>,
+    g: &ExpertGrouping,
+    table: &CudaSlice<u64>,
+    layout: &BlobLayout,
+    y: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let (h, i) = layout.check()?;
+    let table_len = check_grouped("expert_down_grouped", g, table)?;
+    let n = g.assignments();
+    need("expert_down_grouped: act", act.len(), n * i)?;
+    need("expert_down_grouped: y", y.len(), n * h)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("moe_down_grouped_simple")?;
+    let smem = i * 4;
+    allow_smem(&f, smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, h.div_ceil(DOWN_WARPS * GEMV_ROWS) as u32, 1),
+        block_dim: ((DOWN_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(act).arg(&g.slot_expert).arg(table).arg(&table_len).arg(layout).arg(y);
+    // SAFETY: moe_down_grouped_simple(const float* act [n, I], const unsigned* slot_expert [n],
+    // const u64* table, int table_len, MoeBlobLayout, float* y [n, H]).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// `out[t] (+)= sum_j weights[t*k + j] * y[slot_of(t*k + j)]`, j in order.
+/// `y [T * k, H]` in slot order, `out [T, H]`; H a multiple of 4.
+pub fn moe_combine(
+    gpu: &Gpu,
+    y: &CudaSlice<f32>,
+    g: &ExpertGrouping,
+    weights: &CudaSlice<f32>,
+    hidden: usize,
+    out: &mut CudaSlice<f32>,
+    accumulate: bool,
+) -> Result<()> {
+    if hidden == 0 || hidden % 4 != 0 {
+        return Err(invalid(format!("moe_combine: hidden {hidden} must be a positive multiple of 4")));
+    }
+    let (t, n) = (g.tokens, g.assignments());
+    need("moe_combine: y", y.len(), n * hidden)?;
+    need("moe_combine: slot_of", g.slot_of.len(), n)?;
+    need("moe_combine: weights", weights.len(), n)?;
+    need("moe_combine: out", out.len(), t * hidden)?;
+    let h_i = i32_of("hidden", hidden)?;
+    if t == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("moe_combine")?;
+    let cfg = LaunchConfig {
+        grid_dim: (t as u32, (hidden / 4).div_ceil(256) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (k, acc) = (g.top_k as i32, accumulate as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(y).arg(&g.slot_of).arg(weights).arg(&h_i).arg(&k).arg(out).arg(&acc);
+    // SAFETY: moe_combine(const float* y [n, H], const unsigned* slot_of [n], const float* weights [n],
+    // int H, int k, float* out [T, H], int accumulate).
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}

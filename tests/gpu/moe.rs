@@ -1,0 +1,616 @@
+//! GPU tests of kernels/moe.cu against the CPU reference (`strata::moe`,
+//! `strata::backend::cpu::ops::expert_ffn_row`, `strata::quant::nvfp4`).
+//!
+//! Expert weights are NVFP4 made by `quantize_with_global` with global scales
+//! far from 1 and different for gate, up and down (and per expert), so a
+//! kernel that drops or mixes up a global scale cannot pass; one test also
+//! asserts the result is far from what a dropped down scale would give.
+//!
+//! Tolerances (`check_close`: max |got - want| / max |want|):
+//! - f32 paths (route, GEMVs, SIMT grouped path, combine): 1e-5. The kernels
+//!   decode NVFP4 exactly and accumulate in f32 like the CPU; only the order
+//!   of the sums differs (a few ulps of the largest terms).
+//! - tensor-core grouped path: 1e-2. x and the activations are rounded to
+//!   bf16 (relative error 2^-9 per element) before the MMA; the weights are
+//!   exact in bf16 (e2m1 * e4m3) and accumulation is f32, so each dot product
+//!   carries about 2^-9 of its magnitude per stage, two stages (gate/up, down)
+//!   compound to a few 1e-3 of max |out|.
+
+use std::sync::Arc;
+
+use strata::backend::cpu::ops::{expert_ffn, expert_ffn_row, silu};
+use strata::backend::cuda::moe::{self as gm, BlobLayout};
+use strata::backend::cuda::{CudaSlice, DevicePtr, Gpu};
+use strata::backend::ExpertRows;
+use strata::moe::{self, Routing};
+use strata::pack::format::ExpertLayout;
+use strata::pack::ExpertView;
+use strata::quant::nvfp4::{quantize_with_global, Nvfp4Owned};
+use strata::rng::Rng;
+
+use super::common::{check_close, e, poisoned, rand_f32, GpuTest};
+
+pub const TESTS: &[GpuTest] = &[
+    ("moe_route_topk_matches_moe_route", route_topk_matches_moe_route),
+    ("moe_gemv_matches_expert_ffn_row", gemv_matches_expert_ffn_row),
+    ("moe_gemv_shared_expert_accumulates", gemv_shared_expert_accumulates),
+    ("moe_group_by_expert_matches_cpu", group_by_expert_matches_cpu),
+    ("moe_grouped_matches_cpu_forward", grouped_matches_cpu_forward),
+    ("moe_decode_gemv_timing", decode_gemv_timing),
+    ("moe_prefill_grouped_timing", prefill_grouped_timing),
+];
+
+/// Global scales of expert 0 (gate, up, down); expert e multiplies them by
+/// (1 + 0.03 e), (1 + 0.05 e), (1 + 0.07 e).
+const G_GATE: f32 = 1e-3;
+const G_UP: f32 = 37.0;
+const G_DOWN: f32 = 2.5e-4;
+
+/// Floors the timing lines compare against (H200: measured HBM, dense BF16 tensor rate).
+const HBM_BYTES_PER_S: f64 = 4.3e12;
+const BF16_FLOPS: f64 = 790e12;
+
+const F32_TOL: f32 = 1e-5;
+const BF16_TOL: f32 = 1e-2;
+
+/// Random NVFP4 experts on the host, in `ExpertLayout` blob form too.
+struct HostExperts {
+    layout: ExpertLayout,
+    mats: Vec<[Nvfp4Owned; 3]>,
+}
+
+impl HostExperts {
+    fn random(seed: u64, hidden: usize, inter: usize, n: usize) -> HostExperts {
+        let mats = (0..n)
+            .map(|ex| {
+                let f = ex as f32;
+                let g = [G_GATE * (1.0 + 0.03 * f), G_UP * (1.0 + 0.05 * f), G_DOWN * (1.0 + 0.07 * f)];
+                let s = seed * 1000 + ex as u64 * 3;
+                // Weights of about 20 g: block scales near 8, well inside E4M3's range.
+                [
+                    quantize_with_global(&rand_f32(s, inter * hidden, 20.0 * g[0]), inter, hidden, g[0]),
+                    quantize_with_global(&rand_f32(s + 1, inter * hidden, 20.0 * g[1]), inter, hidden, g[1]),
+                    quantize_with_global(&rand_f32(s + 2, hidden * inter, 20.0 * g[2]), hidden, inter, g[2]),
+                ]
+            })
+            .collect();
+        HostExperts { layout: ExpertLayout::new(hidden as u64, inter as u64), mats }
+    }
+
+    fn view(&self, ex: usize) -> ExpertView<'_> {
+        let m = &self.mats[ex];
+        ExpertView { gate: m[0].view(), up: m[1].view(), down: m[2].view(), blob: &[] }
+    }
+
+    /// All blobs, `stride` bytes each, as docs/pack-format.md lays them out.
+    fn blob_bytes(&self) -> Vec<u8> {
+        let l = &self.layout;
+        let stride = l.stride as usize;
+        let mut out = vec![0u8; stride * self.mats.len()];
+        for (ex, m) in self.mats.iter().enumerate() {
+            let b = &mut out[ex * stride..(ex + 1) * stride];
+            let put = |b: &mut [u8], at: u64, src: &[u8]| b[at as usize..at as usize + src.len()].copy_from_slice(src);
+            put(b, l.gate_codes, &m[0].codes);
+            put(b, l.gate_scales, &m[0].scales);
+            put(b, l.up_codes, &m[1].codes);
+            put(b, l.up_scales, &m[1].scales);
+            put(b, l.down_codes, &m[2].codes);
+            put(b, l.down_scales, &m[2].scales);
+            let mut tail = Vec::with_capacity(16);
+            for g in [m[0].global_scale, m[1].global_scale, m[2].global_scale] {
+                tail.extend_from_slice(&g.to_le_bytes());
+            }
+            tail.extend_from_slice(&0u32.to_le_bytes());
+            put(b, l.tail, &tail);
+        }
+        out
+    }
+}
+
+/// Blobs on the device and their table of addresses.
+struct DeviceExperts {
+    _blobs: CudaSlice<u8>,
+    table: CudaSlice<u64>,
+    layout: BlobLayout,
+}
+
+fn table_of(gpu: &Gpu, blobs: &CudaSlice<u8>, stride: u64, n: usize) -> Result<CudaSlice<u64>, String> {
+    let base = {
+        let (ptr, _sync) = blobs.device_ptr(gpu.stream());
+        ptr
+    };
+    let table: Vec<u64> = (0..n as u64).map(|ex| base + ex * stride).collect();
+    gpu.upload(&table).map_err(e)
+}
+
+fn upload_experts(gpu: &Gpu, host: &HostExperts) -> Result<DeviceExperts, String> {
+    let blobs = gpu.upload(&host.blob_bytes()).map_err(e)?;
+    let table = table_of(gpu, &blobs, host.layout.stride, host.mats.len())?;
+    Ok(DeviceExperts { _blobs: blobs, table, layout: BlobLayout::from(&host.layout) })
+}
+
+/// The CPU act of one expert: `silu(gate . x) * (up . x)`.
+fn cpu_act(ev: &ExpertView<'_>, x: &[f32]) -> Vec<f32> {
+    (0..ev.gate.rows).map(|i| silu(ev.gate.row_dot(i, x)) * ev.up.row_dot(i, x)).collect()
+}
+
+/// For each token, `k` distinct experts of `n` (a random prefix of a shuffle).
+fn random_ids(seed: u64, tokens: usize, k: usize, n: usize) -> Vec<u32> {
+    let mut r = Rng::new(seed);
+    let mut ids = Vec::with_capacity(tokens * k);
+    for _ in 0..tokens {
+        let mut all: Vec<u32> = (0..n as u32).collect();
+        for i in 0..k {
+            let j = i + r.below((n - i) as u64) as usize;
+            all.swap(i, j);
+        }
+        ids.extend_from_slice(&all[..k]);
+    }
+    ids
+}
+
+fn download(gpu: &Gpu, d: &CudaSlice<f32>) -> Result<Vec<f32>, String> {
+    gpu.download(d).map_err(e)
+}
+
+fn download_u32(gpu: &Gpu, d: &CudaSlice<u32>) -> Result<Vec<u32>, String> {
+    gpu.download(d).map_err(e)
+}
+
+// ---------------------------------------------------------------------------
+
+fn route_topk_matches_moe_route(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for &num_experts in &[8usize, 128, 512] {
+        for &k in &[1usize, 8, 10] {
+            if k > num_experts {
+                continue;
+            }
+            for norm in [false, true] {
+                let tokens = 37;
+                let mut logits = rand_f32(num_experts as u64 * 31 + k as u64, tokens * num_experts, 2.0);
+                // Token 0: all tied (experts 0..k win); token 1: few distinct values (many ties);
+                // token 2: the top value tied across scattered experts.
+                logits[..num_experts].fill(0.25);
+                for v in &mut logits[num_experts..2 * num_experts] {
+                    *v = (*v * 0.5).round();
+                }
+                for ex in (0..num_experts).step_by(3) {
+                    logits[2 * num_experts + ex] = 9.0;
+                }
+                let want: Routing = moe::route(&logits, num_experts, k, norm);
+                let d_logits = gpu.upload(&logits).map_err(e)?;
+                let mut ids = gpu.alloc_zeros::<u32>(tokens * k).map_err(e)?;
+                gpu.fill_random_u32(&mut ids, 7).map_err(e)?;
+                let mut weights = poisoned(gpu, tokens * k)?;
+                gm::route_topk(gpu, &d_logits, tokens, num_experts, k, norm, &mut ids, &mut weights).map_err(e)?;
+                let got_ids = download_u32(gpu, &ids)?;
+                let want_ids: Vec<u32> = want.experts.iter().map(|&x| x as u32).collect();
+                if got_ids != want_ids {
+                    let t = (0..tokens).find(|&t| got_ids[t * k..(t + 1) * k] != want_ids[t * k..(t + 1) * k]).unwrap();
+                    return Err(format!(
+                        "E={num_experts} k={k} norm={norm}: token {t} experts {:?}, want {:?}",
+                        &got_ids[t * k..(t + 1) * k],
+                        &want_ids[t * k..(t + 1) * k]
+                    ));
+                }
+                let got_w = download(gpu, &weights)?;
+                check_close(
+                    &format!("route weights E={num_experts} k={k} norm={norm}"),
+                    &got_w,
+                    &want.weights,
+                    F32_TOL,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The decode GEMVs against expert_ffn_row for T in {1, 3} and three shapes,
+/// with overwrite and accumulate, and a check that the down scale matters.
+fn gemv_matches_expert_ffn_row(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for &(h, i, n_exp, k) in &[(64usize, 32usize, 12usize, 10usize), (2048, 768, 10, 8), (2048, 512, 12, 10)] {
+        let host = HostExperts::random(h as u64 + i as u64, h, i, n_exp);
+        let dev = upload_experts(gpu, &host)?;
+        for &tokens in &[1usize, 3] {
+            let what = format!("H={h} I={i} k={k} T={tokens}");
+            let seed = (h * 7 + i * 3 + tokens) as u64;
+            let x = rand_f32(seed, tokens * h, 1.0);
+            let ids = random_ids(seed + 1, tokens, k, n_exp);
+            let weights: Vec<f32> = rand_f32(seed + 2, tokens * k, 1.0).iter().map(|v| 0.05 + v.abs()).collect();
+            let prior = rand_f32(seed + 3, tokens * h, 1.0);
+
+            // CPU: act per assignment, out per token summed in j order.
+            let mut want_act = Vec::with_capacity(tokens * k * i);
+            let mut want_out = vec![0.0f32; tokens * h];
+            let mut want_no_gdown = vec![0.0f32; tokens * h];
+            let mut want_act_no_ggate = Vec::with_capacity(tokens * k * i);
+            let mut y = vec![0.0f32; h];
+            for t in 0..tokens {
+                let xt = &x[t * h..(t + 1) * h];
+                for j in 0..k {
+                    let ev = host.view(ids[t * k + j] as usize);
+                    want_act.extend(cpu_act(&ev, xt));
+                    let mut no_gate = ev;
+                    no_gate.gate.global_scale = 1.0;
+                    want_act_no_ggate.extend(cpu_act(&no_gate, xt));
+                    let w = weights[t * k + j];
+                    expert_ffn_row(&ev, xt, &mut y);
+                    for (o, v) in want_out[t * h..(t + 1) * h].iter_mut().zip(&y) {
+                        *o += w * v;
+                    }
+                    let mut no_down = ev;
+                    no_down.down.global_scale = 1.0;
+                    expert_ffn_row(&no_down, xt, &mut y);
+                    for (o, v) in want_no_gdown[t * h..(t + 1) * h].iter_mut().zip(&y) {
+                        *o += w * v;
+                    }
+                }
+            }
+
+            let d_x = gpu.upload(&x).map_err(e)?;
+            let d_ids = gpu.upload(&ids).map_err(e)?;
+            let d_w = gpu.upload(&weights).map_err(e)?;
+            let mut act = poisoned(gpu, tokens * k * i)?;
+            gm::expert_gate_up_gemv(gpu, &d_x, &d_ids, &dev.table, &dev.layout, tokens, k, &mut act).map_err(e)?;
+            let got_act = download(gpu, &act)?;
+            check_close(&format!("{what}: act"), &got_act, &want_act, F32_TOL)?;
+            if check_close("", &got_act, &want_act_no_ggate, 0.5).is_ok() {
+                return Err(format!("{what}: act matches the result with g_gate = 1: the gate scale is ignored"));
+            }
+
+            let mut out = poisoned(gpu, tokens * h)?;
+            gm::expert_down_gemv(gpu, &act, &d_ids, &d_w, &dev.table, &dev.layout, tokens, k, &mut out, false)
+                .map_err(e)?;
+            let got = download(gpu, &out)?;
+            check_close(&format!("{what}: out"), &got, &want_out, F32_TOL)?;
+            // The field report's bug: a path that ignores the down global scale.
+            if check_close("", &got, &want_no_gdown, 0.5).is_ok() {
+                return Err(format!("{what}: out matches the result with g_down = 1: the down scale is ignored"));
+            }
+
+            let mut acc = gpu.upload(&prior).map_err(e)?;
+            gm::expert_down_gemv(gpu, &act, &d_ids, &d_w, &dev.table, &dev.layout, tokens, k, &mut acc, true)
+                .map_err(e)?;
+            let got = download(gpu, &acc)?;
+            let want: Vec<f32> = prior.iter().zip(&want_out).map(|(p, w)| p + w).collect();
+            check_close(&format!("{what}: out (accumulate)"), &got, &want, F32_TOL)?;
+        }
+    }
+    Ok(())
+}
+
+/// The shared expert through the same kernels: a table of one entry, ids 0,
+/// k = 1, weights = its sigmoid gate, accumulated onto the routed output; its
+/// intermediate size (512) differs from the routed experts' (768).
+fn gemv_shared_expert_accumulates(gpu: &Arc<Gpu>) -> Result<(), String> {
+    let (h, i_routed, i_shared, k, tokens) = (2048usize, 768usize, 512usize, 8usize, 3usize);
+    let routed = HostExperts::random(41, h, i_routed, 9);
+    let shared = HostExperts::random(42, h, i_shared, 1);
+    let (d_routed, d_shared) = (upload_experts(gpu, &routed)?, upload_experts(gpu, &shared)?);
+    let x = rand_f32(43, tokens * h, 1.0);
+    let ids = random_ids(44, tokens, k, 9);
+    let weights: Vec<f32> = rand_f32(45, tokens * k, 0.3).iter().map(|v| v.abs()).collect();
+    let gates: Vec<f32> = rand_f32(46, tokens, 2.0).iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
+
+    let mut want = vec![0.0f32; tokens * h];
+    let mut y = vec![0.0f32; h];
+    for t in 0..tokens {
+        let xt = &x[t * h..(t + 1) * h];
+        for j in 0..k {
+            expert_ffn_row(&routed.view(ids[t * k + j] as usize), xt, &mut y);
+            for (o, v) in want[t * h..(t + 1) * h].iter_mut().zip(&y) {
+                *o += weights[t * k + j] * v;
+            }
+        }
+        expert_ffn_row(&shared.view(0), xt, &mut y);
+        for (o, v) in want[t * h..(t + 1) * h].iter_mut().zip(&y) {
+            *o += gates[t] * v;
+        }
+    }
+
+    let d_x = gpu.upload(&x).map_err(e)?;
+    let (d_ids, d_w) = (gpu.upload(&ids).map_err(e)?, gpu.upload(&weights).map_err(e)?);
+    let (d_zero, d_gates) = (gpu.upload(&vec![0u32; tokens]).map_err(e)?, gpu.upload(&gates).map_err(e)?);
+    let mut act = poisoned(gpu, tokens * k * i_routed)?;
+    let mut act_sh = poisoned(gpu, tokens * i_shared)?;
+    let mut out = poisoned(gpu, tokens * h)?;
+    gm::expert_gate_up_gemv(gpu, &d_x, &d_ids, &d_routed.table, &d_routed.layout, tokens, k, &mut act).map_err(e)?;
+    gm::expert_down_gemv(gpu, &act, &d_ids, &d_w, &d_routed.table, &d_routed.layout, tokens, k, &mut out, false)
+        .map_err(e)?;
+    gm::expert_gate_up_gemv(gpu, &d_x, &d_zero, &d_shared.table, &d_shared.layout, tokens, 1, &mut act_sh)
+        .map_err(e)?;
+    gm::expert_down_gemv(gpu, &act_sh, &d_zero, &d_gates, &d_shared.table, &d_shared.layout, tokens, 1, &mut out, true)
+        .map_err(e)?;
+    check_close("routed + shared expert", &download(gpu, &out)?, &want, F32_TOL)
+}
+
+/// Skewed router logits: expert e's logits are shifted by -skew * e, so low
+/// ids get most tokens (several row tiles) and high ids few or none.
+fn skewed_routing(seed: u64, tokens: usize, num_experts: usize, k: usize, skew: f32) -> Routing {
+    let mut logits = rand_f32(seed, tokens * num_experts, 1.0);
+    for row in logits.chunks_exact_mut(num_experts) {
+        for (ex, v) in row.iter_mut().enumerate() {
+            *v -= skew * ex as f32;
+        }
+    }
+    moe::route(&logits, num_experts, k, true)
+}
+
+fn ids_u32(r: &Routing) -> Vec<u32> {
+    r.experts.iter().map(|&x| x as u32).collect()
+}
+
+/// The grouping on the device against moe::group_by_expert: offsets, the
+/// (token, j) order inside each expert, the inverse map and the tile offsets.
+fn group_by_expert_matches_cpu(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for &(tokens, num_experts, k) in &[(1usize, 8usize, 1usize), (17, 128, 8), (300, 512, 10), (4096, 128, 8)] {
+        let what = format!("T={tokens} E={num_experts} k={k}");
+        let routing = skewed_routing(tokens as u64 + 5, tokens, num_experts, k, 0.02);
+        let ids = ids_u32(&routing);
+        let d_ids = gpu.upload(&ids).map_err(e)?;
+        let g = gm::group_by_expert(gpu, &d_ids, tokens, k, num_experts).map_err(e)?;
+        let (offsets, tiles) = (download_u32(gpu, &g.offsets)?, download_u32(gpu, &g.tile_offsets)?);
+        let (rows, slot_of, slot_expert) =
+            (download_u32(gpu, &g.rows)?, download_u32(gpu, &g.slot_of)?, download_u32(gpu, &g.slot_expert)?);
+        let groups = moe::group_by_expert(&routing);
+        let mut want_offsets = vec![0u32; num_experts + 1];
+        let mut want_tiles = vec![0u32; num_experts + 1];
+        let mut want_rows = Vec::new();
+        let mut counts = vec![0usize; num_experts];
+        for grp in &groups {
+            counts[grp.expert] = grp.tokens.len();
+            for &t in &grp.tokens {
+                let j = routing.token(t).0.iter().position(|&x| x == grp.expert).unwrap();
+                want_rows.push((t * k + j) as u32);
+            }
+        }
+        for ex in 0..num_experts {
+            want_offsets[ex + 1] = want_offsets[ex] + counts[ex] as u32;
+            want_tiles[ex + 1] = want_tiles[ex] + counts[ex].div_ceil(gm::TILE_M) as u32;
+        }
+        if offsets != want_offsets {
+            return Err(format!("{what}: offsets {offsets:?}, want {want_offsets:?}"));
+        }
+        if tiles != want_tiles {
+            return Err(format!("{what}: tile offsets {tiles:?}, want {want_tiles:?}"));
+        }
+        if rows != want_rows {
+            let s = rows.iter().zip(&want_rows).position(|(a, b)| a != b).unwrap();
+            return Err(format!("{what}: rows[{s}] = {}, want {}", rows[s], want_rows[s]));
+        }
+        for (s, &a) in rows.iter().enumerate() {
+            if slot_of[a as usize] != s as u32 || slot_expert[s] != ids[a as usize] {
+                return Err(format!(
+                    "{what}: slot {s} (assignment {a}): slot_of {} slot_expert {} (id {})",
+                    slot_of[a as usize], slot_expert[s], ids[a as usize]
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The whole prefill pipeline (group, gate/up, down, combine) against the
+/// CPU's route -> group -> gather -> expert_ffn -> combine, for the SIMT and
+/// the default (tensor-core on sm_80+) grouped kernels.
+fn grouped_matches_cpu_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for &(h, i, n_exp, k) in &[(2048usize, 768usize, 16usize, 8usize), (2048, 512, 24, 10)] {
+        let host = HostExperts::random(h as u64 * 3 + i as u64, h, i, n_exp);
+        let dev = upload_experts(gpu, &host)?;
+        for &tokens in &[1usize, 17, 300] {
+            let seed = (tokens * 13 + i) as u64;
+            let routing = skewed_routing(seed, tokens, n_exp, k, 0.15);
+            let x = rand_f32(seed + 1, tokens * h, 1.0);
+            // CPU: moe::forward after the router matmul.
+            let groups = moe::group_by_expert(&routing);
+            let xg = moe::gather(&x, h, &groups);
+            let work: Vec<ExpertRows<'_>> =
+                groups.iter().map(|g| ExpertRows { weights: host.view(g.expert), rows: g.tokens.len() }).collect();
+            let mut yg = vec![0.0f32; xg.len()];
+            expert_ffn(&work, &xg, &mut yg);
+            let mut want = vec![0.0f32; tokens * h];
+            moe::combine(&groups, &yg, h, &mut want);
+            let prior = rand_f32(seed + 2, tokens * h, 1.0);
+
+            let d_x = gpu.upload(&x).map_err(e)?;
+            let d_ids = gpu.upload(&ids_u32(&routing)).map_err(e)?;
+            let d_w = gpu.upload(&routing.weights).map_err(e)?;
+            let g = gm::group_by_expert(gpu, &d_ids, tokens, k, n_exp).map_err(e)?;
+            let n = tokens * k;
+            let tc = gm::grouped_uses_tensor_cores(gpu);
+            for simple in [true, false] {
+                let what = format!(
+                    "H={h} I={i} E={n_exp} k={k} T={tokens} {}",
+                    if simple {
+                        "SIMT"
+                    } else if tc {
+                        "tensor cores"
+                    } else {
+                        "default (SIMT)"
+                    }
+                );
+                let mut act = poisoned(gpu, n * i)?;
+                let mut y = poisoned(gpu, n * h)?;
+                if simple {
+                    gm::expert_gate_up_grouped_simple(gpu, &d_x, &g, &dev.table, &dev.layout, &mut act).map_err(e)?;
+                    gm::expert_down_grouped_simple(gpu, &act, &g, &dev.table, &dev.layout, &mut y).map_err(e)?;
+                } else {
+                    gm::expert_gate_up_grouped(gpu, &d_x, &g, &dev.table, &dev.layout, &mut act).map_err(e)?;
+                    gm::expert_down_grouped(gpu, &act, &g, &dev.table, &dev.layout, &mut y).map_err(e)?;
+                }
+                let mut out = poisoned(gpu, tokens * h)?;
+                gm::moe_combine(gpu, &y, &g, &d_w, h, &mut out, false).map_err(e)?;
+                let tol = if simple || !tc { F32_TOL } else { BF16_TOL };
+                let got = download(gpu, &out)?;
+                check_close(&what, &got, &want, tol)?;
+                // The down scale of each expert must reach the output.
+                let no_gdown: Vec<f32> = {
+                    let mut w = vec![0.0f32; tokens * h];
+                    let mut yy = vec![0.0f32; xg.len()];
+                    let views: Vec<ExpertView<'_>> = groups
+                        .iter()
+                        .map(|g| {
+                            let mut v = host.view(g.expert);
+                            v.down.global_scale = 1.0;
+                            v
+                        })
+                        .collect();
+                    let work: Vec<ExpertRows<'_>> = groups
+                        .iter()
+                        .zip(&views)
+                        .map(|(g, v)| ExpertRows { weights: *v, rows: g.tokens.len() })
+                        .collect();
+                    expert_ffn(&work, &xg, &mut yy);
+                    moe::combine(&groups, &yy, h, &mut w);
+                    w
+                };
+                if check_close("", &got, &no_gdown, 0.5).is_ok() {
+                    return Err(format!("{what}: out matches the result with g_down = 1: the down scale is ignored"));
+                }
+                let mut acc = gpu.upload(&prior).map_err(e)?;
+                gm::moe_combine(gpu, &y, &g, &d_w, h, &mut acc, true).map_err(e)?;
+                let want_acc: Vec<f32> = prior.iter().zip(&want).map(|(p, w)| p + w).collect();
+                check_close(&format!("{what} (accumulate)"), &download(gpu, &acc)?, &want_acc, tol)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Timing (one line each; values are not checked).
+
+/// Median seconds of `reps` runs of `work` (each run timed with CUDA events).
+fn median_seconds(gpu: &Gpu, reps: usize, mut work: impl FnMut(usize) -> Result<(), String>) -> Result<f64, String> {
+    use cudarc::driver::sys::CUevent_flags;
+    let ctx = gpu.context();
+    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
+    let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
+    work(0)?;
+    gpu.sync().map_err(e)?;
+    let mut times = Vec::with_capacity(reps);
+    for r in 0..reps {
+        start.record(gpu.stream()).map_err(e)?;
+        work(r + 1)?;
+        end.record(gpu.stream()).map_err(e)?;
+        times.push(start.elapsed_ms(&end).map_err(e)? as f64 / 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[reps / 2])
+}
+
+/// Random bytes for E blobs of `layout` (the kernels' speed does not depend on
+/// the values), and the table.
+fn random_blobs(gpu: &Gpu, layout: &ExpertLayout, n: usize) -> Result<(CudaSlice<u32>, CudaSlice<u64>), String> {
+    let mut words = gpu.alloc_zeros::<u32>(layout.stride as usize / 4 * n).map_err(e)?;
+    gpu.fill_random_u32(&mut words, 99).map_err(e)?;
+    let base = {
+        let (ptr, _sync) = words.device_ptr(gpu.stream());
+        ptr
+    };
+    let table: Vec<u64> = (0..n as u64).map(|ex| base + ex * layout.stride).collect();
+    Ok((words, gpu.upload(&table).map_err(e)?))
+}
+
+/// Batch-1 decode at Qwen3-30B-A3B sizes: H=2048, I=768, k=8, E=128; each
+/// run uses 8 experts not used by the previous 15 runs (L2 holds ~6 layers'
+/// worth of 8 experts, so the rotation over 128 keeps it from serving them).
+fn decode_gemv_timing(gpu: &Arc<Gpu>) -> Result<(), String> {
+    let (h, i, k, n_exp) = (2048usize, 768usize, 8usize, 128usize);
+    let layout = ExpertLayout::new(h as u64, i as u64);
+    let (_blobs, table) = random_blobs(gpu, &layout, n_exp)?;
+    let bl = BlobLayout::from(&layout);
+    let x = gpu.upload(&rand_f32(1, h, 1.0)).map_err(e)?;
+    let w = gpu.upload(&vec![0.125f32; k]).map_err(e)?;
+    let id_sets: Vec<CudaSlice<u32>> = (0..n_exp / k)
+        .map(|r| gpu.upload(&(0..k as u32).map(|j| (r * k) as u32 + j).collect::<Vec<_>>()).map_err(e))
+        .collect::<Result<_, _>>()?;
+    let mut act = gpu.alloc_zeros::<f32>(k * i).map_err(e)?;
+    let mut out = gpu.alloc_zeros::<f32>(h).map_err(e)?;
+    let sets = id_sets.len();
+    // 16 layers' worth of launches per timed run; per-layer time = run / 16.
+    let t_gu = median_seconds(gpu, 9, |r| {
+        for l in 0..16 {
+            let ids = &id_sets[(r * 16 + l) % sets];
+            gm::expert_gate_up_gemv(gpu, &x, ids, &table, &bl, 1, k, &mut act).map_err(e)?;
+        }
+        Ok(())
+    })? / 16.0;
+    let t_all = median_seconds(gpu, 9, |r| {
+        for l in 0..16 {
+            let ids = &id_sets[(r * 16 + l) % sets];
+            gm::expert_gate_up_gemv(gpu, &x, ids, &table, &bl, 1, k, &mut act).map_err(e)?;
+            gm::expert_down_gemv(gpu, &act, ids, &w, &table, &bl, 1, k, &mut out, false).map_err(e)?;
+        }
+        Ok(())
+    })? / 16.0;
+    let per_matrix = (h * i / 2 + h * i / 16) as f64;
+    let bytes = k as f64 * 3.0 * per_matrix;
+    let floor = bytes / HBM_BYTES_PER_S;
+    println!(
+        "     moe decode T=1 H={h} I={i} k={k} E={n_exp}: gate_up {:.2} us ({:.0} GB/s), gate_up+down {:.2} us/layer \
+         = {:.0} GB/s = {:.0}% of the floor ({:.2} us at {:.1} TB/s, {:.2} MB/token/layer)",
+        t_gu * 1e6,
+        2.0 * k as f64 * per_matrix / t_gu / 1e9,
+        t_all * 1e6,
+        bytes / t_all / 1e9,
+        100.0 * floor / t_all,
+        floor * 1e6,
+        HBM_BYTES_PER_S / 1e12,
+        bytes / 1e6
+    );
+    Ok(())
+}
+
+/// Prefill of 4096 tokens at Qwen3-30B-A3B sizes with skewed routing:
+/// group + gate/up + down + combine, in TFLOP/s of 2 * 3 * H * I per (token, expert).
+fn prefill_grouped_timing(gpu: &Arc<Gpu>) -> Result<(), String> {
+    let (h, i, k, n_exp, tokens) = (2048usize, 768usize, 8usize, 128usize, 4096usize);
+    let layout = ExpertLayout::new(h as u64, i as u64);
+    let (_blobs, table) = random_blobs(gpu, &layout, n_exp)?;
+    let bl = BlobLayout::from(&layout);
+    let routing = skewed_routing(77, tokens, n_exp, k, 0.03);
+    let mut counts = vec![0usize; n_exp];
+    for &x in &routing.experts {
+        counts[x] += 1;
+    }
+    let (busiest, idle) = (counts.iter().max().copied().unwrap_or(0), counts.iter().filter(|&&c| c == 0).count());
+    let x = gpu.upload(&rand_f32(2, tokens * h, 1.0)).map_err(e)?;
+    let ids = gpu.upload(&ids_u32(&routing)).map_err(e)?;
+    let w = gpu.upload(&routing.weights).map_err(e)?;
+    let n = tokens * k;
+    let mut g = gm::ExpertGrouping::new(gpu, n, n_exp).map_err(e)?;
+    let mut act = gpu.alloc_zeros::<f32>(n * i).map_err(e)?;
+    let mut y = gpu.alloc_zeros::<f32>(n * h).map_err(e)?;
+    let mut out = gpu.alloc_zeros::<f32>(tokens * h).map_err(e)?;
+    let flops = 2.0 * 3.0 * (h * i) as f64 * n as f64;
+    let tc = gm::grouped_uses_tensor_cores(gpu);
+    for simple in [true, false] {
+        if !simple && !tc {
+            continue;
+        }
+        let secs = median_seconds(gpu, 5, |_| {
+            gm::group_by_expert_into(gpu, &ids, tokens, k, &mut g).map_err(e)?;
+            if simple {
+                gm::expert_gate_up_grouped_simple(gpu, &x, &g, &table, &bl, &mut act).map_err(e)?;
+                gm::expert_down_grouped_simple(gpu, &act, &g, &table, &bl, &mut y).map_err(e)?;
+            } else {
+                gm::expert_gate_up_grouped(gpu, &x, &g, &table, &bl, &mut act).map_err(e)?;
+                gm::expert_down_grouped(gpu, &act, &g, &table, &bl, &mut y).map_err(e)?;
+            }
+            gm::moe_combine(gpu, &y, &g, &w, h, &mut out, false).map_err(e)
+        })?;
+        println!(
+            "     moe prefill T={tokens} H={h} I={i} k={k} E={n_exp} (skewed: busiest expert {busiest} rows, {idle} idle) \
+             {}: {:.3} ms = {:.1} TFLOP/s = {:.1}% of {:.0} TFLOP/s (floor {:.3} ms)",
+            if simple { "SIMT" } else { "tensor cores" },
+            secs * 1e3,
+            flops / secs / 1e12,
+            100.0 * flops / secs / BF16_FLOPS,
+            BF16_FLOPS / 1e12,
+            flops / BF16_FLOPS * 1e3
+        );
+    }
+    Ok(())
+}
