@@ -1,0 +1,704 @@
+// attention kernels (see kernels/README.md for conventions).
+//
+// KV cache on the device (src/backend/cuda/attention.rs, DeviceKv): K and V
+// each [capacity, kv_heads, head_dim], row-major, position-major.
+//   int8: i8 values plus one f32 scale per (position, kv_head) block:
+//         scale = amax / 127, value = rint(x / scale) clamped to [-127, 127],
+//         scale 0 -> all values 0; dequantized value = (float)value * scale.
+//   bf16: __nv_bfloat16 values (round to nearest even), no scales.
+// Queries and outputs are f32 [T, heads * head_dim]; query head h reads kv
+// head h / (heads / kv_heads); row t sits at position start_pos + t and sees
+// keys 0 ..= start_pos + t. Scores: dot(q, k) * head_dim^-0.5, softmax with
+// expf, max-subtracted, f32 throughout.
+//
+// Kernels:
+//   attn_kv_append_i8 / attn_kv_append_bf16: write T rows into the cache.
+//   attn_simt_hd{64,128,256}_{i8,bf16}_q{8,32,64}: tiled flash attention
+//     (online softmax) on CUDA cores. One block = one kv head x a tile of up
+//     to MAXQ query vectors (row-major over (row, head of the group), so the
+//     heads of one GQA group share every K/V load) x one split of the key
+//     range. With one split it writes the normalized output; with several
+//     (flash-decoding) it writes per-split partials (max, sum, acc) that
+//     attn_combine merges in split order (deterministic).
+//   attn_combine: merges split partials.
+#include "common.cuh"
+
+#define ATTN_NEG_INF (-__int_as_float(0x7f800000))
+
+// ---------------------------------------------------------------- append --
+
+// One warp per (row, kv head, K or V): amax over head_dim, scale, quantize.
+extern "C" __global__ void attn_kv_append_i8(const float* __restrict__ k, const float* __restrict__ v,
+                                             int8_t* __restrict__ kc, int8_t* __restrict__ vc,
+                                             float* __restrict__ ks, float* __restrict__ vs, int start_pos,
+                                             int rows, int kv_heads, int head_dim) {
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (warp >= (long long)rows * kv_heads * 2) return;
+    const int which = (int)(warp & 1);  // 0: K, 1: V
+    const long long rh = warp >> 1;     // t * kv_heads + h
+    const float* src = (which ? v : k) + rh * head_dim;
+    float amax = 0.0f;
+    for (int d = lane; d < head_dim; d += 32) amax = fmaxf(amax, fabsf(src[d]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float scale = amax / 127.0f;
+    const long long t = rh / kv_heads, h = rh % kv_heads;
+    const size_t block = (size_t)(start_pos + t) * (size_t)kv_heads + (size_t)h;
+    int8_t* dst = (which ? vc : kc) + block * (size_t)head_dim;
+    for (int d = lane; d < head_dim; d += 32) {
+        float qv = 0.0f;
+        if (scale > 0.0f) qv = fminf(fmaxf(rintf(src[d] / scale), -127.0f), 127.0f);
+        dst[d] = (int8_t)(int)qv;
+    }
+    if (lane == 0) (which ? vs : ks)[block] = scale;
+}
+
+// Elementwise: row t of k/v -> position start_pos + t (rows are contiguous).
+extern "C" __global__ void attn_kv_append_bf16(const float* __restrict__ k, const float* __restrict__ v,
+                                               __nv_bfloat16* __restrict__ kc, __nv_bfloat16* __restrict__ vc,
+                                               int start_pos, int rows, int kv_dim) {
+    const size_t n = (size_t)rows * (size_t)kv_dim;
+    const size_t base = (size_t)start_pos * (size_t)kv_dim;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        kc[base + i] = __float2bfloat16_rn(k[i]);
+        vc[base + i] = __float2bfloat16_rn(v[i]);
+    }
+}
+
+// --------------------------------------------------------------- helpers --
+
+// 16 bytes of cache values -> floats (16 int8 times scale, or 8 bf16).
+static __device__ __forceinline__ void attn_dequant16(const int8_t*, uint4 raw, float scale, float* out) {
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) out[i * 4 + b] = (float)(int8_t)((w[i] >> (8 * b)) & 0xff) * scale;
+    }
+}
+
+static __device__ __forceinline__ void attn_dequant16(const __nv_bfloat16*, uint4 raw, float, float* out) {
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[i * 2] = __uint_as_float(w[i] << 16);
+        out[i * 2 + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+static __device__ __forceinline__ float attn_scale_of(const int8_t*, const float* scales, size_t block) {
+    return scales[block];
+}
+static __device__ __forceinline__ float attn_scale_of(const __nv_bfloat16*, const float*, size_t) { return 1.0f; }
+
+static __device__ __forceinline__ float attn_warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+static __device__ __forceinline__ float attn_warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// ------------------------------------------------------ SIMT flash kernel --
+
+#define ATTN_SIMT_THREADS 256
+#define ATTN_SIMT_TK 32  // keys per tile (one per lane in the score phase)
+
+// Dynamic shared memory (floats) of attn_simt<HD, MAXQ>: mirrored by the
+// Rust wrapper (simt_smem_bytes).
+template <int HD, int MAXQ>
+struct AttnSimtSmem {
+    static constexpr int kQ = MAXQ * HD;
+    static constexpr int kK = ATTN_SIMT_TK * (HD + 4);  // +4: conflict-free float4 rows
+    static constexpr int kV = ATTN_SIMT_TK * HD;
+    static constexpr int kP = MAXQ * (ATTN_SIMT_TK + 1);
+    static constexpr int kFloats = kQ + kK + kV + kP + 2 * MAXQ;
+};
+
+// grid: (splits, kv_heads, query tiles); block: ATTN_SIMT_THREADS.
+// chunk: keys per split (a multiple of ATTN_SIMT_TK); split s covers keys
+// [s * chunk, (s + 1) * chunk) cut at the tile's causal end.
+template <int HD, typename KV, int MAXQ>
+static __device__ __forceinline__ void attn_simt(const float* __restrict__ q, const KV* __restrict__ kc,
+                                                 const KV* __restrict__ vc, const float* __restrict__ ks,
+                                                 const float* __restrict__ vs, float* __restrict__ out,
+                                                 float* __restrict__ part_acc, float* __restrict__ part_ml, int heads,
+                                                 int kv_heads, int start_pos, int rows, int chunk, float scale) {
+    constexpr int TK = ATTN_SIMT_TK;
+    constexpr int NW = ATTN_SIMT_THREADS / 32;
+    static_assert(MAXQ % NW == 0, "MAXQ must be a multiple of the warp count");
+    constexpr int QW = MAXQ / NW;  // queries per warp in the score phase
+    constexpr int DQ = HD / 4;     // float4 columns of a row
+    constexpr int NG = ATTN_SIMT_THREADS / DQ;
+    constexpr int QPT = (MAXQ + NG - 1) / NG;  // queries per thread in the PV phase
+    constexpr int EPV = 16 / (int)sizeof(KV);  // cache values per 16-byte vector
+    constexpr int VR = HD / EPV;               // vectors per cache row
+    using S = AttnSimtSmem<HD, MAXQ>;
+
+    extern __shared__ float4 attn_smem4[];
+    float* smem = reinterpret_cast<float*>(attn_smem4);
+    float* q_s = smem;
+    float* k_s = q_s + S::kQ;
+    float* v_s = k_s + S::kK;
+    float* p_s = v_s + S::kV;
+    float* corr_s = p_s + S::kP;
+    float* l_s = corr_s + MAXQ;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int split = blockIdx.x, kvh = blockIdx.y;
+    const int qtile = gridDim.z - 1 - blockIdx.z;  // longest causal ranges first
+    const int group = heads / kv_heads;
+    const int nq_total = rows * group;
+    const int q0 = qtile * MAXQ;
+    const int nq = min(MAXQ, nq_total - q0);
+    const int t_last = (q0 + nq - 1) / group;
+    const int kend = start_pos + t_last + 1;  // keys this tile can see
+    const int kbeg = split * chunk;
+    const int kstop = min(kbeg + chunk, kend);
+
+    // Queries of the tile -> q_s (zeros past nq).
+    for (int i = tid; i < MAXQ * DQ; i += ATTN_SIMT_THREADS) {
+        const int qi = i / DQ, c = i % DQ;
+        float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (qi < nq) {
+            const int f = q0 + qi, t = f / group, h = kvh * group + f % group;
+            val = reinterpret_cast<const float4*>(q + ((size_t)t * heads + h) * HD)[c];
+        }
+        reinterpret_cast<float4*>(q_s)[i] = val;
+    }
+
+    // Per-query softmax state, held by the warp that owns the query.
+    float m[QW], l[QW];
+    int qend[QW];  // keys < qend are visible to the query
+#pragma unroll
+    for (int i = 0; i < QW; ++i) {
+        const int qi = warp + NW * i;
+        m[i] = ATTN_NEG_INF;
+        l[i] = 0.0f;
+        qend[i] = qi < nq ? start_pos + (q0 + qi) / group + 1 : 0;
+    }
+    const int dq = tid % DQ, qg = tid / DQ;
+    float acc[QPT][4];
+#pragma unroll
+    for (int i = 0; i < QPT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+    for (int k0 = kbeg; k0 < kstop; k0 += TK) {
+        __syncthreads();  // previous tile fully consumed (and q_s written)
+        // Stage K and V tiles, dequantized to f32; rows past kstop are zero.
+        for (int i = tid; i < TK * VR; i += ATTN_SIMT_THREADS) {
+            const int j = i / VR, c = i % VR;
+            const int kg = k0 + j;
+            float kf[EPV], vf[EPV];
+            if (kg < kstop) {
+                const size_t blk = (size_t)kg * (size_t)kv_heads + (size_t)kvh;
+                const uint4 kr = reinterpret_cast<const uint4*>(kc + blk * HD)[c];
+                const uint4 vr = reinterpret_cast<const uint4*>(vc + blk * HD)[c];
+                attn_dequant16(kc, kr, attn_scale_of(kc, ks, blk), kf);
+                attn_dequant16(vc, vr, attn_scale_of(vc, vs, blk), vf);
+            } else {
+#pragma unroll
+                for (int e = 0; e < EPV; ++e) kf[e] = vf[e] = 0.0f;
+            }
+#pragma unroll
+            for (int e = 0; e < EPV; e += 4) {
+                *reinterpret_cast<float4*>(k_s + j * (HD + 4) + c * EPV + e) =
+                    make_float4(kf[e], kf[e + 1], kf[e + 2], kf[e + 3]);
+                *reinterpret_cast<float4*>(v_s + j * HD + c * EPV + e) =
+                    make_float4(vf[e], vf[e + 1], vf[e + 2], vf[e + 3]);
+            }
+        }
+        __syncthreads();
+
+        // Scores: lane = key, warp's queries; online softmax update in registers.
+        {
+            float s[QW];
+#pragma unroll
+            for (int i = 0; i < QW; ++i) s[i] = 0.0f;
+            const float* krow = k_s + lane * (HD + 4);
+#pragma unroll 4
+            for (int d = 0; d < HD; d += 4) {
+                const float4 k4 = *reinterpret_cast<const float4*>(krow + d);
+#pragma unroll
+                for (int i = 0; i < QW; ++i) {
+                    const float4 q4 = *reinterpret_cast<const float4*>(q_s + (warp + NW * i) * HD + d);
+                    s[i] = fmaf(q4.x, k4.x, s[i]);
+                    s[i] = fmaf(q4.y, k4.y, s[i]);
+                    s[i] = fmaf(q4.z, k4.z, s[i]);
+                    s[i] = fmaf(q4.w, k4.w, s[i]);
+                }
+            }
+            const int kg = k0 + lane;
+#pragma unroll
+            for (int i = 0; i < QW; ++i) {
+                const int qi = warp + NW * i;
+                const bool valid = kg < kstop && kg < qend[i];
+                const float sc = valid ? s[i] * scale : ATTN_NEG_INF;
+                const float m_new = fmaxf(m[i], attn_warp_max(sc));
+                const float m_use = m_new == ATTN_NEG_INF ? 0.0f : m_new;
+                const float corr = expf(m[i] - m_use);
+                const float p = valid ? expf(sc - m_use) : 0.0f;
+                l[i] = l[i] * corr + attn_warp_sum(p);
+                m[i] = m_new;
+                p_s[qi * (TK + 1) + lane] = p;
+                if (lane == 0) corr_s[qi] = corr;
+            }
+        }
+        __syncthreads();
+
+        // acc = acc * corr + P V (thread: 4 columns x its queries).
+#pragma unroll
+        for (int i = 0; i < QPT; ++i) {
+            const int qi = qg + NG * i;
+            if (qi < MAXQ) {
+                const float c = corr_s[qi];
+                acc[i][0] *= c;
+                acc[i][1] *= c;
+                acc[i][2] *= c;
+                acc[i][3] *= c;
+            }
+        }
+#pragma unroll 4
+        for (int j = 0; j < TK; ++j) {
+            const float4 v4 = *reinterpret_cast<const float4*>(v_s + j * HD + dq * 4);
+#pragma unroll
+            for (int i = 0; i < QPT; ++i) {
+                const int qi = qg + NG * i;
+                if (qi < MAXQ) {
+                    const float p = p_s[qi * (TK + 1) + j];
+                    acc[i][0] = fmaf(p, v4.x, acc[i][0]);
+                    acc[i][1] = fmaf(p, v4.y, acc[i][1]);
+                    acc[i][2] = fmaf(p, v4.z, acc[i][2]);
+                    acc[i][3] = fmaf(p, v4.w, acc[i][3]);
+                }
+            }
+        }
+    }
+
+    // Results: the normalized output (one split) or this split's partials.
+    const bool single = gridDim.x == 1;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < QW; ++i) {
+        const int qi = warp + NW * i;
+        if (lane == 0) {
+            l_s[qi] = l[i];
+            if (!single && qi < nq) {
+                const int f = q0 + qi, t = f / group, h = kvh * group + f % group;
+                const size_t row = (size_t)split * ((size_t)rows * heads) + (size_t)t * heads + h;
+                part_ml[row * 2] = m[i];
+                part_ml[row * 2 + 1] = l[i];
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < QPT; ++i) {
+        const int qi = qg + NG * i;
+        if (qi < nq) {
+            const int f = q0 + qi, t = f / group, h = kvh * group + f % group;
+            float4 r = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+            float* dst;
+            if (single) {
+                const float inv = 1.0f / l_s[qi];
+                r.x *= inv;
+                r.y *= inv;
+                r.z *= inv;
+                r.w *= inv;
+                dst = out + ((size_t)t * heads + h) * HD;
+            } else {
+                dst = part_acc + ((size_t)split * ((size_t)rows * heads) + (size_t)t * heads + h) * HD;
+            }
+            reinterpret_cast<float4*>(dst)[dq] = r;
+        }
+    }
+}
+
+#define ATTN_SIMT_INSTANCE(HD, KVNAME, KV, MAXQ)                                                                    \
+    extern "C" __global__ void __launch_bounds__(ATTN_SIMT_THREADS) attn_simt_hd##HD##_##KVNAME##_q##MAXQ(          \
+        const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,                          \
+        const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                        \
+        float* __restrict__ part_acc, float* __restrict__ part_ml, int heads, int kv_heads, int start_pos, int rows, \
+        int chunk, float scale) {                                                                                   \
+        attn_simt<HD, KV, MAXQ>(q, kc, vc, ks, vs, out, part_acc, part_ml, heads, kv_heads, start_pos, rows, chunk, \
+                                scale);                                                                             \
+    }
+
+#define ATTN_SIMT_INSTANCES(HD, MAXQ)                 \
+    ATTN_SIMT_INSTANCE(HD, i8, int8_t, MAXQ)          \
+    ATTN_SIMT_INSTANCE(HD, bf16, __nv_bfloat16, MAXQ)
+
+ATTN_SIMT_INSTANCES(64, 8)
+ATTN_SIMT_INSTANCES(64, 32)
+ATTN_SIMT_INSTANCES(64, 64)
+ATTN_SIMT_INSTANCES(128, 8)
+ATTN_SIMT_INSTANCES(128, 32)
+ATTN_SIMT_INSTANCES(128, 64)
+ATTN_SIMT_INSTANCES(256, 8)
+ATTN_SIMT_INSTANCES(256, 32)
+
+// --------------------------------------------------------------- combine --
+
+// grid: rows * heads (one query vector each); block: min(head_dim, 256)
+// threads. Merges the splits' (max, sum, acc) in split order.
+extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                        float* __restrict__ out, int splits, int n_queries, int head_dim) {
+    const size_t qidx = blockIdx.x;
+    float mx = ATTN_NEG_INF;
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part_ml[((size_t)s * n_queries + qidx) * 2]);
+    // Split 0 always holds key 0, which every query sees: mx is finite.
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const float ms = part_ml[((size_t)s * n_queries + qidx) * 2];
+        if (ms != ATTN_NEG_INF) sum += part_ml[((size_t)s * n_queries + qidx) * 2 + 1] * expf(ms - mx);
+    }
+    const float inv = 1.0f / sum;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const float ms = part_ml[((size_t)s * n_queries + qidx) * 2];
+            if (ms != ATTN_NEG_INF) o += part_acc[((size_t)s * n_queries + qidx) * head_dim + d] * expf(ms - mx);
+        }
+        out[qidx * head_dim + d] = o * inv;
+    }
+}
+
+// ------------------------------------------------- tensor-core flash kernel --
+//
+// Prefill: flash attention with mma.sync m16n8k16 (bf16 in, f32 accumulate),
+// sm_80 and later. Block: 4 warps, 64 query vectors (16 per warp), key tiles
+// of 64 (32 for head_dim 256). K and V tiles are staged in shared memory as
+// bf16: int8 cache values are integers in [-127, 127], exact in bf16, and
+// their per-key scales are applied in f32 outside the products (the K scale
+// on the score, the V scale folded into P). With SPLIT, Q and P are each
+// split into bf16 hi + lo parts (two mma each), which keeps ~16 mantissa
+// bits: the result matches the f32 reference to ~1e-5. Without SPLIT, Q and
+// P are single bf16 (~3 significant digits).
+//
+// Shared memory (bytes), mirrored by the Rust wrapper (mma_smem_bytes):
+//   q_hi, q_lo [64][HD + 8] bf16 (q_lo only with SPLIT), k_s [BK][HD + 8] bf16,
+//   vt_s [HD][BK + 8] bf16 (V transposed), k/v scales [BK] f32 each.
+// The +8 pads make the 32-bit fragment loads conflict-free.
+
+#define ATTN_MMA_WARPS 4
+#define ATTN_MMA_THREADS (ATTN_MMA_WARPS * 32)
+#define ATTN_MMA_BQ (ATTN_MMA_WARPS * 16)
+
+template <int HD>
+struct AttnMmaTile {
+    static constexpr int BK = HD == 256 ? 32 : 64;
+    static constexpr int QS = HD + 8;  // bf16 row stride of q/k tiles
+    static constexpr int VS = BK + 8;  // bf16 row stride of the transposed V tile
+};
+
+template <int HD, bool SPLIT>
+struct AttnMmaSmem {
+    using T = AttnMmaTile<HD>;
+    static constexpr int kQ = ATTN_MMA_BQ * T::QS * 2;  // bytes of one q part
+    static constexpr int kK = T::BK * T::QS * 2;
+    static constexpr int kV = HD * T::VS * 2;
+    static constexpr int kBytes = kQ * (SPLIT ? 2 : 1) + kK + kV + 2 * T::BK * 4;
+};
+
+// (sm_80+ only: unused, and so left out, in the sm_75 pass.)
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+static __device__ __forceinline__ uint32_t attn_ld32(const __nv_bfloat16* p) {
+    return *reinterpret_cast<const uint32_t*>(p);
+}
+
+static __device__ __forceinline__ uint32_t attn_pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// hi = bf16(x0, x1); lo = bf16 of the remainders.
+static __device__ __forceinline__ void attn_split_bf16(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+    const float2 hf = __bfloat1622float2(h);
+    hi = *reinterpret_cast<const uint32_t*>(&h);
+    lo = attn_pack_bf16(x0 - hf.x, x1 - hf.y);
+}
+
+static __device__ __forceinline__ void attn_mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Cache values of one 16-byte vector as bf16 (int8: exact integers; bf16: as is).
+static __device__ __forceinline__ void attn_to_bf16(const int8_t*, uint4 raw, __nv_bfloat16* out) {
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) out[i * 4 + b] = __float2bfloat16_rn((float)(int8_t)((w[i] >> (8 * b)) & 0xff));
+    }
+}
+static __device__ __forceinline__ void attn_to_bf16(const __nv_bfloat16*, uint4 raw, __nv_bfloat16* out) {
+    *reinterpret_cast<uint4*>(out) = raw;
+}
+
+#endif
+
+// grid: (splits, kv_heads, query tiles of 64); block: ATTN_MMA_THREADS.
+// Same arguments and outputs as attn_simt.
+template <int HD, typename KV, bool SPLIT>
+static __device__ __forceinline__ void attn_mma(const float* __restrict__ q, const KV* __restrict__ kc,
+                                                const KV* __restrict__ vc, const float* __restrict__ ks,
+                                                const float* __restrict__ vs, float* __restrict__ out,
+                                                float* __restrict__ part_acc, float* __restrict__ part_ml, int heads,
+                                                int kv_heads, int start_pos, int rows, int chunk, float scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    using T = AttnMmaTile<HD>;
+    using S = AttnMmaSmem<HD, SPLIT>;
+    constexpr int BK = T::BK, QS = T::QS, VS = T::VS;
+    constexpr int EPV = 16 / (int)sizeof(KV);  // cache values per 16-byte vector
+    constexpr int VR = HD / EPV;               // vectors per cache row
+    constexpr int NB = BK / 8;                 // score n-blocks per warp
+    constexpr int ND = HD / 8;                 // output n-blocks per warp
+
+    extern __shared__ float4 attn_smem4[];
+    unsigned char* base = reinterpret_cast<unsigned char*>(attn_smem4);
+    __nv_bfloat16* q_hi = reinterpret_cast<__nv_bfloat16*>(base);
+    __nv_bfloat16* q_lo = reinterpret_cast<__nv_bfloat16*>(base + S::kQ);  // only with SPLIT
+    __nv_bfloat16* k_s = reinterpret_cast<__nv_bfloat16*>(base + S::kQ * (SPLIT ? 2 : 1));
+    __nv_bfloat16* vt_s = k_s + BK * QS;
+    float* ksc = reinterpret_cast<float*>(vt_s + HD * VS);
+    float* vsc = ksc + BK;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+    const int split = blockIdx.x, kvh = blockIdx.y;
+    const int qtile = gridDim.z - 1 - blockIdx.z;  // longest causal ranges first
+    const int group = heads / kv_heads;
+    const int nq_total = rows * group;
+    const int q0 = qtile * ATTN_MMA_BQ;
+    const int nq = min(ATTN_MMA_BQ, nq_total - q0);
+    const int t_last = (q0 + nq - 1) / group;
+    const int kend = start_pos + t_last + 1;
+    const int kbeg = split * chunk;
+    const int kstop = min(kbeg + chunk, kend);
+
+    // Q tile -> bf16 hi (and lo) parts; zero rows past nq.
+    for (int i = tid; i < ATTN_MMA_BQ * (HD / 4); i += ATTN_MMA_THREADS) {
+        const int qi = i / (HD / 4), c = i % (HD / 4);
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (qi < nq) {
+            const int f = q0 + qi, t = f / group, h = kvh * group + f % group;
+            x = reinterpret_cast<const float4*>(q + ((size_t)t * heads + h) * HD)[c];
+        }
+        uint2 hi, lo;
+        if (SPLIT) {
+            attn_split_bf16(x.x, x.y, hi.x, lo.x);
+            attn_split_bf16(x.z, x.w, hi.y, lo.y);
+            *reinterpret_cast<uint2*>(q_lo + qi * QS + c * 4) = lo;
+        } else {
+            hi.x = attn_pack_bf16(x.x, x.y);
+            hi.y = attn_pack_bf16(x.z, x.w);
+        }
+        *reinterpret_cast<uint2*>(q_hi + qi * QS + c * 4) = hi;
+    }
+
+    const int r0 = warp * 16 + g, r1 = r0 + 8;  // this thread's two query rows (local)
+    const int qend0 = r0 < nq ? start_pos + (q0 + r0) / group + 1 : 0;
+    const int qend1 = r1 < nq ? start_pos + (q0 + r1) / group + 1 : 0;
+    float m0 = ATTN_NEG_INF, m1 = ATTN_NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    float o[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+
+    for (int k0 = kbeg; k0 < kstop; k0 += BK) {
+        __syncthreads();  // previous tile consumed (and the Q tile written)
+        // Stage K (row-major) and V (transposed) as bf16 plus their scales;
+        // consecutive threads take consecutive keys (conflict-free stores).
+        for (int i = tid; i < BK * VR; i += ATTN_MMA_THREADS) {
+            const int j = i % BK, c = i / BK;
+            const int kg = k0 + j;
+            __align__(16) __nv_bfloat16 kb[EPV];
+            __align__(16) __nv_bfloat16 vb[EPV];
+            float kscale = 0.0f, vscale = 0.0f;
+            if (kg < kstop) {
+                const size_t blk = (size_t)kg * (size_t)kv_heads + (size_t)kvh;
+                attn_to_bf16(kc, reinterpret_cast<const uint4*>(kc + blk * HD)[c], kb);
+                attn_to_bf16(vc, reinterpret_cast<const uint4*>(vc + blk * HD)[c], vb);
+                kscale = attn_scale_of(kc, ks, blk);
+                vscale = attn_scale_of(vc, vs, blk);
+            } else {
+#pragma unroll
+                for (int e = 0; e < EPV; ++e) kb[e] = vb[e] = __float2bfloat16_rn(0.0f);
+            }
+#pragma unroll
+            for (int e = 0; e < EPV; e += 8)
+                *reinterpret_cast<uint4*>(k_s + j * QS + c * EPV + e) = *reinterpret_cast<const uint4*>(kb + e);
+#pragma unroll
+            for (int e = 0; e < EPV; ++e) vt_s[(c * EPV + e) * VS + j] = vb[e];
+            if (c == 0) {
+                ksc[j] = kscale;
+                vsc[j] = vscale;
+            }
+        }
+        __syncthreads();
+
+        // S = Q K^T for this warp's 16 rows x BK keys.
+        float s[NB][4];
+#pragma unroll
+        for (int n = 0; n < NB; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const int col = kk * 16 + 2 * tig;
+            uint32_t ah[4], al[4];
+            ah[0] = attn_ld32(q_hi + r0 * QS + col);
+            ah[1] = attn_ld32(q_hi + r1 * QS + col);
+            ah[2] = attn_ld32(q_hi + r0 * QS + col + 8);
+            ah[3] = attn_ld32(q_hi + r1 * QS + col + 8);
+            if (SPLIT) {
+                al[0] = attn_ld32(q_lo + r0 * QS + col);
+                al[1] = attn_ld32(q_lo + r1 * QS + col);
+                al[2] = attn_ld32(q_lo + r0 * QS + col + 8);
+                al[3] = attn_ld32(q_lo + r1 * QS + col + 8);
+            }
+#pragma unroll
+            for (int n = 0; n < NB; ++n) {
+                const __nv_bfloat16* krow = k_s + (n * 8 + g) * QS + col;
+                const uint32_t b0 = attn_ld32(krow), b1 = attn_ld32(krow + 8);
+                attn_mma_bf16(s[n], ah, b0, b1);
+                if (SPLIT) attn_mma_bf16(s[n], al, b0, b1);
+            }
+        }
+
+        // Scale, mask, online softmax (rows r0: s[.][0..1], r1: s[.][2..3]).
+        float mx0 = ATTN_NEG_INF, mx1 = ATTN_NEG_INF;
+#pragma unroll
+        for (int n = 0; n < NB; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = n * 8 + 2 * tig + (e & 1);
+                const int kg = k0 + j;
+                const bool valid = kg < kstop && kg < (e < 2 ? qend0 : qend1);
+                s[n][e] = valid ? s[n][e] * ksc[j] * scale : ATTN_NEG_INF;
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+        }
+#pragma unroll
+        for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
+        }
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float mu0 = mn0 == ATTN_NEG_INF ? 0.0f : mn0, mu1 = mn1 == ATTN_NEG_INF ? 0.0f : mn1;
+        const float c0 = expf(m0 - mu0), c1 = expf(m1 - mu1);
+        m0 = mn0;
+        m1 = mn1;
+        float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+        for (int n = 0; n < NB; ++n) {
+            s[n][0] = expf(s[n][0] - mu0);
+            s[n][1] = expf(s[n][1] - mu0);
+            s[n][2] = expf(s[n][2] - mu1);
+            s[n][3] = expf(s[n][3] - mu1);
+            ps0 += s[n][0] + s[n][1];
+            ps1 += s[n][2] + s[n][3];
+        }
+        l0 = l0 * c0 + ps0;
+        l1 = l1 * c1 + ps1;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            o[n][0] *= c0;
+            o[n][1] *= c0;
+            o[n][2] *= c1;
+            o[n][3] *= c1;
+        }
+
+        // O += (P * v_scale) V, 16 keys per step.
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            const int na = 2 * kk, nb = 2 * kk + 1;
+            const float va0 = vsc[na * 8 + 2 * tig], va1 = vsc[na * 8 + 2 * tig + 1];
+            const float vb0 = vsc[nb * 8 + 2 * tig], vb1 = vsc[nb * 8 + 2 * tig + 1];
+            uint32_t ah[4], al[4];
+            if (SPLIT) {
+                attn_split_bf16(s[na][0] * va0, s[na][1] * va1, ah[0], al[0]);
+                attn_split_bf16(s[na][2] * va0, s[na][3] * va1, ah[1], al[1]);
+                attn_split_bf16(s[nb][0] * vb0, s[nb][1] * vb1, ah[2], al[2]);
+                attn_split_bf16(s[nb][2] * vb0, s[nb][3] * vb1, ah[3], al[3]);
+            } else {
+                ah[0] = attn_pack_bf16(s[na][0] * va0, s[na][1] * va1);
+                ah[1] = attn_pack_bf16(s[na][2] * va0, s[na][3] * va1);
+                ah[2] = attn_pack_bf16(s[nb][0] * vb0, s[nb][1] * vb1);
+                ah[3] = attn_pack_bf16(s[nb][2] * vb0, s[nb][3] * vb1);
+            }
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+                const __nv_bfloat16* vrow = vt_s + (n * 8 + g) * VS + kk * 16 + 2 * tig;
+                const uint32_t b0 = attn_ld32(vrow), b1 = attn_ld32(vrow + 8);
+                attn_mma_bf16(o[n], ah, b0, b1);
+                if (SPLIT) attn_mma_bf16(o[n], al, b0, b1);
+            }
+        }
+    }
+
+    // Row sums over the 4 threads of a row (same result in each: + commutes).
+#pragma unroll
+    for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
+    }
+    const bool single = gridDim.x == 1;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = half ? r1 : r0;
+        if (r >= nq) continue;
+        const float m = half ? m1 : m0, l = half ? l1 : l0;
+        const int f = q0 + r, t = f / group, h = kvh * group + f % group;
+        const size_t qrow = (size_t)t * heads + h;
+        float* dst;
+        float inv = 1.0f;
+        if (single) {
+            dst = out + qrow * HD;
+            inv = 1.0f / l;
+        } else {
+            const size_t prow = (size_t)split * ((size_t)rows * heads) + qrow;
+            dst = part_acc + prow * HD;
+            if (tig == 0) {
+                part_ml[prow * 2] = m;
+                part_ml[prow * 2 + 1] = l;
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            const float2 v = make_float2(o[n][half * 2] * inv, o[n][half * 2 + 1] * inv);
+            *reinterpret_cast<float2*>(dst + n * 8 + 2 * tig) = v;
+        }
+    }
+#else
+    __trap();  // the wrapper launches these only on compute capability >= 8.0
+#endif
+}
+
+#define ATTN_MMA_INSTANCE(HD, KVNAME, KV, SPLIT, PREC)                                                               \
+    extern "C" __global__ void __launch_bounds__(ATTN_MMA_THREADS) attn_mma_hd##HD##_##KVNAME##_##PREC(             \
+        const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,                          \
+        const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                        \
+        float* __restrict__ part_acc, float* __restrict__ part_ml, int heads, int kv_heads, int start_pos, int rows, \
+        int chunk, float scale) {                                                                                   \
+        attn_mma<HD, KV, SPLIT>(q, kc, vc, ks, vs, out, part_acc, part_ml, heads, kv_heads, start_pos, rows, chunk,  \
+                                scale);                                                                             \
+    }
+
+#define ATTN_MMA_INSTANCES(HD)                               \
+    ATTN_MMA_INSTANCE(HD, i8, int8_t, true, f32)             \
+    ATTN_MMA_INSTANCE(HD, bf16, __nv_bfloat16, true, f32)    \
+    ATTN_MMA_INSTANCE(HD, i8, int8_t, false, bf16)           \
+    ATTN_MMA_INSTANCE(HD, bf16, __nv_bfloat16, false, bf16)
+
+ATTN_MMA_INSTANCES(64)
+ATTN_MMA_INSTANCES(128)
+ATTN_MMA_INSTANCES(256)

@@ -1,0 +1,483 @@
+//! CUDA launch wrappers for kernels/attention.cu (see kernels/README.md):
+//! the device KV cache of one attention layer (int8 with per-block scales,
+//! or bf16), appending rows to it, and causal grouped-query attention over
+//! it (flash-decoding for a few rows, tiled flash attention for prefill).
+
+use cudarc::driver::sys::CUfunction_attribute_enum;
+
+use super::{CudaFunction, CudaSlice, Gpu, LaunchConfig, PushKernelArg};
+use crate::backend::AttentionShape;
+use crate::error::{Error, Result};
+
+/// Element type of a device KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    /// i8 values, one f32 scale per (position, kv head) block of head_dim
+    /// values: `scale = amax / 127`, `value = round_ties_even(x / scale)`
+    /// clamped to ±127 (all 0 when the scale is 0); `x ≈ value * scale`.
+    Int8,
+    /// bf16 values (round to nearest even), no scales.
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes of one cached value.
+    pub fn value_bytes(self) -> usize {
+        match self {
+            KvDtype::Int8 => 1,
+            KvDtype::Bf16 => 2,
+        }
+    }
+
+    fn kernel_tag(self) -> &'static str {
+        match self {
+            KvDtype::Int8 => "i8",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// One attention layer's KV cache on the device, `capacity` positions: K and
+/// V each `[capacity, kv_heads, head_dim]` (raw bytes of `dtype`), and for
+/// Int8 one f32 scale per (position, kv head) in `k_scale` / `v_scale`
+/// (`[capacity, kv_heads]`; a single unused element for Bf16).
+pub struct DeviceKv {
+    pub dtype: KvDtype,
+    pub capacity: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub k: CudaSlice<u8>,
+    pub v: CudaSlice<u8>,
+    pub k_scale: CudaSlice<f32>,
+    pub v_scale: CudaSlice<f32>,
+}
+
+/// head_dim values the kernels are built for.
+const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+impl DeviceKv {
+    /// A zeroed cache of `capacity` positions.
+    pub fn new(gpu: &Gpu, dtype: KvDtype, capacity: usize, kv_heads: usize, head_dim: usize) -> Result<DeviceKv> {
+        if capacity == 0 || kv_heads == 0 || !HEAD_DIMS.contains(&head_dim) {
+            return Err(Error::InvalidArgument(format!(
+                "DeviceKv: capacity {capacity}, kv_heads {kv_heads}, head_dim {head_dim} (head_dim must be 64, 128 or 256)"
+            )));
+        }
+        if capacity > i32::MAX as usize / 2 {
+            return Err(Error::InvalidArgument(format!("DeviceKv: capacity {capacity} positions is too many")));
+        }
+        let values = capacity * kv_heads * head_dim * dtype.value_bytes();
+        let scales = match dtype {
+            KvDtype::Int8 => capacity * kv_heads,
+            KvDtype::Bf16 => 1,
+        };
+        Ok(DeviceKv {
+            dtype,
+            capacity,
+            kv_heads,
+            head_dim,
+            k: gpu.alloc_zeros::<u8>(values)?,
+            v: gpu.alloc_zeros::<u8>(values)?,
+            k_scale: gpu.alloc_zeros::<f32>(scales)?,
+            v_scale: gpu.alloc_zeros::<f32>(scales)?,
+        })
+    }
+
+    /// Device bytes held (values and scales of K and V).
+    pub fn bytes(&self) -> usize {
+        self.k.len() + self.v.len() + 4 * (self.k_scale.len() + self.v_scale.len())
+    }
+
+    /// Bytes one position occupies (K and V, scales included): what attention reads per key.
+    pub fn bytes_per_position(&self) -> usize {
+        let values = 2 * self.kv_heads * self.head_dim * self.dtype.value_bytes();
+        match self.dtype {
+            KvDtype::Int8 => values + 2 * 4 * self.kv_heads,
+            KvDtype::Bf16 => values,
+        }
+    }
+
+    fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
+/// The int8 quantization of one (position, kv head) block, exactly as
+/// attn_kv_append_i8 does it: returns the scale, fills `out`.
+pub fn quantize_int8_block(x: &[f32], out: &mut [i8]) -> f32 {
+    assert_eq!(x.len(), out.len(), "quantize_int8_block: lengths");
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let scale = amax / 127.0;
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = if scale > 0.0 { (v / scale).round_ties_even().clamp(-127.0, 127.0) as i8 } else { 0 };
+    }
+    scale
+}
+
+fn launch_err(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Cuda(format!("{what}: {e}"))
+}
+
+fn i32_arg(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::InvalidArgument(format!("{what} = {v} does not fit in i32")))
+}
+
+/// Quantizes (Int8) or rounds (Bf16) `rows` rows of `k` and `v`
+/// (`[rows, kv_heads * head_dim]` f32) into positions `start_pos..start_pos + rows`.
+pub fn kv_append(
+    gpu: &Gpu,
+    kv: &mut DeviceKv,
+    k: &CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    start_pos: usize,
+    rows: usize,
+) -> Result<()> {
+    let kv_dim = kv.kv_dim();
+    if rows == 0 {
+        return Ok(());
+    }
+    if k.len() < rows * kv_dim || v.len() < rows * kv_dim {
+        return Err(Error::InvalidArgument(format!(
+            "kv_append: k/v hold {}/{} values, {rows} rows need {}",
+            k.len(),
+            v.len(),
+            rows * kv_dim
+        )));
+    }
+    if start_pos + rows > kv.capacity {
+        return Err(Error::InvalidArgument(format!(
+            "kv_append: positions {start_pos}..{} past the capacity {}",
+            start_pos + rows,
+            kv.capacity
+        )));
+    }
+    let (sp, n) = (i32_arg("start_pos", start_pos)?, i32_arg("rows", rows)?);
+    match kv.dtype {
+        KvDtype::Int8 => {
+            let f = gpu.function("attn_kv_append_i8")?;
+            let warps = rows * kv.kv_heads * 2;
+            let blocks = u32::try_from(warps.div_ceil(4)).map_err(|e| launch_err("kv_append grid", e))?;
+            let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let (kvh, hd) = (kv.kv_heads as i32, kv.head_dim as i32);
+            let mut b = gpu.stream().launch_builder(&f);
+            b.arg(k).arg(v).arg(&mut kv.k).arg(&mut kv.v).arg(&mut kv.k_scale).arg(&mut kv.v_scale);
+            b.arg(&sp).arg(&n).arg(&kvh).arg(&hd);
+            // SAFETY: attn_kv_append_i8(const float* k, const float* v, i8* kc, i8* vc, float* ks, float* vs,
+            // int start_pos, int rows, int kv_heads, int head_dim): one warp per (row, kv head, K|V) reads
+            // rows * kv_dim floats of k/v (checked above) and writes positions start_pos..start_pos+rows
+            // (<= capacity, checked) of the [capacity, kv_heads, head_dim] caches and [capacity, kv_heads] scales.
+            unsafe { b.launch(cfg) }?;
+        }
+        KvDtype::Bf16 => {
+            let f = gpu.function("attn_kv_append_bf16")?;
+            let cfg = gpu.grid_stride_config(rows * kv_dim);
+            let kvd = kv_dim as i32;
+            let mut b = gpu.stream().launch_builder(&f);
+            b.arg(k).arg(v).arg(&mut kv.k).arg(&mut kv.v).arg(&sp).arg(&n).arg(&kvd);
+            // SAFETY: attn_kv_append_bf16(const float* k, const float* v, bf16* kc, bf16* vc, int start_pos,
+            // int rows, int kv_dim) reads rows * kv_dim floats (checked) and writes bf16 elements
+            // start_pos*kv_dim .. (start_pos+rows)*kv_dim of caches holding capacity*kv_dim (checked).
+            unsafe { b.launch(cfg) }?;
+        }
+    }
+    Ok(())
+}
+
+/// The cache's positions `0..len` dequantized to f32 `[len, kv_heads * head_dim]`
+/// (K, V): for checkpoints and tests. Synchronizes the stream.
+pub fn kv_read_f32(gpu: &Gpu, kv: &DeviceKv, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    if len > kv.capacity {
+        return Err(Error::InvalidArgument(format!("kv_read_f32: {len} positions, capacity {}", kv.capacity)));
+    }
+    let kv_dim = kv.kv_dim();
+    let n = len * kv_dim;
+    if n == 0 {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    let stream = gpu.stream();
+    let nbytes = n * kv.dtype.value_bytes();
+    let kraw = stream.clone_dtoh(&kv.k.slice(0..nbytes))?;
+    let vraw = stream.clone_dtoh(&kv.v.slice(0..nbytes))?;
+    let out = match kv.dtype {
+        KvDtype::Int8 => {
+            let ks = stream.clone_dtoh(&kv.k_scale.slice(0..len * kv.kv_heads))?;
+            let vs = stream.clone_dtoh(&kv.v_scale.slice(0..len * kv.kv_heads))?;
+            gpu.sync()?;
+            let hd = kv.head_dim;
+            let deq = |raw: &[u8], scales: &[f32]| -> Vec<f32> {
+                raw.iter().enumerate().map(|(i, &b)| (b as i8) as f32 * scales[i / hd]).collect()
+            };
+            (deq(&kraw, &ks), deq(&vraw, &vs))
+        }
+        KvDtype::Bf16 => {
+            gpu.sync()?;
+            let deq = |raw: &[u8]| -> Vec<f32> {
+                raw.chunks_exact(2).map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
+            };
+            (deq(&kraw), deq(&vraw))
+        }
+    };
+    Ok(out)
+}
+
+/// Threads of the SIMT attention kernel and its key tile (kernels/attention.cu).
+const SIMT_THREADS: u32 = 256;
+const SIMT_TK: usize = 32;
+/// Threads and query vectors of a block of the tensor-core kernel.
+const MMA_THREADS: u32 = 128;
+const MMA_BQ: usize = 64;
+/// Fewest key tiles one split covers (below that the combine costs more than the split saves).
+const MIN_TILES_PER_SPLIT: usize = 4;
+/// Blocks per SM the split count aims for.
+const BLOCKS_PER_SM: usize = 4;
+
+/// Dynamic shared memory of attn_simt_hd{HD}_*_q{MAXQ}: mirrors AttnSimtSmem in attention.cu.
+fn simt_smem_bytes(head_dim: usize, maxq: usize) -> usize {
+    let floats = maxq * head_dim + SIMT_TK * (head_dim + 4) + SIMT_TK * head_dim + maxq * (SIMT_TK + 1) + 2 * maxq;
+    floats * 4
+}
+
+/// Key tile of attn_mma_hd{HD}_*: mirrors AttnMmaTile in attention.cu.
+fn mma_tile(head_dim: usize) -> usize {
+    if head_dim == 256 {
+        32
+    } else {
+        64
+    }
+}
+
+/// Dynamic shared memory of attn_mma_hd{HD}_*_{prec}: mirrors AttnMmaSmem in attention.cu.
+fn mma_smem_bytes(head_dim: usize, split: bool) -> usize {
+    let bk = mma_tile(head_dim);
+    let q_part = MMA_BQ * (head_dim + 8) * 2;
+    q_part * if split { 2 } else { 1 } + bk * (head_dim + 8) * 2 + head_dim * (bk + 8) * 2 + 2 * bk * 4
+}
+
+fn set_smem(f: &CudaFunction, bytes: usize) -> Result<()> {
+    f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
+    Ok(())
+}
+
+/// How a launch splits the key range: `splits` splits of `chunk` keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitPlan {
+    pub splits: usize,
+    pub chunk: usize,
+}
+
+/// Splits of the key range `0..kend` so that `base_blocks` blocks (kv heads x
+/// query tiles) times the splits fill the device: flash-decoding for few rows.
+pub fn plan_splits(kend: usize, base_blocks: usize, sm_count: usize, tile: usize) -> SplitPlan {
+    let tiles = kend.div_ceil(tile).max(1);
+    let target = BLOCKS_PER_SM * sm_count.max(1);
+    let want = target.div_ceil(base_blocks.max(1));
+    let most = tiles.div_ceil(MIN_TILES_PER_SPLIT);
+    let splits = want.clamp(1, most.max(1));
+    let chunk_tiles = tiles.div_ceil(splits);
+    let splits = tiles.div_ceil(chunk_tiles);
+    SplitPlan { splits, chunk: chunk_tiles * tile }
+}
+
+/// Which attention kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum AttnKernel {
+    /// SIMT for up to 32 query vectors per kv head (decode) or before
+    /// compute capability 8.0, the tensor-core kernel otherwise.
+    #[default]
+    Auto,
+    /// The f32 CUDA-core kernel (any device).
+    Simt,
+    /// The tensor-core kernel (compute capability 8.0 and later).
+    Mma,
+}
+
+/// Operand precision of the tensor-core kernel (the SIMT kernel is f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum AttnPrecision {
+    /// Q and P as bf16 hi + lo pairs (two mma each): matches f32 to ~1e-5.
+    #[default]
+    F32,
+    /// Q and P as single bf16 (twice the tensor rate, ~3 significant digits).
+    Bf16,
+}
+
+/// Kernel choice and precision of `attention_with`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct AttnConfig {
+    pub kernel: AttnKernel,
+    pub precision: AttnPrecision,
+}
+
+/// Causal grouped-query attention of `rows` query rows (`q`: f32
+/// `[rows, heads * head_dim]`, row t at position `start_pos + t`) over the
+/// cache, whose positions `0..start_pos + rows` must already hold the keys
+/// and values (kv_append first). Writes `out[0..rows * heads * head_dim]`.
+/// Same result as `cpu::ops::attention` on the dequantized cache.
+pub fn attention(
+    gpu: &Gpu,
+    q: &CudaSlice<f32>,
+    kv: &DeviceKv,
+    shape: AttentionShape,
+    start_pos: usize,
+    rows: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    attention_with(gpu, q, kv, shape, start_pos, rows, out, AttnConfig::default())
+}
+
+/// `attention` with an explicit kernel and precision (tests, benchmarks).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_with(
+    gpu: &Gpu,
+    q: &CudaSlice<f32>,
+    kv: &DeviceKv,
+    shape: AttentionShape,
+    start_pos: usize,
+    rows: usize,
+    out: &mut CudaSlice<f32>,
+    config: AttnConfig,
+) -> Result<()> {
+    let AttentionShape { heads, kv_heads, head_dim } = shape;
+    if kv_heads != kv.kv_heads || head_dim != kv.head_dim || kv_heads == 0 || heads == 0 || heads % kv_heads != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "attention: shape {shape:?} against a cache of {} kv heads of {}",
+            kv.kv_heads, kv.head_dim
+        )));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let n = rows * heads * head_dim;
+    if q.len() < n || out.len() < n {
+        return Err(Error::InvalidArgument(format!(
+            "attention: q/out hold {}/{} values, {rows} rows need {n}",
+            q.len(),
+            out.len()
+        )));
+    }
+    let kend = start_pos + rows;
+    if kend > kv.capacity {
+        return Err(Error::InvalidArgument(format!(
+            "attention: positions up to {kend} past the cache capacity {}",
+            kv.capacity
+        )));
+    }
+    let group = heads / kv_heads;
+    let nq_total = rows * group;
+    let has_mma = gpu.compute_capability().0 >= 8;
+    let use_mma = match config.kernel {
+        AttnKernel::Auto => has_mma && nq_total > 32,
+        AttnKernel::Simt => false,
+        AttnKernel::Mma if has_mma => true,
+        AttnKernel::Mma => {
+            return Err(Error::InvalidArgument("attention: the tensor-core kernel needs compute capability 8.0".into()))
+        }
+    };
+    let tag = kv.dtype.kernel_tag();
+    // (kernel, block threads, query vectors per block, key tile, shared memory bytes)
+    let (name, threads, bq, tile, smem) = if use_mma {
+        let split = config.precision == AttnPrecision::F32;
+        let prec = if split { "f32" } else { "bf16" };
+        let name = format!("attn_mma_hd{head_dim}_{tag}_{prec}");
+        (name, MMA_THREADS, MMA_BQ, mma_tile(head_dim), mma_smem_bytes(head_dim, split))
+    } else {
+        let maxq = if nq_total <= 8 {
+            8
+        } else if nq_total <= 32 || head_dim == 256 {
+            32
+        } else {
+            64
+        };
+        let name = format!("attn_simt_hd{head_dim}_{tag}_q{maxq}");
+        (name, SIMT_THREADS, maxq, SIMT_TK, simt_smem_bytes(head_dim, maxq))
+    };
+    let qtiles = nq_total.div_ceil(bq);
+    if qtiles > 65535 {
+        return Err(Error::InvalidArgument(format!("attention: {rows} rows is too many for one launch")));
+    }
+    let plan = plan_splits(kend, kv_heads * qtiles, gpu.sm_count() as usize, tile);
+    let f = gpu.function(&name)?;
+    set_smem(&f, smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: (plan.splits as u32, kv_heads as u32, qtiles as u32),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let scale = 1.0f32 / (head_dim as f32).sqrt();
+    let (h, kvh, sp, nr, chunk) = (
+        i32_arg("heads", heads)?,
+        i32_arg("kv_heads", kv_heads)?,
+        i32_arg("start_pos", start_pos)?,
+        i32_arg("rows", rows)?,
+        i32_arg("chunk", plan.chunk)?,
+    );
+    let n_queries = rows * heads;
+    // Partials only when the key range is split.
+    let (mut part_acc, mut part_ml) = if plan.splits > 1 {
+        // SAFETY: uninitialized device memory; the split kernel writes every
+        // element the combine reads (all n_queries rows of every split).
+        unsafe {
+            (
+                gpu.stream().alloc::<f32>(plan.splits * n_queries * head_dim)?,
+                gpu.stream().alloc::<f32>(plan.splits * n_queries * 2)?,
+            )
+        }
+    } else {
+        (gpu.alloc_zeros::<f32>(1)?, gpu.alloc_zeros::<f32>(2)?)
+    };
+    {
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(q).arg(&kv.k).arg(&kv.v).arg(&kv.k_scale).arg(&kv.v_scale).arg(&mut *out);
+        b.arg(&mut part_acc).arg(&mut part_ml).arg(&h).arg(&kvh).arg(&sp).arg(&nr).arg(&chunk).arg(&scale);
+        // SAFETY: attn_simt_* / attn_mma_* (q, kc, vc, ks, vs, out, part_acc, part_ml, heads, kv_heads,
+        // start_pos, rows, chunk, scale): read q[0..rows*heads*HD] (checked), cache positions
+        // 0..start_pos+rows (<= capacity, checked) of kv heads < kv_heads (= the cache's, checked) and
+        // write out[0..rows*heads*HD] (one split) or part_acc[splits*rows*heads*HD] and
+        // part_ml[splits*rows*heads*2] (allocated above); grid (splits, kv_heads, qtiles) with
+        // qtiles*bq >= rows*group and splits*chunk >= start_pos+rows; dynamic shared memory as the
+        // kernel's AttnSimtSmem / AttnMmaSmem; the mma kernels only on compute capability >= 8.0.
+        unsafe { b.launch(cfg) }?;
+    }
+    if plan.splits > 1 {
+        let f = gpu.function("attn_combine")?;
+        let cfg = LaunchConfig {
+            grid_dim: (n_queries as u32, 1, 1),
+            block_dim: (head_dim.min(256) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (s, nqi, hd) = (i32_arg("splits", plan.splits)?, i32_arg("queries", n_queries)?, head_dim as i32);
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&part_acc).arg(&part_ml).arg(&mut *out).arg(&s).arg(&nqi).arg(&hd);
+        // SAFETY: attn_combine(part_acc, part_ml, out, splits, n_queries, head_dim) reads the partials the
+        // split kernel wrote and writes out[0..n_queries*head_dim] (checked above).
+        unsafe { b.launch(cfg) }?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_cover_the_key_range() {
+        for &(kend, base, sms) in &[(1, 4, 132), (33, 4, 132), (32768, 4, 132), (262144, 2, 132), (1500, 2048, 132)] {
+            let p = plan_splits(kend, base, sms, SIMT_TK);
+            assert!(p.splits >= 1 && p.chunk % SIMT_TK == 0);
+            assert!(p.splits * p.chunk >= kend, "{kend} {p:?}");
+            assert!((p.splits - 1) * p.chunk < kend, "empty last split: {kend} {p:?}");
+        }
+    }
+
+    #[test]
+    fn int8_block_quantization() {
+        let x = [0.5f32, -1.27, 0.0, 1.27, 0.004];
+        let mut q = [0i8; 5];
+        let s = quantize_int8_block(&x, &mut q);
+        assert_eq!(s, 1.27 / 127.0);
+        assert_eq!(q, [50, -127, 0, 127, 0]);
+        let mut z = [1i8; 3];
+        assert_eq!(quantize_int8_block(&[0.0; 3], &mut z), 0.0);
+        assert_eq!(z, [0; 3]);
+    }
+}

@@ -1,0 +1,405 @@
+//! GPU tests of kernels/attention.cu against the CPU reference.
+//!
+//! The attention kernels are compared with `cpu::ops::attention` run on the
+//! cache's own dequantized contents (`kv_read_f32`), so the only differences
+//! are f32 summation order and the online softmax's rescaling: the tolerance
+//! is tight. The int8 quantization error itself is bounded separately.
+
+use std::sync::Arc;
+
+use half::bf16;
+use strata::backend::cpu::ops;
+use strata::backend::cuda::attention::{
+    attention, attention_with, kv_append, kv_read_f32, quantize_int8_block, AttnConfig, AttnKernel, AttnPrecision,
+    DeviceKv, KvDtype,
+};
+use strata::backend::cuda::{CudaSlice, Gpu};
+use strata::backend::AttentionShape;
+
+use super::common::{check_close, e, poisoned, rand_f32, GpuTest};
+
+pub const TESTS: &[GpuTest] = &[
+    ("attention_kv_append_int8_exact", kv_append_int8_exact),
+    ("attention_kv_append_bf16_exact", kv_append_bf16_exact),
+    ("attention_decode_int8", decode_int8),
+    ("attention_decode_bf16", decode_bf16),
+    ("attention_prefill_int8", prefill_int8),
+    ("attention_prefill_bf16", prefill_bf16),
+    ("attention_simt_int8", simt_int8),
+    ("attention_simt_bf16", simt_bf16),
+    ("attention_mma_decode_int8", mma_decode_int8),
+    ("attention_mma_decode_bf16", mma_decode_bf16),
+    ("attention_mma_bf16_operands", mma_bf16_operands),
+    ("attention_int8_error_vs_f32", int8_error_vs_f32),
+    ("attention_deterministic", deterministic),
+    ("attention_rejects_bad_arguments", rejects_bad_arguments),
+    ("attention_timing", timing),
+];
+
+/// Shapes (heads, kv_heads, head_dim): Qwen3-30B-A3B, Qwen3-Next, a small
+/// MHA one, and an odd group count.
+const SHAPES: [(usize, usize, usize); 4] = [(32, 4, 128), (16, 2, 256), (4, 4, 64), (12, 3, 64)];
+
+fn shape_of((heads, kv_heads, head_dim): (usize, usize, usize)) -> AttentionShape {
+    AttentionShape { heads, kv_heads, head_dim }
+}
+
+/// A fresh cache of `capacity` positions whose positions `0..len` hold random
+/// K/V (scale `kv_scale`), appended in two calls (a prefix, then the rest)
+/// the way the engine appends. Returns the cache and the f32 rows appended.
+fn filled_cache(
+    gpu: &Arc<Gpu>,
+    dtype: KvDtype,
+    shape: AttentionShape,
+    capacity: usize,
+    len: usize,
+    seed: u64,
+) -> Result<(DeviceKv, Vec<f32>, Vec<f32>), String> {
+    let kv_dim = shape.kv_dim();
+    let mut kv = DeviceKv::new(gpu, dtype, capacity, shape.kv_heads, shape.head_dim).map_err(e)?;
+    let k = rand_f32(seed, len * kv_dim, 1.0);
+    let v = rand_f32(seed + 1, len * kv_dim, 1.0);
+    let first = len / 2 + len % 3;
+    for (start, rows) in [(0, first), (first, len - first)] {
+        if rows == 0 {
+            continue;
+        }
+        let kd = gpu.upload(&k[start * kv_dim..(start + rows) * kv_dim]).map_err(e)?;
+        let vd = gpu.upload(&v[start * kv_dim..(start + rows) * kv_dim]).map_err(e)?;
+        kv_append(gpu, &mut kv, &kd, &vd, start, rows).map_err(e)?;
+    }
+    Ok((kv, k, v))
+}
+
+/// Host model of the int8 cache: each (position, kv head) block quantized by
+/// `quantize_int8_block`, then dequantized (`value * scale`).
+fn host_int8_roundtrip(x: &[f32], head_dim: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    let mut qv = vec![0i8; head_dim];
+    for block in x.chunks_exact(head_dim) {
+        let s = quantize_int8_block(block, &mut qv);
+        out.extend(qv.iter().map(|&b| b as f32 * s));
+    }
+    out
+}
+
+fn exact(what: &str, got: &[f32], want: &[f32]) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{what}: {} values, want {}", got.len(), want.len()));
+    }
+    match got.iter().zip(want).position(|(g, w)| g.to_bits() != w.to_bits()) {
+        Some(i) => Err(format!("{what}: [{i}] = {} want {} (bit-exact)", got[i], want[i])),
+        None => Ok(()),
+    }
+}
+
+/// Append rows in two calls (and some rows with special content: all zero,
+/// one outlier), read the cache back, compare bit for bit with the host model.
+fn kv_append_roundtrip(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
+    for &(kv_heads, head_dim, len) in &[(4usize, 128usize, 37usize), (2, 256, 9), (3, 64, 130), (1, 64, 1)] {
+        let shape = AttentionShape { heads: kv_heads, kv_heads, head_dim };
+        let kv_dim = shape.kv_dim();
+        let mut kv = DeviceKv::new(gpu, dtype, len + 5, kv_heads, head_dim).map_err(e)?;
+        let mut k = rand_f32(11 + len as u64, len * kv_dim, 3.0);
+        let v = rand_f32(12 + len as u64, len * kv_dim, 0.02);
+        // An all-zero block (scale 0) and a block with one outlier.
+        k[..head_dim].fill(0.0);
+        if len > 1 {
+            k[kv_dim + 5] = 1000.0;
+        }
+        let first = len / 3;
+        for (start, rows) in [(0, first), (first, len - first)] {
+            if rows == 0 {
+                continue;
+            }
+            let kd = gpu.upload(&k[start * kv_dim..(start + rows) * kv_dim]).map_err(e)?;
+            let vd = gpu.upload(&v[start * kv_dim..(start + rows) * kv_dim]).map_err(e)?;
+            kv_append(gpu, &mut kv, &kd, &vd, start, rows).map_err(e)?;
+        }
+        let (kr, vr) = kv_read_f32(gpu, &kv, len).map_err(e)?;
+        let (kw, vw) = match dtype {
+            KvDtype::Int8 => (host_int8_roundtrip(&k, head_dim), host_int8_roundtrip(&v, head_dim)),
+            KvDtype::Bf16 => {
+                let r = |x: &[f32]| x.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+                (r(&k), r(&v))
+            }
+        };
+        let what = format!("{dtype:?} kv_heads {kv_heads} head_dim {head_dim} len {len}");
+        exact(&format!("{what}: K"), &kr, &kw)?;
+        exact(&format!("{what}: V"), &vr, &vw)?;
+        if kr[..head_dim].iter().any(|&x| x != 0.0) {
+            return Err(format!("{what}: an all-zero block did not stay zero"));
+        }
+        // Positions past len were never written: still zero.
+        let (kall, _) = kv_read_f32(gpu, &kv, len + 5).map_err(e)?;
+        if kall[len * kv_dim..].iter().any(|&x| x != 0.0) {
+            return Err(format!("{what}: kv_append wrote past its rows"));
+        }
+    }
+    Ok(())
+}
+
+fn kv_append_int8_exact(gpu: &Arc<Gpu>) -> Result<(), String> {
+    kv_append_roundtrip(gpu, KvDtype::Int8)
+}
+
+fn kv_append_bf16_exact(gpu: &Arc<Gpu>) -> Result<(), String> {
+    kv_append_roundtrip(gpu, KvDtype::Bf16)
+}
+
+/// Runs the device attention for `rows` rows at `start_pos` on a random
+/// cache; returns (device output, CPU output on the dequantized cache, q, k, v f32).
+#[allow(clippy::type_complexity)]
+fn run_case(
+    gpu: &Arc<Gpu>,
+    dtype: KvDtype,
+    shape: AttentionShape,
+    start_pos: usize,
+    rows: usize,
+    seed: u64,
+    config: AttnConfig,
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>), String> {
+    let len = start_pos + rows;
+    let (kv, k, v) = filled_cache(gpu, dtype, shape, len + 3, len, seed)?;
+    // q scale 2: scores of std ~2, so the max subtraction matters.
+    let q = rand_f32(seed + 7, rows * shape.q_dim(), 2.0);
+    let qd = gpu.upload(&q).map_err(e)?;
+    let mut out = poisoned(gpu, rows * shape.q_dim())?;
+    attention_with(gpu, &qd, &kv, shape, start_pos, rows, &mut out, config).map_err(e)?;
+    let got = gpu.download(&out).map_err(e)?;
+    let (kd, vd) = kv_read_f32(gpu, &kv, len).map_err(e)?;
+    let mut want = vec![0.0f32; q.len()];
+    ops::attention(&q, &kd, &vd, shape, start_pos, &mut want);
+    Ok((got, want, q, k, v))
+}
+
+/// Tolerance against the CPU on the same (dequantized) cache: both sum in
+/// f32, in different orders (the CPU sequentially over up to 40K keys, the
+/// GPU in tiles and splits, with online-softmax rescaling); the error of a
+/// sequential f32 sum grows like sqrt(n) * 2^-24, ~1e-5 at 40K terms.
+fn tight_tol(keys: usize) -> f32 {
+    if keys > 4096 {
+        5e-5
+    } else {
+        2e-5
+    }
+}
+
+fn check_cases(
+    gpu: &Arc<Gpu>,
+    dtype: KvDtype,
+    cases: &[(usize, usize)],
+    config: AttnConfig,
+    tol: fn(usize) -> f32,
+) -> Result<(), String> {
+    for (si, &sh) in SHAPES.iter().enumerate() {
+        let shape = shape_of(sh);
+        for (ci, &(start_pos, rows)) in cases.iter().enumerate() {
+            let seed = 1000 + (si * 100 + ci) as u64;
+            let (got, want, ..) = run_case(gpu, dtype, shape, start_pos, rows, seed, config)?;
+            check_close(
+                &format!("{dtype:?} {config:?} {sh:?} start_pos {start_pos} rows {rows}"),
+                &got,
+                &want,
+                tol(start_pos + rows),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Decode: T = 1 at several context lengths (split key ranges up to 40K), T = 3.
+const DECODE_CASES: [(usize, usize); 7] = [(0, 1), (1, 1), (1000, 1), (40000, 1), (0, 3), (37, 3), (1000, 3)];
+/// Prefill from an empty cache and after a 500-position prefix.
+const PREFILL_CASES: [(usize, usize); 8] =
+    [(0, 17), (0, 64), (0, 200), (0, 1000), (500, 17), (500, 64), (500, 200), (500, 1000)];
+
+const AUTO: AttnConfig = AttnConfig { kernel: AttnKernel::Auto, precision: AttnPrecision::F32 };
+const SIMT: AttnConfig = AttnConfig { kernel: AttnKernel::Simt, precision: AttnPrecision::F32 };
+const MMA: AttnConfig = AttnConfig { kernel: AttnKernel::Mma, precision: AttnPrecision::F32 };
+
+/// The default path (SIMT flash-decoding for these).
+fn decode_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
+    check_cases(gpu, KvDtype::Int8, &DECODE_CASES, AUTO, tight_tol)
+}
+
+fn decode_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
+    check_cases(gpu, KvDtype::Bf16, &DECODE_CASES, AUTO, tight_tol)
+}
+
+/// The default path (the tensor-core kernel with hi/lo bf16 operands on sm_80+).
+fn prefill_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
+    check_cases(gpu, KvDtype::Int8, &PREFILL_CASES, AUTO, tight_tol)
+}
+
+fn prefill_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
+    check_cases(gpu, KvDtype::Bf16, &PREFILL_CASES, AUTO, tight_tol)
+}
+
+/// The SIMT kernel on prefill sizes too (the path of devices before sm_80).
+fn simt_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
+    check_cases(gpu, KvDtype::Int8, &PREFILL_CASES, SIMT, tight_tol)
+}
+
+fn simt_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
+    check_cases(gpu, KvDtype::Bf16, &PREFILL_CASES, SIMT, tight_tol)
+}
+
+/// The tensor-core kernel on decode sizes (mostly-empty query tiles, split key ranges).
+fn mma_decode_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
+    check_cases(gpu, KvDtype::Int8, &DECODE_CASES, MMA, tight_tol)
+}
+
+fn mma_decode_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
+    check_cases(gpu, KvDtype::Bf16, &DECODE_CASES, MMA, tight_tol)
+}
+
+/// The tensor-core kernel with single bf16 Q and P: Q rounds by up to 2^-9
+/// relative, which moves scores of std ~2 by ~2e-3 (weights by ~0.2%), and
+/// P (in [0, 1]) rounds by up to 2^-9: the output moves by well under 1% of
+/// its largest entry; 1e-2 bounds that (a dropped key or a wrong scale
+/// still fails: see int8_error_vs_f32 for why errors stay this size).
+fn mma_bf16_operands(gpu: &Arc<Gpu>) -> Result<(), String> {
+    let fast = AttnConfig { kernel: AttnKernel::Mma, precision: AttnPrecision::Bf16 };
+    for dtype in [KvDtype::Int8, KvDtype::Bf16] {
+        check_cases(gpu, dtype, &[(0, 64), (500, 200), (0, 1000), (1000, 1)], fast, |_| 1e-2)?;
+    }
+    Ok(())
+}
+
+/// The int8 cache against exact f32 K/V. Each value is off by at most
+/// scale / 2 = amax / 254 of its (position, head) block, i.e. <= 0.4% of the
+/// block's largest magnitude; a score moves by about |q| * that (~1% of a
+/// score of std 2 here), which perturbs the softmax weights by ~1% relative,
+/// and the output (a convex combination of V) moves by at most
+/// max|dV| + |dP| * max|V|: ~1% of max|output|, so 2e-2 bounds it with
+/// margin while a lost scale (x127 or x1/127) or a wrong block fails it.
+fn int8_error_vs_f32(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for (si, &sh) in SHAPES.iter().enumerate() {
+        let shape = shape_of(sh);
+        for &(start_pos, rows) in &[(0usize, 1usize), (1000, 1), (500, 64)] {
+            let seed = 5000 + si as u64 * 10 + rows as u64;
+            let (got, _, q, k, v) = run_case(gpu, KvDtype::Int8, shape, start_pos, rows, seed, AUTO)?;
+            let mut want = vec![0.0f32; q.len()];
+            ops::attention(&q, &k, &v, shape, start_pos, &mut want);
+            check_close(&format!("int8 vs f32 KV {sh:?} start_pos {start_pos} rows {rows}"), &got, &want, 2e-2)?;
+        }
+    }
+    Ok(())
+}
+
+/// The same launch twice gives the same bits (split partials merge in a fixed order).
+fn deterministic(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for &(start_pos, rows) in &[(40000usize, 1usize), (500, 200), (40000, 17)] {
+        let shape = shape_of((32, 4, 128));
+        let len = start_pos + rows;
+        let (kv, ..) = filled_cache(gpu, KvDtype::Int8, shape, len, len, 77)?;
+        let qd = gpu.upload(&rand_f32(78, rows * shape.q_dim(), 2.0)).map_err(e)?;
+        let mut outs = Vec::new();
+        for _ in 0..2 {
+            let mut out = poisoned(gpu, rows * shape.q_dim())?;
+            attention(gpu, &qd, &kv, shape, start_pos, rows, &mut out).map_err(e)?;
+            outs.push(gpu.download(&out).map_err(e)?);
+        }
+        exact(&format!("second run, start_pos {start_pos} rows {rows}"), &outs[1], &outs[0])?;
+    }
+    Ok(())
+}
+
+fn rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
+    let shape = shape_of((8, 2, 64));
+    let mut kv = DeviceKv::new(gpu, KvDtype::Int8, 16, 2, 64).map_err(e)?;
+    let rows = gpu.upload(&rand_f32(1, 4 * shape.kv_dim(), 1.0)).map_err(e)?;
+    let q = gpu.upload(&rand_f32(2, 4 * shape.q_dim(), 1.0)).map_err(e)?;
+    let mut out = poisoned(gpu, 4 * shape.q_dim())?;
+    let mut failures = Vec::new();
+    if kv_append(gpu, &mut kv, &rows, &rows, 13, 4).is_ok() {
+        failures.push("kv_append past the capacity");
+    }
+    if kv_append(gpu, &mut kv, &rows, &rows, 0, 5).is_ok() {
+        failures.push("kv_append of more rows than k holds");
+    }
+    if attention(gpu, &q, &kv, shape, 13, 4, &mut out).is_ok() {
+        failures.push("attention past the capacity");
+    }
+    if attention(gpu, &q, &kv, shape_of((8, 4, 64)), 0, 4, &mut out).is_ok() {
+        failures.push("attention with the wrong kv_heads");
+    }
+    if attention(gpu, &q, &kv, shape_of((6, 2, 128)), 0, 1, &mut out).is_ok() {
+        failures.push("attention with the wrong head_dim");
+    }
+    if attention(gpu, &q, &kv, shape, 0, 5, &mut out).is_ok() {
+        failures.push("attention of more rows than q holds");
+    }
+    if DeviceKv::new(gpu, KvDtype::Bf16, 16, 2, 96).is_ok() {
+        failures.push("a cache of head_dim 96");
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("accepted: {}", failures.join(", ")))
+    }
+}
+
+/// Median seconds of `reps` launches of `work`, timed with CUDA events.
+fn median_seconds(gpu: &Arc<Gpu>, reps: usize, mut work: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+    let ctx = gpu.context();
+    let start = ctx.new_event(None).map_err(e)?;
+    let end = ctx.new_event(None).map_err(e)?;
+    work()?;
+    gpu.sync().map_err(e)?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        start.record(gpu.stream()).map_err(e)?;
+        work()?;
+        end.record(gpu.stream()).map_err(e)?;
+        times.push(start.elapsed_ms(&end).map_err(e)? as f64 / 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[reps / 2])
+}
+
+/// Decode T=1 at 32K context (GB/s of KV bytes read vs the 4.3 TB/s HBM
+/// floor) and prefill T=4096 (TFLOP/s of the causal 4 * T^2 / 2 * hd * heads).
+fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for dtype in [KvDtype::Int8, KvDtype::Bf16] {
+        let shape = shape_of((32, 4, 128));
+        let ctx_len = 32768;
+        let (kv, ..) = filled_cache(gpu, dtype, shape, ctx_len, ctx_len, 91)?;
+        let qd = gpu.upload(&rand_f32(92, shape.q_dim(), 2.0)).map_err(e)?;
+        let mut out = poisoned(gpu, shape.q_dim())?;
+        let secs = median_seconds(gpu, 21, || attention(gpu, &qd, &kv, shape, ctx_len - 1, 1, &mut out).map_err(e))?;
+        let gbs = (ctx_len * kv.bytes_per_position()) as f64 / secs / 1e9;
+        println!(
+            "     timing: attention decode {dtype:?} (32,4,128) ctx {ctx_len}: {:.1} us, {gbs:.0} GB/s of KV = {:.1}% of 4300 GB/s",
+            secs * 1e6,
+            gbs / 43.0
+        );
+    }
+    let fast = AttnConfig { kernel: AttnKernel::Mma, precision: AttnPrecision::Bf16 };
+    let runs = [
+        ((32usize, 4usize, 128usize), AUTO),
+        ((32, 4, 128), fast),
+        ((32, 4, 128), SIMT),
+        ((16, 2, 256), AUTO),
+        ((16, 2, 256), fast),
+    ];
+    for (sh, config) in runs {
+        let shape = shape_of(sh);
+        let t = 4096;
+        let (kv, ..) = filled_cache(gpu, KvDtype::Int8, shape, t, t, 93)?;
+        let qd = gpu.upload(&rand_f32(94, t * shape.q_dim(), 2.0)).map_err(e)?;
+        let mut out: CudaSlice<f32> = poisoned(gpu, t * shape.q_dim())?;
+        let secs = median_seconds(gpu, 5, || attention_with(gpu, &qd, &kv, shape, 0, t, &mut out, config).map_err(e))?;
+        let flops = 4.0 * (t * t) as f64 / 2.0 * (sh.2 * sh.0) as f64;
+        let tfs = flops / secs / 1e12;
+        println!(
+            "     timing: attention prefill Int8 {sh:?} T {t} {:?}/{:?}: {:.2} ms, {tfs:.1} TFLOP/s = {:.1}% of 790",
+            config.kernel,
+            config.precision,
+            secs * 1e3,
+            tfs / 7.9
+        );
+    }
+    Ok(())
+}
