@@ -196,10 +196,11 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
 }
 
 // ---------------------------------------------------------------------------
-// 2. Decode GEMVs. A warp owns MOE_GEMV_ROWS output rows; each lane reads 16
-// code bytes (one 32-element chunk) per row and matrix per step, two chunks
-// per step (stride 32 chunks), so 2 rows x 2 matrices x 2 chunks = 8 16-byte
-// loads are in flight per lane.
+// 2. Decode GEMVs. gate/up: a warp owns MOE_GEMV_ROWS rows of both matrices;
+// each lane reads 16 code bytes (one 32-element chunk) per row and matrix,
+// two chunks per step (stride 32 chunks), so 2 rows x 2 matrices x 2 chunks
+// = 8 16-byte loads are in flight per lane. The activation row is staged in
+// shared memory once per block. down: see moe_down_row.
 // ---------------------------------------------------------------------------
 
 #define MOE_GU_WARPS 8
@@ -289,55 +290,71 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32)
     moe_gate_up_rows(moe_gu_xs, reinterpret_cast<const uint8_t*>(table[e]), L, row0, act_row);
 }
 
-// Rows [row0, row0 + 2) of sum_j coef[j] * (down_{blob j} act_j), act_j staged
+// The down GEMV gives each output row to 8 lanes (MOE_DOWN_LANES): a down
+// row has only I / 32 chunks (24 for I = 768, 16 for I = 512), so a whole
+// warp per row would leave lanes idle. A warp owns 4 rows (one per 8-lane
+// group); a lane reads up to 3 chunks of its row for each of 4 experts per
+// step: 12 16-byte loads in flight.
+#define MOE_DOWN_LANES 8
+#define MOE_DOWN_ROWS_PER_WARP (32 / MOE_DOWN_LANES)
+#define MOE_DOWN_CHUNKS 3
+
+// Row row0 + (lane / 8) of sum_j coef[j] * (down_{blob j} act_j), act_j staged
 // (chunk transposed, I floats each) at acts + j * I / 4; coef[j] already holds
-// w_j * g_down_j * 2^14. One warp. Returns the two row sums (valid in every lane).
-static __device__ __forceinline__ void moe_down_rows(const float4* acts, const uint8_t* const* blobs, const float* coef,
-                                                     int nexp, const MoeBlobLayout& L, int row0, float (&res)[MOE_GEMV_ROWS]) {
+// w_j * g_down_j * 2^14. One warp; the result is valid in lanes with lane % 8 == 0.
+static __device__ __forceinline__ float moe_down_row(const float4* acts, const uint8_t* const* blobs, const float* coef,
+                                                     int nexp, const MoeBlobLayout& L, int row0) {
     const int H = (int)L.hidden, I = (int)L.intermediate, nchunk = I >> 5, lane = threadIdx.x & 31;
-    const size_t code_row = (size_t)I >> 1, scale_row = (size_t)I >> 4;
-    int rows[MOE_GEMV_ROWS];
-#pragma unroll
-    for (int r = 0; r < MOE_GEMV_ROWS; ++r) rows[r] = min(row0 + r, H - 1);
-    float acc[MOE_GEMV_ROWS] = {};
-    // Experts in groups of 4 (fixed order j = 0, 1, ...): 4 x 2 rows of 16-byte loads in flight.
+    const int sub = lane & (MOE_DOWN_LANES - 1);
+    const int row = min(row0 + lane / MOE_DOWN_LANES, H - 1);
+    const size_t code_off = (size_t)row * ((size_t)I >> 1), scale_off = (size_t)row * ((size_t)I >> 4);
+    float acc = 0.0f;
+    // Experts in groups of 4, in order j = 0, 1, ... (the sum order is fixed).
     for (int j0 = 0; j0 < nexp; j0 += 4) {
-        for (int c = lane; c < nchunk; c += 32) {
-            uint4 cd[4][MOE_GEMV_ROWS];
-            uint32_t sd[4][MOE_GEMV_ROWS];
+        for (int cb = sub; cb < nchunk; cb += MOE_DOWN_LANES * MOE_DOWN_CHUNKS) {
+            uint4 cd[4][MOE_DOWN_CHUNKS];
+            uint32_t sd[4][MOE_DOWN_CHUNKS];
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
-                for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
-                    if (j0 + jj < nexp) {
+                for (int u = 0; u < MOE_DOWN_CHUNKS; ++u) {
+                    const int c = cb + u * MOE_DOWN_LANES;
+                    if (j0 + jj < nexp && c < nchunk) {
                         const uint8_t* b = blobs[j0 + jj];
-                        cd[jj][r] = moe_ld_codes(b + L.down_codes + rows[r] * code_row + 16 * c);
-                        sd[jj][r] = moe_ld_scales2(b + L.down_scales + rows[r] * scale_row + 2 * c);
+                        cd[jj][u] = moe_ld_codes(b + L.down_codes + code_off + 16 * c);
+                        sd[jj][u] = moe_ld_scales2(b + L.down_scales + scale_off + 2 * c);
                     } else {
-                        cd[jj][r] = make_uint4(0, 0, 0, 0);
-                        sd[jj][r] = 0;
+                        cd[jj][u] = make_uint4(0, 0, 0, 0);
+                        sd[jj][u] = 0;
                     }
                 }
             }
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
                 if (j0 + jj < nexp) {
-                    float4 xq[8];
-                    moe_load_xq(acts + (size_t)(j0 + jj) * (I >> 2), nchunk, c, xq);
-                    const float cf = coef[j0 + jj];
+                    float part = 0.0f;
 #pragma unroll
-                    for (int r = 0; r < MOE_GEMV_ROWS; ++r) acc[r] = fmaf(cf, moe_chunk_dot(cd[jj][r], sd[jj][r], xq, 0.0f), acc[r]);
+                    for (int u = 0; u < MOE_DOWN_CHUNKS; ++u) {
+                        const int c = cb + u * MOE_DOWN_LANES;
+                        if (c < nchunk) {
+                            float4 xq[8];
+                            moe_load_xq(acts + (size_t)(j0 + jj) * (I >> 2), nchunk, c, xq);
+                            part = moe_chunk_dot(cd[jj][u], sd[jj][u], xq, part);
+                        }
+                    }
+                    acc = fmaf(coef[j0 + jj], part, acc);
                 }
             }
         }
     }
 #pragma unroll
-    for (int r = 0; r < MOE_GEMV_ROWS; ++r) res[r] = moe_warp_sum(acc[r]);
+    for (int o = MOE_DOWN_LANES / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;
 }
 
-// grid (T, ceil(H / (4 warps * 2 rows))), block 128, dynamic smem k * I * 4.
+// grid (T, ceil(H / (4 warps * 4 rows))), block 128, dynamic smem k * I * 4.
 // out[t] (+)= sum_j weights[t*k+j] * down_{ids[t*k+j]} act[t*k+j].
-extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32, 3)
     moe_down_gemv(const float* __restrict__ act, const uint32_t* __restrict__ ids, const float* __restrict__ weights,
                   const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k, float* __restrict__ out,
                   int accumulate) {
@@ -363,20 +380,16 @@ extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
     }
     for (int j = 0; j < top_k; ++j) moe_stage_row(moe_down_acts + (size_t)j * (I >> 2), act + ((size_t)t * top_k + j) * I, I);
     __syncthreads();
-    const int row0 = (blockIdx.y * MOE_DOWN_WARPS + (threadIdx.x >> 5)) * MOE_GEMV_ROWS;
+    const int row0 = (blockIdx.y * MOE_DOWN_WARPS + (threadIdx.x >> 5)) * MOE_DOWN_ROWS_PER_WARP;
     if (row0 >= H) return;
     float* orow = out + (size_t)t * H;
+    const int lane = threadIdx.x & 31, row = row0 + lane / MOE_DOWN_LANES;
     if (bad) {
-        if ((threadIdx.x & 31) < MOE_GEMV_ROWS && row0 + (threadIdx.x & 31) < H) orow[row0 + (threadIdx.x & 31)] = __int_as_float(0x7fc00000);
+        if (lane % MOE_DOWN_LANES == 0 && row < H) orow[row] = __int_as_float(0x7fc00000);
         return;
     }
-    float res[MOE_GEMV_ROWS];
-    moe_down_rows(moe_down_acts, blobs, coef, top_k, L, row0, res);
-    if ((threadIdx.x & 31) == 0) {
-#pragma unroll
-        for (int r = 0; r < MOE_GEMV_ROWS; ++r)
-            if (row0 + r < H) orow[row0 + r] = accumulate ? orow[row0 + r] + res[r] : res[r];
-    }
+    const float res = moe_down_row(moe_down_acts, blobs, coef, top_k, L, row0);
+    if (lane % MOE_DOWN_LANES == 0 && row < H) orow[row] = accumulate ? orow[row] + res : res;
 }
 
 // ---------------------------------------------------------------------------
@@ -500,17 +513,18 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32)
     moe_gate_up_rows(moe_gus_xs, reinterpret_cast<const uint8_t*>(table[e]), L, row0, act_row);
 }
 
-// grid (n slots, ceil(H / 8)), block 128, dynamic smem I * 4. y[slot] = g_down * down_e act[slot].
+// grid (n slots, ceil(H / 16)), block 128, dynamic smem I * 4. y[slot] = g_down * down_e act[slot].
 extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
     moe_down_grouped_simple(const float* __restrict__ act, const uint32_t* __restrict__ slot_expert,
                             const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, float* __restrict__ y) {
     extern __shared__ float4 moe_downs_acts[];
     const int s = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate;
     const uint32_t e = slot_expert[s];
-    const int row0 = (blockIdx.y * MOE_DOWN_WARPS + (threadIdx.x >> 5)) * MOE_GEMV_ROWS;
+    const int row0 = (blockIdx.y * MOE_DOWN_WARPS + (threadIdx.x >> 5)) * MOE_DOWN_ROWS_PER_WARP;
+    const int lane = threadIdx.x & 31, row = row0 + lane / MOE_DOWN_LANES;
     float* yrow = y + (size_t)s * H;
     if (e >= (uint32_t)table_len) {
-        if ((threadIdx.x & 31) < MOE_GEMV_ROWS && row0 + (threadIdx.x & 31) < H) yrow[row0 + (threadIdx.x & 31)] = __int_as_float(0x7fc00000);
+        if (lane % MOE_DOWN_LANES == 0 && row < H) yrow[row] = __int_as_float(0x7fc00000);
         return;
     }
     moe_stage_row(moe_downs_acts, act + (size_t)s * I, I);
@@ -522,13 +536,8 @@ extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
     }
     __syncthreads();
     if (row0 >= H) return;
-    float res[MOE_GEMV_ROWS];
-    moe_down_rows(moe_downs_acts, blob, cf, 1, L, row0, res);
-    if ((threadIdx.x & 31) == 0) {
-#pragma unroll
-        for (int r = 0; r < MOE_GEMV_ROWS; ++r)
-            if (row0 + r < H) yrow[row0 + r] = res[r];
-    }
+    const float res = moe_down_row(moe_downs_acts, blob, cf, 1, L, row0);
+    if (lane % MOE_DOWN_LANES == 0 && row < H) yrow[row] = res;
 }
 
 // ---------------------------------------------------------------------------

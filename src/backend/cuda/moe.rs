@@ -34,7 +34,9 @@ pub const TILE_M: usize = 64;
 const ROUTE_THREADS: u32 = 128;
 const GU_WARPS: usize = 8;
 const DOWN_WARPS: usize = 4;
+/// Rows per warp of the gate/up GEMV (`MOE_GEMV_ROWS`) and of the down GEMV (`MOE_DOWN_ROWS_PER_WARP`).
 const GEMV_ROWS: usize = 2;
+const DOWN_ROWS: usize = 4;
 const GROUP_WARPS: usize = 16;
 /// Default dynamic shared memory limit; above it a kernel's limit is raised.
 const SMEM_DEFAULT: usize = 48 * 1024;
@@ -262,7 +264,7 @@ pub fn expert_down_gemv(
     let smem = top_k * i * 4;
     allow_smem(&f, smem)?;
     let cfg = LaunchConfig {
-        grid_dim: (tokens as u32, h.div_ceil(DOWN_WARPS * GEMV_ROWS) as u32, 1),
+        grid_dim: (tokens as u32, h.div_ceil(DOWN_WARPS * DOWN_ROWS) as u32, 1),
         block_dim: ((DOWN_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
@@ -531,7 +533,7 @@ pub fn expert_down_grouped_simple(
     let smem = i * 4;
     allow_smem(&f, smem)?;
     let cfg = LaunchConfig {
-        grid_dim: (n as u32, h.div_ceil(DOWN_WARPS * GEMV_ROWS) as u32, 1),
+        grid_dim: (n as u32, h.div_ceil(DOWN_WARPS * DOWN_ROWS) as u32, 1),
         block_dim: ((DOWN_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
