@@ -21,8 +21,8 @@ use std::sync::Arc;
 use strata::backend::cpu::ops::{expert_ffn, expert_ffn_row, silu};
 use strata::backend::cuda::moe::{self as gm, BlobLayout};
 use strata::backend::cuda::{CudaSlice, DevicePtr, Gpu};
-use strata::backend::ExpertRows;
-use strata::moe::{self, Routing};
+use strata::backend::{Backend, CpuBackend, ExpertRows, Matrix};
+use strata::moe::{self, ExpertSource, MoeLayer, Routing};
 use strata::pack::format::ExpertLayout;
 use strata::pack::ExpertView;
 use strata::quant::nvfp4::{quantize_with_global, Nvfp4Owned};
@@ -34,6 +34,7 @@ pub const TESTS: &[GpuTest] = &[
     ("moe_route_topk_matches_moe_route", route_topk_matches_moe_route),
     ("moe_gemv_matches_expert_ffn_row", gemv_matches_expert_ffn_row),
     ("moe_gemv_shared_expert_accumulates", gemv_shared_expert_accumulates),
+    ("moe_decode_pipeline_matches_moe_forward", decode_pipeline_matches_moe_forward),
     ("moe_group_by_expert_matches_cpu", group_by_expert_matches_cpu),
     ("moe_grouped_matches_cpu_forward", grouped_matches_cpu_forward),
     ("moe_decode_gemv_timing", decode_gemv_timing),
@@ -104,6 +105,12 @@ impl HostExperts {
             put(b, l.tail, &tail);
         }
         out
+    }
+}
+
+impl ExpertSource for HostExperts {
+    fn expert(&self, _layer: usize, expert: usize) -> strata::Result<ExpertView<'_>> {
+        Ok(self.view(expert))
     }
 }
 
@@ -323,6 +330,42 @@ fn gemv_shared_expert_accumulates(gpu: &Arc<Gpu>) -> Result<(), String> {
     gm::expert_down_gemv(gpu, &act_sh, &d_zero, &d_gates, &d_shared.table, &d_shared.layout, tokens, 1, &mut out, true)
         .map_err(e)?;
     check_close("routed + shared expert", &download(gpu, &out)?, &want, F32_TOL)
+}
+
+/// Decode end to end against `moe::forward` (the CPU pipeline): router
+/// logits (computed on the host) -> route_topk -> gate/up GEMV -> down GEMV
+/// with the combine, for T = 1 and 5 tokens at Qwen3-Next's routing (E = 32
+/// here to keep the host quantization short, k = 10, I = 512).
+fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
+    let (h, i, n_exp, k) = (2048usize, 512usize, 32usize, 10usize);
+    let host = HostExperts::random(51, h, i, n_exp);
+    let dev = upload_experts(gpu, &host)?;
+    let router = Matrix::new(n_exp, h, rand_f32(52, n_exp * h, 0.05));
+    let cpu = CpuBackend::new(None).map_err(e)?;
+    for &tokens in &[1usize, 5] {
+        let x = rand_f32(53 + tokens as u64, tokens * h, 1.0);
+        let layer = MoeLayer { layer: 0, router: &router, top_k: k, norm_topk_prob: true };
+        let mut want = vec![0.0f32; tokens * h];
+        let routing = moe::forward(&cpu, &host, &layer, &x, &mut want).map_err(e)?;
+        let mut logits = vec![0.0f32; tokens * n_exp];
+        cpu.matmul(&x, &router, &mut logits);
+
+        let d_logits = gpu.upload(&logits).map_err(e)?;
+        let d_x = gpu.upload(&x).map_err(e)?;
+        let mut ids = gpu.alloc_zeros::<u32>(tokens * k).map_err(e)?;
+        let mut weights = poisoned(gpu, tokens * k)?;
+        gm::route_topk(gpu, &d_logits, tokens, n_exp, k, true, &mut ids, &mut weights).map_err(e)?;
+        if download_u32(gpu, &ids)? != ids_u32(&routing) {
+            return Err(format!("T={tokens}: route_topk chose other experts than moe::route"));
+        }
+        let mut act = poisoned(gpu, tokens * k * i)?;
+        let mut out = poisoned(gpu, tokens * h)?;
+        gm::expert_gate_up_gemv(gpu, &d_x, &ids, &dev.table, &dev.layout, tokens, k, &mut act).map_err(e)?;
+        gm::expert_down_gemv(gpu, &act, &ids, &weights, &dev.table, &dev.layout, tokens, k, &mut out, false)
+            .map_err(e)?;
+        check_close(&format!("decode pipeline T={tokens}"), &download(gpu, &out)?, &want, F32_TOL)?;
+    }
+    Ok(())
 }
 
 /// Skewed router logits: expert e's logits are shifted by -skew * e, so low
