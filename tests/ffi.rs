@@ -421,7 +421,11 @@ fn paths_and_devices_are_checked() {
     expect_err(with_devices(&[c"cuda".as_ptr(), ptr::null()]), STRATA_ERR_NO_CUDA, "CUDA");
     expect_err(with_devices(&[c"tpu".as_ptr(), ptr::null()]), STRATA_ERR_INVALID_ARGUMENT, "\"tpu\"");
     expect_err(with_devices(&[c"cuda:x".as_ptr(), ptr::null()]), STRATA_ERR_INVALID_ARGUMENT, "cuda:x");
-    expect_err(with_devices(&[c"cpu".as_ptr(), c"cpu".as_ptr(), ptr::null()]), STRATA_ERR_INVALID_ARGUMENT, "once");
+    expect_err(
+        with_devices(&[c"cpu".as_ptr(), c"cpu".as_ptr(), ptr::null()]),
+        STRATA_ERR_INVALID_ARGUMENT,
+        "one device",
+    );
     let bad_name = b"cp\xffu\0";
     expect_err(
         with_devices(&[bad_name.as_ptr() as *const c_char, ptr::null()]),

@@ -23,6 +23,8 @@ mod gpu {
     pub mod dense;
     #[path = "../gpu/infra.rs"]
     pub mod infra;
+    #[path = "../gpu/model.rs"]
+    pub mod model;
     #[path = "../gpu/moe.rs"]
     pub mod moe;
 }
@@ -45,8 +47,14 @@ fn main() -> ExitCode {
     let (major, minor) = gpu.compute_capability();
     println!("device cuda:0: {} (compute capability {major}.{minor}, {} SMs)", gpu.name(), gpu.sm_count());
 
-    let suites: [&[GpuTest]; 5] =
-        [gpu::infra::TESTS, gpu::moe::TESTS, gpu::dense::TESTS, gpu::attention::TESTS, gpu::deltanet::TESTS];
+    let suites: [&[GpuTest]; 6] = [
+        gpu::infra::TESTS,
+        gpu::moe::TESTS,
+        gpu::dense::TESTS,
+        gpu::attention::TESTS,
+        gpu::deltanet::TESTS,
+        gpu::model::TESTS,
+    ];
     let (mut passed, mut failed) = (0, 0);
     for &(name, test) in suites.iter().flat_map(|s| s.iter()) {
         if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {

@@ -50,11 +50,17 @@ pub struct GenerateArgs {
     /// CPU threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Device: cpu, cuda or cuda:N (CUDA needs a build with feature cuda).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
     let t_load = Instant::now();
-    let engine = Engine::load(&a.pack, &EngineOptions { threads: a.threads, ..Default::default() })?;
+    let engine = Engine::load(
+        &a.pack,
+        &EngineOptions { threads: a.threads, devices: vec![a.device.clone()], ..Default::default() },
+    )?;
     let tokenizer = match engine.pack().tokenizer_path() {
         Some(p) => Some(Tokenizer::from_file(&p)?),
         None => None,

@@ -11,6 +11,7 @@ use strata::pack::synth::{self, SynthOptions};
 use strata::pack::Pack;
 use strata::Result;
 
+mod bench;
 mod generate;
 
 #[derive(Parser)]
@@ -82,6 +83,8 @@ enum Cmd {
     },
     /// Generate tokens from a prompt.
     Generate(generate::GenerateArgs),
+    /// Prefill and decode speed on a device, against the floors measured there.
+    Bench(bench::BenchArgs),
 }
 
 pub fn main() -> i32 {
@@ -94,6 +97,7 @@ pub fn main() -> i32 {
         }
         Cmd::Inspect { pack, verify } => ("inspect", cmd_inspect(pack, verify)),
         Cmd::Generate(args) => ("generate", generate::run(args)),
+        Cmd::Bench(args) => ("bench", bench::run(args)),
     };
     match res {
         Ok(()) => 0,

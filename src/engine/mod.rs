@@ -20,6 +20,8 @@
 //! Every op goes through the `Backend`; the MoE block is `moe::forward`.
 //! `Engine` is a cheap handle (an `Arc`); sessions hold one each.
 
+#[cfg(feature = "cuda")]
+pub(crate) mod gpu;
 #[cfg(test)]
 pub(crate) mod test_pack;
 
@@ -39,8 +41,8 @@ use crate::model::weights::{layer_tensor_name, model_tensor_name, Role};
 use crate::model::ModelConfig;
 use crate::moe::{self, MoeLayer};
 use crate::pack::{ExpertView, Pack, TensorData};
-use crate::session::kv::KvCache;
-use crate::session::{Session, SessionOptions};
+use crate::session::kv::{Cache, KvCache};
+use crate::session::{KvType, Session, SessionOptions};
 
 #[derive(Clone, Debug, Default)]
 pub struct EngineOptions {
@@ -79,18 +81,16 @@ impl Device {
     }
 
     /// Parses a device list and checks that this build can run on it: one
-    /// CPU (the default when the list is empty). A CUDA device is probed
-    /// (driver library, device count, ordinal) and refused with
-    /// `Error::NoCuda` naming the cause; the engine does not run on CUDA yet.
+    /// device, the CPU (the default when the list is empty) or one CUDA
+    /// device. A CUDA device is probed (driver library, device count,
+    /// ordinal) and refused with `Error::NoCuda` naming the cause; a build
+    /// without the `cuda` feature refuses every CUDA device so.
     pub fn parse_list(names: &[String]) -> Result<Vec<Device>> {
         let devices = names.iter().map(|n| Device::parse(n)).collect::<Result<Vec<_>>>()?;
         for d in &devices {
             if let Device::Cuda(ordinal) = *d {
                 #[cfg(feature = "cuda")]
-                {
-                    crate::backend::cuda::probe(ordinal as usize)?;
-                    return Err(Error::NoCuda("the CUDA engine path is not wired yet".into()));
-                }
+                crate::backend::cuda::probe(ordinal as usize)?;
                 #[cfg(not(feature = "cuda"))]
                 {
                     let _ = ordinal;
@@ -99,7 +99,9 @@ impl Device {
             }
         }
         if devices.len() > 1 {
-            return Err(Error::InvalidArgument(format!("devices {names:?}: the cpu can be listed only once")));
+            return Err(Error::InvalidArgument(format!(
+                "devices {names:?}: one device per engine (layer split over several devices is not built yet)"
+            )));
         }
         Ok(if devices.is_empty() { vec![Device::Cpu] } else { devices })
     }
@@ -142,16 +144,27 @@ pub struct Engine {
 
 struct Inner {
     pack: Pack,
-    weights: Weights,
+    exec: Exec,
     rope: Rope,
-    backend: Box<dyn Backend>,
     /// Tests: layers left to run before a forward fails.
     #[cfg(test)]
     fail_after_layers: std::sync::Mutex<Option<usize>>,
     /// Tests: `(layer, position)` whose hidden state gets a NaN at the end
     /// of that layer, once.
-    #[cfg(test)]
+    #[cfg(any(test, feature = "test-hooks"))]
     nan_at: std::sync::Mutex<Option<(usize, usize)>>,
+}
+
+/// What runs the forward pass: the CPU reference (f32 weights decoded at
+/// load, every op through `Backend`) or one CUDA device (`gpu::GpuModel`:
+/// weights resident in device memory, the same math in kernels).
+enum Exec {
+    Cpu {
+        backend: Box<dyn Backend>,
+        weights: Weights,
+    },
+    #[cfg(feature = "cuda")]
+    Cuda(Box<gpu::GpuModel>),
 }
 
 /// Dense weights in f32, decoded once at load. Experts stay in the pack.
@@ -469,21 +482,41 @@ impl Engine {
     fn build(pack: Pack, opts: &EngineOptions, progress: &mut dyn FnMut(usize, usize) -> Result<()>) -> Result<Engine> {
         let c = pack.config();
         c.validate()?;
-        let backend = CpuBackend::new(opts.threads)?;
-        let weights = Weights::load(&pack, &backend, progress)?;
         let rope = Rope::new(c);
+        let exec = match Device::parse_list(&opts.devices)?[0] {
+            Device::Cpu => {
+                let backend = CpuBackend::new(opts.threads)?;
+                let weights = Weights::load(&pack, &backend, progress)?;
+                Exec::Cpu { backend: Box::new(backend), weights }
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                let gpu = crate::backend::cuda::Gpu::open(ordinal as usize)?;
+                Exec::Cuda(Box::new(gpu::GpuModel::load(&pack, gpu, &rope, progress)?))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => unreachable!("parse_list refuses CUDA devices without the cuda feature"),
+        };
         Ok(Engine {
             inner: Arc::new(Inner {
                 pack,
-                weights,
+                exec,
                 rope,
-                backend: Box::new(backend),
                 #[cfg(test)]
                 fail_after_layers: std::sync::Mutex::new(None),
-                #[cfg(test)]
+                #[cfg(any(test, feature = "test-hooks"))]
                 nan_at: std::sync::Mutex::new(None),
             }),
         })
+    }
+
+    /// The CPU backend and its weights (the CPU forward's view of `exec`).
+    fn cpu(&self) -> (&dyn Backend, &Weights) {
+        match &self.inner.exec {
+            Exec::Cpu { backend, weights } => (&**backend, weights),
+            #[cfg(feature = "cuda")]
+            Exec::Cuda(_) => unreachable!("the CPU forward on a CUDA engine"),
+        }
     }
 
     /// Tests: a forward fails (`Error::Cancelled`) once `layers` more layers
@@ -496,10 +529,26 @@ impl Engine {
 
     /// Tests: the next forward that runs absolute position `position`
     /// writes a NaN into its hidden state at the end of layer `layer`
-    /// (once), as a numerical blow-up would.
-    #[cfg(test)]
-    pub(crate) fn inject_nan_at(&self, layer: usize, position: usize) {
+    /// (once), as a numerical blow-up would. (Feature `test-hooks` makes
+    /// it available to the GPU suite.)
+    #[cfg(any(test, feature = "test-hooks"))]
+    #[doc(hidden)]
+    pub fn inject_nan_at(&self, layer: usize, position: usize) {
         *self.inner.nan_at.lock().unwrap() = Some((layer, position));
+    }
+
+    /// Takes the pending NaN injection if it falls in `layer` and rows
+    /// `start..start + rows`: the row to poison.
+    #[cfg(any(test, feature = "test-hooks"))]
+    pub(crate) fn take_nan(&self, layer: usize, start: usize, rows: usize) -> Option<usize> {
+        let mut nan = self.inner.nan_at.lock().unwrap();
+        match *nan {
+            Some((l, pos)) if l == layer && (start..start + rows).contains(&pos) => {
+                *nan = None;
+                Some(pos - start)
+            }
+            _ => None,
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -510,9 +559,30 @@ impl Engine {
         &self.inner.pack
     }
 
-    /// The name of the backend that runs the forward pass ("cpu").
+    /// The name of the backend that runs the forward pass ("cpu" or "cuda").
     pub fn backend_name(&self) -> &'static str {
-        self.inner.backend.name()
+        match &self.inner.exec {
+            Exec::Cpu { backend, .. } => backend.name(),
+            #[cfg(feature = "cuda")]
+            Exec::Cuda(_) => "cuda",
+        }
+    }
+
+    /// A new session cache for this engine's device: the host KV of the
+    /// CPU backend (f32) or device memory (int8 by default, or bf16).
+    pub(crate) fn new_cache(&self, kv_type: KvType) -> Result<Cache> {
+        let c = self.config();
+        match &self.inner.exec {
+            Exec::Cpu { backend, .. } => match kv_type {
+                KvType::Auto | KvType::F32 => Ok(Cache::Host(KvCache::new_hybrid(c.kv_dim(), &linear_layers(c)))),
+                other => Err(Error::Unsupported(format!(
+                    "kv_type {other:?}: the {} backend keeps f32 KV only",
+                    backend.name()
+                ))),
+            },
+            #[cfg(feature = "cuda")]
+            Exec::Cuda(m) => Ok(Cache::Device(m.new_cache(kv_type)?)),
+        }
     }
 
     pub fn new_session(&self, opts: &SessionOptions) -> Result<Session> {
@@ -528,8 +598,19 @@ impl Engine {
     /// end of every layer, and the logits computed; the first NaN or
     /// infinity fails the forward with `Error::NonFinite` naming the layer
     /// (or the logits) and the absolute position where it was seen.
-    pub(crate) fn forward(&self, kv: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
+    pub(crate) fn forward(&self, cache: &mut Cache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         assert!(!tokens.is_empty(), "forward: no tokens (the session rejects empty prompts)");
+        match cache {
+            Cache::Host(kv) => self.forward_host(kv, tokens, logits),
+            #[cfg(feature = "cuda")]
+            Cache::Device(d) => match &self.inner.exec {
+                Exec::Cuda(m) => m.forward(self, d, tokens, logits),
+                Exec::Cpu { .. } => unreachable!("a device cache on a CPU engine"),
+            },
+        }
+    }
+
+    fn forward_host(&self, kv: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         let start = kv.len();
         let deltas = if kv.is_hybrid() { Some(kv.deltas()) } else { None };
         match self.forward_rows(kv, tokens, logits) {
@@ -549,8 +630,7 @@ impl Engine {
 
     fn forward_rows(&self, kv: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         let c = self.config();
-        let w = &self.inner.weights;
-        let b = &*self.inner.backend;
+        let (b, w) = self.cpu();
         let (h, t) = (c.hidden_size, tokens.len());
         let start = kv.len();
         let mut x = vec![0.0f32; t * h];
@@ -563,15 +643,9 @@ impl Engine {
                 Mixer::Linear { .. } => self.linear_block(l, lw, kv, &mut x),
             }
             self.moe_block(l, lw, &mut x)?;
-            #[cfg(test)]
-            {
-                let mut nan = self.inner.nan_at.lock().unwrap();
-                if let Some((layer, pos)) = *nan {
-                    if layer == l && (start..start + t).contains(&pos) {
-                        x[(pos - start) * h] = f32::NAN;
-                        *nan = None;
-                    }
-                }
+            #[cfg(any(test, feature = "test-hooks"))]
+            if let Some(row) = self.take_nan(l, start, t) {
+                x[row * h] = f32::NAN;
             }
             check_finite(&x, h, start, || format!("at layer {l}"))?;
             #[cfg(test)]
@@ -606,7 +680,7 @@ impl Engine {
     /// `x += o_proj(attention(rope(norm(q)), rope(norm(k)), v))` over `x [T, hidden]`.
     fn attention_block(&self, layer: usize, lw: &LayerWeights, kv: &mut KvCache, x: &mut [f32]) {
         let c = self.config();
-        let b = &*self.inner.backend;
+        let (b, _) = self.cpu();
         let eps = self.eps();
         let shape =
             AttentionShape { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
@@ -656,7 +730,7 @@ impl Engine {
     /// `x += gated_deltanet(norm(x))`, advancing the layer's recurrent state.
     fn linear_block(&self, layer: usize, lw: &LayerWeights, kv: &mut KvCache, x: &mut [f32]) {
         let c = self.config();
-        let b = &*self.inner.backend;
+        let (b, _) = self.cpu();
         let Mixer::Linear { in_proj_qkvz, in_proj_ba, conv1d, dt_bias, a_log, norm, out_proj } = &lw.mixer else {
             unreachable!("linear_block on an attention layer")
         };
@@ -671,7 +745,7 @@ impl Engine {
     /// `x += moe(norm(x))`.
     fn moe_block(&self, layer: usize, lw: &LayerWeights, x: &mut [f32]) -> Result<()> {
         let c = self.config();
-        let b = &*self.inner.backend;
+        let (b, _) = self.cpu();
         let mut h = vec![0.0f32; x.len()];
         b.rmsnorm(x, &lw.post_attn_norm, self.eps(), &mut h);
         let moe =
@@ -687,7 +761,7 @@ impl Engine {
 
     /// `out += sigmoid(h . gate) * shared_mlp(h)` over `h [T, hidden]`.
     fn shared_expert(&self, se: &SharedExpert, h: &[f32], out: &mut [f32]) -> Result<()> {
-        let b = &*self.inner.backend;
+        let (b, _) = self.cpu();
         let hidden = self.config().hidden_size;
         let t = h.len() / hidden;
         let mut y = vec![0.0f32; h.len()];
@@ -785,7 +859,7 @@ mod tests {
         write_tiny_pack(dir.path(), &cfg, &TinyPack::default()).unwrap();
         assert!(Pack::open(dir.path()).unwrap().tensor("lm_head.weight").is_err());
         let e = Engine::load(dir.path(), &EngineOptions::default()).unwrap();
-        let w = &e.inner.weights;
+        let (_, w) = e.cpu();
         assert!(w.lm_head.is_none());
         assert!(std::ptr::eq(w.lm_head(), &w.embed));
         let mut s = e.new_session(&SessionOptions::default()).unwrap();
@@ -829,16 +903,17 @@ mod tests {
         assert!(err.to_string().contains("feature cuda"), "{err}");
         #[cfg(feature = "cuda")]
         {
-            // Whatever this machine has, a CUDA device is probed, then refused.
-            let err = Device::parse_list(&["cuda".into()]).unwrap_err();
-            let Error::NoCuda(m) = &err else { panic!("{err}") };
-            match crate::backend::cuda::device_count() {
-                Err(Error::NoCuda(why)) => assert_eq!(m, &why),
-                Ok(_) => assert_eq!(m, "the CUDA engine path is not wired yet"),
-                Err(e) => panic!("{e}"),
-            }
-            if !crate::backend::cuda::driver_library_present() {
-                assert_eq!(m, "the CUDA driver library (libcuda.so.1) was not found");
+            // Whatever this machine has, a CUDA device is probed: refused
+            // with the cause when absent, accepted when present.
+            match (Device::parse_list(&["cuda".into()]), crate::backend::cuda::device_count()) {
+                (Err(Error::NoCuda(m)), Err(Error::NoCuda(why))) => {
+                    assert_eq!(m, why);
+                    if !crate::backend::cuda::driver_library_present() {
+                        assert_eq!(m, "the CUDA driver library (libcuda.so.1) was not found");
+                    }
+                }
+                (Ok(d), Ok(_)) => assert_eq!(d, vec![Device::Cuda(0)]),
+                (got, count) => panic!("{got:?} with device_count {count:?}"),
             }
             let err = Device::parse_list(&["cuda:4096".into()]).unwrap_err();
             let Error::NoCuda(m) = &err else { panic!("{err}") };
@@ -935,7 +1010,7 @@ mod tests {
             logits_of(b.path(), &EngineOptions::default(), &prompt),
         );
         let e = Engine::load(b.path(), &EngineOptions::default()).unwrap();
-        assert!(matches!(e.inner.weights.layers[0].shared.as_ref().unwrap().mlp, SharedMlp::Dense { .. }));
+        assert!(matches!(e.cpu().1.layers[0].shared.as_ref().unwrap().mlp, SharedMlp::Dense { .. }));
         let m = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let d = x.iter().zip(&y).fold(0.0f32, |d, (p, q)| d.max((p - q).abs()));
         assert!(d <= 1e-5 * m, "dense vs NVFP4 shared expert: {d} of {m}");

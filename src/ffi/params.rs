@@ -178,7 +178,7 @@ mod tests {
         check_layout::<strata_sampling_params>(offset_of!(strata_sampling_params, struct_size));
         assert_eq!(strata_engine_params::fields().len(), 7);
         assert_eq!(strata_model_info::fields().len(), 7);
-        assert_eq!(strata_session_params::fields().len(), 4);
+        assert_eq!(strata_session_params::fields().len(), 6);
         assert_eq!(strata_sampling_params::fields().len(), 5);
     }
 }

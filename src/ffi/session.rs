@@ -7,7 +7,7 @@ use super::engine::strata_engine;
 use super::params::{self, field, Field, Kind, Versioned};
 use super::status::{run, strata_status, FfiError};
 use crate::sampling::SamplingParams;
-use crate::session::{Session, SessionOptions};
+use crate::session::{KvType, Session, SessionOptions};
 
 /// One conversation: tokens, KV cache, logits, checkpoints, sampler.
 /// Opaque; created by `strata_session_open`, freed by `strata_session_free`.
@@ -27,12 +27,14 @@ pub struct strata_session {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum strata_kv_type {
-    /// The backend's choice (f32 on cpu).
+    /// The backend's choice (f32 on cpu, int8 on cuda).
     STRATA_KV_AUTO = 0,
+    /// cpu only (`STRATA_ERR_UNSUPPORTED` on cuda).
     STRATA_KV_F32 = 1,
-    /// Not supported on cpu (`STRATA_ERR_UNSUPPORTED`).
+    /// cuda only (`STRATA_ERR_UNSUPPORTED` on cpu).
     STRATA_KV_BF16 = 2,
-    /// Not supported on cpu (`STRATA_ERR_UNSUPPORTED`).
+    /// cuda only: int8 with one scale per position and head
+    /// (`STRATA_ERR_UNSUPPORTED` on cpu).
     STRATA_KV_INT8 = 3,
 }
 
@@ -218,21 +220,18 @@ pub unsafe extern "C" fn strata_session_open(
         let out = args::out(out, "out")?;
         *out = std::ptr::null_mut();
         let p = params::read(params)?;
-        match p.kv_type {
-            strata_kv_type::STRATA_KV_AUTO | strata_kv_type::STRATA_KV_F32 => {}
-            other => {
-                return Err(FfiError::new(
-                    strata_status::STRATA_ERR_UNSUPPORTED,
-                    format!("kv_type {other:?}: the {} backend keeps f32 KV only", e.engine.backend_name()),
-                ))
-            }
-        }
         let opts = SessionOptions {
             context_size: p.context_size as usize,
             prefill_chunk: p.prefill_chunk as usize,
             keep_all_logits: p.keep_all_logits,
             checkpoint_every: p.checkpoint_every as usize,
             checkpoint_budget: usize::try_from(p.checkpoint_budget).unwrap_or(usize::MAX),
+            kv_type: match p.kv_type {
+                strata_kv_type::STRATA_KV_AUTO => KvType::Auto,
+                strata_kv_type::STRATA_KV_F32 => KvType::F32,
+                strata_kv_type::STRATA_KV_BF16 => KvType::Bf16,
+                strata_kv_type::STRATA_KV_INT8 => KvType::Int8,
+            },
         };
         let session = e.engine.new_session(&opts)?;
         let vocab = e.engine.config().vocab_size;

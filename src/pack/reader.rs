@@ -320,6 +320,22 @@ impl Pack {
         })
     }
 
+    /// The blobs of every expert of `layer`, as stored: `num_experts`
+    /// blobs at the layout's stride (padding included), ready for one copy
+    /// to a device.
+    pub fn expert_layer_bytes(&self, layer: usize) -> Result<&[u8]> {
+        let c = self.config();
+        if layer >= c.num_expert_layers() {
+            return Err(Error::InvalidArgument(format!(
+                "expert layer {layer} is outside the pack's {} expert layers",
+                c.num_expert_layers()
+            )));
+        }
+        let l = self.layout();
+        let off = l.blob_offset(c.num_experts, layer, 0) as usize;
+        Ok(&self.experts[off..off + c.num_experts * l.stride as usize])
+    }
+
     /// Recomputes every checksum. `progress` is called with (done, total) bytes.
     pub fn verify(&self, mut progress: impl FnMut(u64, u64)) -> Result<()> {
         self.verify_with(|done, total| {

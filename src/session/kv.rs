@@ -8,6 +8,8 @@
 //! state cannot be truncated: `truncate` leaves it alone, and whoever
 //! shortens a hybrid cache restores the states that match (a snapshot).
 
+use std::borrow::Cow;
+
 use crate::backend::{DeltaNetShape, DeltaNetState};
 
 pub struct KvCache {
@@ -189,5 +191,133 @@ mod tests {
         let mut kv = KvCache::new(2, 1);
         kv.append(0, &[1.0], &[1.0]);
         kv.commit(1);
+    }
+}
+
+/// A session's cache on the device that runs its engine: the host `KvCache`
+/// of the CPU backend, or the device cache of the CUDA backend. The session
+/// and the engine call the same operations on either.
+///
+/// The device cache's operations that cannot fail on the host
+/// (`deltas`, `restore_deltas`, `reset_deltas`) panic on a CUDA error: the
+/// device is then unusable, and the C API reports it as an internal error.
+pub enum Cache {
+    Host(KvCache),
+    #[cfg(feature = "cuda")]
+    Device(crate::engine::gpu::DeviceCache),
+}
+
+impl Cache {
+    pub fn len(&self) -> usize {
+        match self {
+            Cache::Host(kv) => kv.len(),
+            #[cfg(feature = "cuda")]
+            Cache::Device(d) => d.len(),
+        }
+    }
+
+    pub fn is_hybrid(&self) -> bool {
+        match self {
+            Cache::Host(kv) => kv.is_hybrid(),
+            #[cfg(feature = "cuda")]
+            Cache::Device(d) => d.is_hybrid(),
+        }
+    }
+
+    /// A host copy of every Gated DeltaNet layer's state, in layer order.
+    pub fn deltas(&self) -> Vec<DeltaNetState> {
+        match self {
+            Cache::Host(kv) => kv.deltas(),
+            #[cfg(feature = "cuda")]
+            Cache::Device(d) => d.deltas().expect("CUDA: copying the recurrent states to the host"),
+        }
+    }
+
+    /// Puts back states taken by `deltas`.
+    pub fn restore_deltas(&mut self, states: &[DeltaNetState]) {
+        match self {
+            Cache::Host(kv) => kv.restore_deltas(states),
+            #[cfg(feature = "cuda")]
+            Cache::Device(d) => d.restore_deltas(states).expect("CUDA: copying the recurrent states to the device"),
+        }
+    }
+
+    /// Zeroes every recurrent state.
+    pub fn reset_deltas(&mut self) {
+        match self {
+            Cache::Host(kv) => kv.reset_deltas(),
+            #[cfg(feature = "cuda")]
+            Cache::Device(d) => d.reset_deltas().expect("CUDA: zeroing the recurrent states"),
+        }
+    }
+
+    /// Keeps positions `0..n`; recurrent states are left as they are.
+    pub fn truncate(&mut self, n: usize) {
+        match self {
+            Cache::Host(kv) => kv.truncate(n),
+            #[cfg(feature = "cuda")]
+            Cache::Device(d) => d.truncate(n),
+        }
+    }
+
+    /// Makes room for `n` more positions (the device cache grows its KV).
+    pub fn reserve(&mut self, n: usize) -> crate::error::Result<()> {
+        match self {
+            Cache::Host(kv) => {
+                kv.reserve(n);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Cache::Device(d) => d.reserve(n),
+        }
+    }
+
+    pub fn num_layers(&self) -> usize {
+        match self {
+            Cache::Host(kv) => kv.num_layers(),
+            #[cfg(feature = "cuda")]
+            Cache::Device(d) => d.num_layers(),
+        }
+    }
+
+    pub fn has_kv(&self, layer: usize) -> bool {
+        match self {
+            Cache::Host(kv) => kv.has_kv(layer),
+            #[cfg(feature = "cuda")]
+            Cache::Device(d) => d.has_kv(layer),
+        }
+    }
+
+    /// Keys and values of `layer`, positions `0..len`, as f32 (the device
+    /// cache dequantizes its int8 or bf16 rows).
+    pub fn layer_f32(&self, layer: usize) -> crate::error::Result<(Cow<'_, [f32]>, Cow<'_, [f32]>)> {
+        match self {
+            Cache::Host(kv) => {
+                let (k, v) = kv.layer(layer);
+                Ok((Cow::Borrowed(k), Cow::Borrowed(v)))
+            }
+            #[cfg(feature = "cuda")]
+            Cache::Device(d) => {
+                let (k, v) = d.layer_f32(layer)?;
+                Ok((Cow::Owned(k), Cow::Owned(v)))
+            }
+        }
+    }
+
+    /// A cache of the same kind holding a restored session state (see
+    /// `KvCache::from_state`).
+    pub fn from_state(
+        &self,
+        kv_dim: usize,
+        len: usize,
+        linear: &[Option<DeltaNetShape>],
+        layers: Vec<(Vec<f32>, Vec<f32>)>,
+        deltas: &[DeltaNetState],
+    ) -> crate::error::Result<Cache> {
+        match self {
+            Cache::Host(_) => Ok(Cache::Host(KvCache::from_state(kv_dim, len, linear, layers, deltas))),
+            #[cfg(feature = "cuda")]
+            Cache::Device(d) => Ok(Cache::Device(d.from_state(len, layers, deltas)?)),
+        }
     }
 }

@@ -17,7 +17,7 @@ use crate::backend::DeltaNetState;
 use crate::engine::{Engine, Logits};
 use crate::error::{Error, Result};
 use crate::sampling::{Sampler, SamplingParams};
-use kv::KvCache;
+use kv::Cache;
 
 #[derive(Clone, Debug, Default)]
 pub struct SessionOptions {
@@ -37,6 +37,22 @@ pub struct SessionOptions {
     /// first, to stay under it (explicit ones never are, but count).
     /// 0 = `DEFAULT_CHECKPOINT_BUDGET`.
     pub checkpoint_budget: usize,
+    /// Element type of the KV cache.
+    pub kv_type: KvType,
+}
+
+/// Element type of a session's KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvType {
+    /// The backend's choice: f32 on the CPU, int8 on CUDA.
+    #[default]
+    Auto,
+    /// CPU only.
+    F32,
+    /// CUDA only.
+    Bf16,
+    /// CUDA only: int8 values with one f32 scale per position and head.
+    Int8,
 }
 
 /// What a rewind restores: the number of tokens and the logits of the last
@@ -78,7 +94,7 @@ struct KeptLogits {
 
 pub struct Session {
     engine: Engine,
-    kv: KvCache,
+    kv: Cache,
     tokens: Vec<u32>,
     /// Logits of the last position, when they match `tokens`.
     logits: Option<Vec<f32>>,
@@ -128,7 +144,7 @@ impl Session {
         }
         let capacity = if opts.context_size == 0 { max } else { opts.context_size };
         Ok(Session {
-            kv: KvCache::new_hybrid(c.kv_dim(), &crate::engine::linear_layers(c)),
+            kv: engine.new_cache(opts.kv_type)?,
             engine,
             tokens: Vec::new(),
             logits: None,
@@ -595,7 +611,7 @@ impl Session {
         let all = read.all || self.keep_all_logits;
         let start = self.kv.len();
         debug_assert_eq!(start, self.tokens.len());
-        self.kv.reserve(tokens.len());
+        self.kv.reserve(tokens.len())?;
         let before = (!read.keep_progress).then(|| {
             let deltas = if self.kv.is_hybrid() { Some(self.kv.deltas()) } else { None };
             (deltas, self.logits.clone())

@@ -28,7 +28,6 @@
 //! logits are not part of the state; loading drops the session's own (a
 //! hybrid session then takes an automatic checkpoint at the loaded position).
 
-use super::kv::KvCache;
 use super::Session;
 use crate::backend::DeltaNetState;
 use crate::error::{Error, Result};
@@ -163,7 +162,7 @@ impl Session {
             w.u32(t);
         }
         for l in (0..self.kv.num_layers()).filter(|&l| self.kv.has_kv(l)) {
-            let (k, v) = self.kv.layer(l);
+            let (k, v) = self.kv.layer_f32(l)?;
             w.f32s(&k[..n * c.kv_dim()]);
             w.f32s(&v[..n * c.kv_dim()]);
         }
@@ -292,7 +291,7 @@ impl Session {
         };
         debug_assert_eq!(r.pos, body);
 
-        self.kv = KvCache::from_state(kv_dim, n, &linear, kv, &deltas);
+        self.kv = self.kv.from_state(kv_dim, n, &linear, kv, &deltas)?;
         self.tokens = tokens;
         self.logits = logits;
         self.sampler = sampler;

@@ -1,0 +1,282 @@
+//! `strata bench`: prefill and decode speed of a pack on a device, each
+//! printed next to its floor (performance model in docs/performance.md):
+//!
+//! - decode is memory-bound: the floor is the bytes one token must read
+//!   (dense weights, the routed experts' blobs, KV and recurrent state)
+//!   over the HBM bandwidth measured in the same run;
+//! - prefill is compute-bound: the floor is the FLOPs of the prompt
+//!   (projections, experts, causal attention, the delta rule) over the BF16
+//!   tensor-core rate measured in the same run.
+//!
+//! Medians of `--repeats` runs, each in a fresh session.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+
+use strata::engine::{Engine, EngineOptions};
+use strata::model::weights::{model_tensor_name, Role};
+use strata::model::ModelConfig;
+use strata::pack::{Pack, TensorData};
+use strata::rng::Rng;
+use strata::sampling::Sampler;
+use strata::session::{KvType, SessionOptions};
+use strata::{Error, Result};
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// The pack directory.
+    #[arg(long)]
+    pack: PathBuf,
+    /// Prompt length in tokens (random ids).
+    #[arg(long, default_value_t = 4096)]
+    prompt_len: usize,
+    /// Tokens generated after the prompt (greedy).
+    #[arg(long, default_value_t = 64)]
+    gen: usize,
+    /// Runs of prefill + decode; the medians are printed.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// KV cache type on CUDA.
+    #[arg(long, value_enum, default_value = "int8")]
+    kv: KvArg,
+    /// Prefill chunk in tokens (0 = the whole prompt in one forward).
+    #[arg(long, default_value_t = 0)]
+    chunk: usize,
+    /// CPU threads (cpu device).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum KvArg {
+    Int8,
+    Bf16,
+    F32,
+}
+
+/// Bytes a decode step reads at context `ctx`, by part.
+struct DecodeBytes {
+    dense: f64,
+    experts: f64,
+    cache: f64,
+}
+
+/// Bytes of the dense weights a token reads on the device: every dense
+/// matrix in BF16 (the embedding contributes one row unless tied to the
+/// head), norms and small tensors in f32, NVFP4 tensors as stored.
+fn dense_bytes(pack: &Pack) -> Result<f64> {
+    let c = pack.config();
+    let mut total = 0.0;
+    let embedding = model_tensor_name(Role::Embedding);
+    for t in &pack.manifest().tensors {
+        if t.name.starts_with("mtp.") {
+            continue; // The MTP head does not run in plain decode.
+        }
+        let v = pack.tensor(&t.name)?;
+        let numel = v.numel() as f64;
+        total += match v.data {
+            _ if t.name == embedding && !c.tie_word_embeddings => 2.0 * c.hidden_size as f64,
+            TensorData::Nvfp4(_) => numel * (0.5 + 1.0 / 16.0),
+            _ if v.shape.len() >= 2 => 2.0 * numel,
+            _ => 4.0 * numel,
+        };
+    }
+    Ok(total)
+}
+
+fn decode_bytes(pack: &Pack, ctx: usize, kv_value_bytes: f64) -> Result<DecodeBytes> {
+    let c = pack.config();
+    let l = pack.layout();
+    let per_expert = 3.0 * (l.codes_len() + l.scales_len()) as f64;
+    let experts = (c.num_hidden_layers * c.num_experts_per_tok) as f64 * per_expert;
+    let mut cache = 0.0;
+    for layer in 0..c.num_hidden_layers {
+        if c.is_full_attention(layer) {
+            // K and V of every position; int8 adds one f32 scale per head vector.
+            let scale = if kv_value_bytes < 2.0 { 4.0 / c.head_dim as f64 } else { 0.0 };
+            cache += 2.0 * (ctx * c.kv_dim()) as f64 * (kv_value_bytes + scale);
+        } else if let Some(s) = c.linear_attn() {
+            // The recurrent state is read and written.
+            cache += 2.0 * 4.0 * (s.num_value_heads * s.key_head_dim * s.value_head_dim) as f64;
+        }
+    }
+    Ok(DecodeBytes { dense: dense_bytes(pack)?, experts, cache })
+}
+
+/// FLOPs of a prefill of `n` tokens from an empty session.
+fn prefill_flops(pack: &Pack, n: usize) -> Result<f64> {
+    let c = pack.config();
+    let n = n as f64;
+    let mut per_token = 0.0;
+    for t in &pack.manifest().tensors {
+        let v = pack.tensor(&t.name)?;
+        let is_matrix = v.shape.len() >= 2 && !t.name.starts_with("mtp.");
+        let is_edge = t.name.contains("embed_tokens") || t.name.contains("lm_head");
+        if is_matrix && !is_edge && !t.name.contains("conv1d") {
+            per_token += 2.0 * v.numel() as f64;
+        }
+    }
+    let (h, i) = (c.hidden_size as f64, c.moe_intermediate_size as f64);
+    per_token += 2.0 * 3.0 * h * i * (c.num_experts_per_tok * c.num_hidden_layers) as f64;
+    let mut total = per_token * n + 2.0 * (c.vocab_size * c.hidden_size) as f64;
+    for layer in 0..c.num_hidden_layers {
+        if c.is_full_attention(layer) {
+            // QK^T and PV over the causal triangle.
+            total += 2.0 * 2.0 * (c.num_attention_heads * c.head_dim) as f64 * n * (n + 1.0) / 2.0;
+        } else if let Some(s) = c.linear_attn() {
+            // The delta rule: a few dk x dv products per token and head.
+            total += 6.0 * (s.num_value_heads * s.key_head_dim * s.value_head_dim) as f64 * n;
+        }
+    }
+    Ok(total)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// The measured ceilings of the device, when it is a GPU.
+struct Ceilings {
+    hbm: f64,
+    bf16: f64,
+}
+
+#[cfg(feature = "cuda")]
+fn ceilings(device: &str) -> Result<Option<Ceilings>> {
+    use strata::backend::cuda::{ceilings, Gpu};
+    let ordinal = match strata::engine::Device::parse(device)? {
+        strata::engine::Device::Cuda(n) => n as usize,
+        strata::engine::Device::Cpu => return Ok(None),
+    };
+    let gpu = Gpu::open(ordinal)?;
+    let hbm = ceilings::hbm_bandwidth(&gpu)?;
+    let bf16 = ceilings::bf16_tensor_rate(&gpu)?;
+    eprintln!(
+        "strata bench: {} measured: HBM copy {:.2} TB/s, BF16 tensor GEMM {:.0} TFLOP/s",
+        gpu.name(),
+        hbm / 1e12,
+        bf16 / 1e12
+    );
+    Ok(Some(Ceilings { hbm, bf16 }))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn ceilings(_device: &str) -> Result<Option<Ceilings>> {
+    Ok(None)
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.prompt_len == 0 || a.repeats == 0 {
+        return Err(Error::InvalidArgument("--prompt-len and --repeats must be at least 1".into()));
+    }
+    let ceil = ceilings(&a.device)?;
+    let t = Instant::now();
+    let opts = EngineOptions { threads: a.threads, devices: vec![a.device.clone()], ..Default::default() };
+    let engine = Engine::load(&a.pack, &opts)?;
+    let c: ModelConfig = engine.config().clone();
+    eprintln!(
+        "strata bench: loaded {} on {} in {:.1} s",
+        a.pack.display(),
+        engine.backend_name(),
+        t.elapsed().as_secs_f64()
+    );
+    let (kv_type, kv_bytes) = match a.kv {
+        KvArg::Int8 => (KvType::Int8, 1.0),
+        KvArg::Bf16 => (KvType::Bf16, 2.0),
+        KvArg::F32 => (KvType::F32, 4.0),
+    };
+    let kv_type = if engine.backend_name() == "cpu" { KvType::Auto } else { kv_type };
+    let sopts = SessionOptions {
+        prefill_chunk: a.chunk,
+        context_size: (a.prompt_len + a.gen + 1).min(c.max_position_embeddings),
+        kv_type,
+        ..Default::default()
+    };
+    let mut rng = Rng::new(7);
+    let prompt: Vec<u32> = (0..a.prompt_len).map(|_| (rng.next_u64() % c.vocab_size as u64) as u32).collect();
+    let (mut prefill_s, mut step_s) = (Vec::new(), Vec::new());
+    for r in 0..a.repeats {
+        let mut s = engine.new_session(&sopts)?;
+        let t = Instant::now();
+        s.prefill(&prompt)?;
+        let p = t.elapsed().as_secs_f64();
+        let mut sampler = Sampler::greedy();
+        let t = Instant::now();
+        for _ in 0..a.gen {
+            s.step(&mut sampler)?;
+        }
+        let d = t.elapsed().as_secs_f64();
+        eprintln!(
+            "strata bench: run {}: prefill {:.3} s ({:.0} tok/s), decode {} tokens {:.3} s ({:.1} tok/s)",
+            r + 1,
+            p,
+            a.prompt_len as f64 / p,
+            a.gen,
+            d,
+            a.gen as f64 / d.max(1e-9)
+        );
+        prefill_s.push(p);
+        if a.gen > 0 {
+            step_s.push(d / a.gen as f64);
+        }
+    }
+    let prefill = median(&mut prefill_s);
+    let flops = prefill_flops(engine.pack(), a.prompt_len)?;
+    let mut line = format!(
+        "prefill {} tokens: {:.0} tok/s ({:.3} s, median of {}), {:.2} TFLOP",
+        a.prompt_len,
+        a.prompt_len as f64 / prefill,
+        prefill,
+        a.repeats,
+        flops / 1e12
+    );
+    if let Some(cl) = &ceil {
+        let floor = flops / cl.bf16;
+        line += &format!(
+            "; floor {:.3} s ({:.0} tok/s at {:.0} TFLOP/s measured): {:.1}% of the floor, {:.0} TFLOP/s achieved",
+            floor,
+            a.prompt_len as f64 / floor,
+            cl.bf16 / 1e12,
+            100.0 * floor / prefill,
+            flops / prefill / 1e12
+        );
+    }
+    println!("{line}");
+    if !step_s.is_empty() {
+        let step = median(&mut step_s);
+        let ctx = a.prompt_len + a.gen / 2;
+        let b = decode_bytes(engine.pack(), ctx, kv_bytes)?;
+        let bytes = b.dense + b.experts + b.cache;
+        let mut line = format!(
+            "decode at batch 1: {:.1} tok/s ({:.2} ms/token, median of {} x {} steps), {:.1} MB/token \
+             (dense {:.1}, experts {:.1}, KV/state {:.1} at context {ctx})",
+            1.0 / step,
+            step * 1e3,
+            a.repeats,
+            a.gen,
+            bytes / 1e6,
+            b.dense / 1e6,
+            b.experts / 1e6,
+            b.cache / 1e6
+        );
+        if let Some(cl) = &ceil {
+            let floor = bytes / cl.hbm;
+            line += &format!(
+                "; floor {:.3} ms ({:.0} tok/s at {:.2} TB/s measured): {:.1}% of the floor, {:.2} TB/s achieved",
+                floor * 1e3,
+                1.0 / floor,
+                cl.hbm / 1e12,
+                100.0 * floor / step,
+                bytes / step / 1e12
+            );
+        }
+        println!("{line}");
+    }
+    Ok(())
+}

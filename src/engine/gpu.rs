@@ -1,0 +1,815 @@
+//! The forward pass on one CUDA device (feature `cuda`): the math of the
+//! CPU forward in `engine/mod.rs`, op for op, in the kernels of
+//! `backend::cuda`, with every weight resident in device memory.
+//!
+//! - Dense weights are BF16 on the device (a BF16 pack's bytes unchanged;
+//!   F32 and NVFP4 dense tensors are rounded to BF16, so only BF16 packs give
+//!   the CPU's exact weights). Norm weights and the small DeltaNet tensors
+//!   stay f32. Activations are f32 throughout.
+//! - Experts stay in the pack's blob layout: every blob of the main layers
+//!   is copied once into one device buffer, and a per-layer table of blob
+//!   addresses (`u64 [num_experts]`) is what the MoE kernels index with the
+//!   expert ids the router kernel produced on the device. A blob carries
+//!   its three global scales in its tail: no kernel takes them separately.
+//!   An NVFP4 shared expert (qwen3_next) becomes a blob of its own layout
+//!   and runs through the same kernels with one expert and its sigmoid gate
+//!   as the routing weight.
+//! - A forward queues every kernel on the device's stream and waits once,
+//!   at the end, to read the non-finite flags (one per layer and one for the
+//!   logits) and the logits it was asked for: no host round trip per layer.
+//!
+//! A session's `DeviceCache` holds its KV (int8 with per-position-and-head
+//! scales, or bf16; grown by doubling as the session fills) and the Gated
+//! DeltaNet states in the CPU's layouts, so checkpoints copy them to and
+//! from host `DeltaNetState`s unchanged.
+
+use std::sync::Arc;
+
+use half::bf16;
+
+use super::{deltanet_shape, linear_layers, Engine, Logits};
+use crate::backend::cuda::attention::{self, DeviceKv, KvDtype};
+use crate::backend::cuda::deltanet::{
+    deltanet_core_with, DeltaNetDeviceWeights, DeltaNetScratch, DeltaRuleForm, DeviceDeltaState,
+};
+use crate::backend::cuda::dense::{self, RopeTable};
+use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping};
+use crate::backend::cuda::{CudaSlice, DevicePtr, Gpu};
+use crate::backend::{AttentionShape, DeltaNetState, Rope};
+use crate::error::{Error, Result};
+use crate::model::weights::{layer_tensor_name, model_tensor_name, Role};
+use crate::model::ModelConfig;
+use crate::pack::format::ExpertLayout;
+use crate::pack::{Pack, TensorData};
+use crate::session::KvType;
+
+/// Rows up to which the MoE runs the per-token GEMV kernels (decode,
+/// speculative verify); above, the grouped kernels (prefill).
+const MOE_GEMV_MAX_ROWS: usize = 8;
+
+/// First capacity of a session's device KV, in positions.
+const KV_INITIAL_CAPACITY: usize = 256;
+
+/// A model loaded onto one CUDA device.
+pub(crate) struct GpuModel {
+    gpu: Arc<Gpu>,
+    config: ModelConfig,
+    embed: CudaSlice<bf16>,
+    /// `None` when tied to the embedding.
+    lm_head: Option<CudaSlice<bf16>>,
+    final_norm: CudaSlice<f32>,
+    layers: Vec<GpuLayer>,
+    rope: RopeTable,
+    /// Every expert blob of the main layers at the pack's stride. Only the
+    /// tables below point into it.
+    _experts: CudaSlice<u8>,
+    /// Per layer: the device address of each expert's blob.
+    tables: Vec<CudaSlice<u64>>,
+    layout: BlobLayout,
+}
+
+struct GpuLayer {
+    input_norm: CudaSlice<f32>,
+    mixer: GpuMixer,
+    post_attn_norm: CudaSlice<f32>,
+    router: CudaSlice<bf16>,
+    shared: Option<GpuShared>,
+}
+
+enum GpuMixer {
+    Attention {
+        q_proj: CudaSlice<bf16>,
+        k_proj: CudaSlice<bf16>,
+        v_proj: CudaSlice<bf16>,
+        o_proj: CudaSlice<bf16>,
+        q_norm: CudaSlice<f32>,
+        k_norm: CudaSlice<f32>,
+    },
+    Linear {
+        in_proj_qkvz: CudaSlice<bf16>,
+        in_proj_ba: CudaSlice<bf16>,
+        out_proj: CudaSlice<bf16>,
+        small: DeltaNetDeviceWeights,
+    },
+}
+
+/// qwen3_next's shared expert: `sigmoid(h . gate) * mlp(h)`.
+struct GpuShared {
+    /// `[1, hidden]`.
+    gate: CudaSlice<bf16>,
+    intermediate: usize,
+    mlp: GpuSharedMlp,
+}
+
+enum GpuSharedMlp {
+    /// One blob in the routed experts' layout (for its own intermediate
+    /// size), global scales in its tail; `table` holds its address.
+    Nvfp4 {
+        _blob: CudaSlice<u8>,
+        table: CudaSlice<u64>,
+        layout: BlobLayout,
+    },
+    Dense {
+        gate: CudaSlice<bf16>,
+        up: CudaSlice<bf16>,
+        down: CudaSlice<bf16>,
+    },
+}
+
+/// A dense tensor as BF16 for the device (see the module doc).
+fn to_bf16(pack: &Pack, name: &str, shape: &[usize]) -> Result<Vec<bf16>> {
+    let t = pack.tensor(name)?;
+    let want: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+    if t.shape != want.as_slice() {
+        return Err(Error::tensor(name, format!("shape {:?}, the engine needs {shape:?}", t.shape)));
+    }
+    Ok(match t.data {
+        TensorData::Bf16(b) => b.chunks_exact(2).map(|p| bf16::from_bits(u16::from_le_bytes([p[0], p[1]]))).collect(),
+        _ => t.to_f32().into_iter().map(bf16::from_f32).collect(),
+    })
+}
+
+fn upload_bf16(gpu: &Gpu, pack: &Pack, name: &str, shape: &[usize]) -> Result<CudaSlice<bf16>> {
+    gpu.upload(&to_bf16(pack, name, shape)?)
+}
+
+fn upload_f32(gpu: &Gpu, pack: &Pack, name: &str, len: usize, zero_centered: bool) -> Result<CudaSlice<f32>> {
+    let t = pack.tensor(name)?;
+    if t.numel() != len {
+        return Err(Error::tensor(name, format!("{} elements, the engine needs {len}", t.numel())));
+    }
+    let mut v = t.to_f32();
+    if zero_centered {
+        v.iter_mut().for_each(|x| *x += 1.0);
+    }
+    gpu.upload(&v)
+}
+
+/// The device address of the start of `buf`.
+fn address<T>(gpu: &Gpu, buf: &CudaSlice<T>) -> u64 {
+    let (ptr, _sync) = buf.device_ptr(gpu.stream());
+    ptr
+}
+
+impl GpuModel {
+    /// Copies the pack's weights to `gpu`; `progress(done, total)` after each layer.
+    pub(crate) fn load(
+        pack: &Pack,
+        gpu: Arc<Gpu>,
+        rope: &Rope,
+        progress: &mut dyn FnMut(usize, usize) -> Result<()>,
+    ) -> Result<GpuModel> {
+        let c = pack.config().clone();
+        let (h, v, e) = (c.hidden_size, c.vocab_size, c.num_experts);
+        let total = c.num_hidden_layers + 1;
+        let zc = c.arch.zero_centered_norms();
+
+        let expert_layout = pack.layout();
+        let layout = BlobLayout::from(&expert_layout);
+        let stride = expert_layout.stride as usize;
+        let per_layer = e * stride;
+        let mut experts = gpu.alloc_zeros::<u8>(c.num_hidden_layers * per_layer)?;
+        let base = address(&gpu, &experts);
+        let mut tables = Vec::with_capacity(c.num_hidden_layers);
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            let bytes = pack.expert_layer_bytes(l)?;
+            gpu.stream().memcpy_htod(bytes, &mut experts.slice_mut(l * per_layer..(l + 1) * per_layer))?;
+            let table: Vec<u64> = (0..e).map(|x| base + ((l * e + x) * stride) as u64).collect();
+            tables.push(gpu.upload(&table)?);
+            layers.push(GpuLayer::load(pack, &gpu, l)?);
+            // Host buffers of this layer may be freed only once copied.
+            gpu.sync()?;
+            progress(l + 1, total)?;
+        }
+        let embed = upload_bf16(&gpu, pack, model_tensor_name(Role::Embedding), &[v, h])?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(upload_bf16(&gpu, pack, model_tensor_name(Role::LmHead), &[v, h])?)
+        };
+        let final_norm = upload_f32(&gpu, pack, model_tensor_name(Role::FinalNorm), h, zc)?;
+        let rope = RopeTable::new(&gpu, rope)?;
+        gpu.sync()?;
+        progress(total, total)?;
+        Ok(GpuModel { gpu, config: c, embed, lm_head, final_norm, layers, rope, _experts: experts, tables, layout })
+    }
+
+    /// A session cache on this device.
+    pub(crate) fn new_cache(&self, kv_type: KvType) -> Result<DeviceCache> {
+        let dtype = match kv_type {
+            KvType::Auto | KvType::Int8 => KvDtype::Int8,
+            KvType::Bf16 => KvDtype::Bf16,
+            KvType::F32 => {
+                return Err(Error::Unsupported("kv_type F32: the cuda backend keeps int8 (default) or bf16 KV".into()))
+            }
+        };
+        DeviceCache::new(self.gpu.clone(), &self.config, dtype)
+    }
+
+    /// `Engine::forward` on the device: runs `tokens` at positions
+    /// `cache.len()..`, returns the requested logits; on error the cache is
+    /// back where it was (KV length and recurrent states).
+    pub(crate) fn forward(
+        &self,
+        engine: &Engine,
+        cache: &mut DeviceCache,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        let start = cache.len;
+        cache.reserve(tokens.len())?;
+        let hybrid = cache.is_hybrid();
+        if hybrid {
+            cache.snapshot()?;
+        }
+        match self.forward_rows(engine, cache, tokens, logits) {
+            Ok(l) => {
+                cache.len = start + tokens.len();
+                Ok(l)
+            }
+            Err(e) => {
+                cache.len = start;
+                if hybrid {
+                    cache.restore_snapshot()?;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(unused_variables))]
+    fn forward_rows(&self, engine: &Engine, cache: &mut DeviceCache, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let gpu = &*self.gpu;
+        let (h, t, vocab) = (c.hidden_size, tokens.len(), c.vocab_size);
+        let start = cache.len;
+        let eps = c.rms_norm_eps as f32;
+        let mut s = cache.take_scratch(t)?;
+        let r = (|| -> Result<Vec<f32>> {
+            dense::reset_flags(gpu, &mut cache.flags)?;
+            gpu.stream().memcpy_htod(tokens, &mut s.tokens)?;
+            dense::embed(gpu, &self.embed, &s.tokens, t, h, &mut s.x)?;
+            for (l, lw) in self.layers.iter().enumerate() {
+                dense::rmsnorm(gpu, &s.x, &lw.input_norm, eps, &mut s.h)?;
+                match &lw.mixer {
+                    GpuMixer::Attention { .. } => self.attention(l, lw, cache, &mut s, start)?,
+                    GpuMixer::Linear { .. } => self.linear(l, lw, cache, &mut s)?,
+                }
+                dense::add(gpu, &mut s.x, &s.o)?;
+                dense::rmsnorm(gpu, &s.x, &lw.post_attn_norm, eps, &mut s.h)?;
+                self.moe(l, lw, &mut s)?;
+                dense::add(gpu, &mut s.x, &s.o)?;
+                #[cfg(any(test, feature = "test-hooks"))]
+                if let Some(row) = engine.take_nan(l, start, t) {
+                    gpu.stream().memcpy_htod(&[f32::NAN], &mut s.x.slice_mut(row * h..row * h + 1))?;
+                }
+                dense::first_nonfinite(gpu, &s.x, h, &mut cache.flags, l)?;
+            }
+            let (rows, first) = match want {
+                Logits::Skip => (0, start),
+                Logits::Last => (1, start + t - 1),
+                Logits::All => (t, start),
+            };
+            let mut out = Vec::new();
+            if rows > 0 {
+                let mut xs = gpu.alloc_zeros::<f32>(rows * h)?;
+                gpu.stream().memcpy_dtod(&s.x.slice((t - rows) * h..t * h), &mut xs)?;
+                let mut xn = gpu.alloc_zeros::<f32>(rows * h)?;
+                dense::rmsnorm(gpu, &xs, &self.final_norm, eps, &mut xn)?;
+                let mut lg = gpu.alloc_zeros::<f32>(rows * vocab)?;
+                let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+                dense::matmul(gpu, &xn, head, rows, vocab, h, &mut lg)?;
+                dense::first_nonfinite(gpu, &lg, vocab, &mut cache.flags, c.num_hidden_layers)?;
+                out = gpu.download(&lg)?;
+            }
+            let flags = gpu.download(&cache.flags)?;
+            for (slot, &flag) in flags.iter().enumerate() {
+                let width = if slot < c.num_hidden_layers { h } else { vocab };
+                if let Some((row, _)) = dense::nonfinite_row(flag, width) {
+                    let place =
+                        if slot < c.num_hidden_layers { format!("at layer {slot}") } else { "in the logits".into() };
+                    let pos = if slot < c.num_hidden_layers { start + row } else { first + row };
+                    return Err(Error::NonFinite(format!("NaN or infinity {place}, position {pos}")));
+                }
+            }
+            Ok(out)
+        })();
+        cache.scratch = Some(s);
+        r
+    }
+
+    /// `o = o_proj(attention(...))` of the normed rows in `s.h`.
+    fn attention(&self, l: usize, lw: &GpuLayer, cache: &mut DeviceCache, s: &mut Scratch, start: usize) -> Result<()> {
+        let c = &self.config;
+        let gpu = &*self.gpu;
+        let GpuMixer::Attention { q_proj, k_proj, v_proj, o_proj, q_norm, k_norm } = &lw.mixer else {
+            unreachable!("attention on a linear layer")
+        };
+        let (t, h, eps) = (s.t, c.hidden_size, c.rms_norm_eps as f32);
+        let shape =
+            AttentionShape { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
+        let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
+        if c.has_attention_gate() {
+            dense::matmul_with_scratch(gpu, &s.h, q_proj, t, 2 * qd, h, &mut s.qg, &mut s.bf)?;
+            dense::split_q_gate(gpu, &s.qg, shape.heads, shape.head_dim, &mut s.q, &mut s.gate)?;
+        } else {
+            dense::matmul_with_scratch(gpu, &s.h, q_proj, t, qd, h, &mut s.q, &mut s.bf)?;
+        }
+        dense::matmul_with_scratch(gpu, &s.h, k_proj, t, kvd, h, &mut s.k, &mut s.bf)?;
+        dense::matmul_with_scratch(gpu, &s.h, v_proj, t, kvd, h, &mut s.v, &mut s.bf)?;
+        dense::rmsnorm(gpu, &s.q, q_norm, eps, &mut s.qn)?;
+        dense::rmsnorm(gpu, &s.k, k_norm, eps, &mut s.kn)?;
+        dense::rope(gpu, &mut s.qn, t, shape.heads, shape.head_dim, start, &self.rope)?;
+        dense::rope(gpu, &mut s.kn, t, shape.kv_heads, shape.head_dim, start, &self.rope)?;
+        let kv = cache.kv[l].as_mut().expect("an attention layer has KV");
+        attention::kv_append(gpu, kv, &s.kn, &s.v, start, t)?;
+        attention::attention(gpu, &s.qn, kv, shape, start, t, &mut s.attn)?;
+        if c.has_attention_gate() {
+            dense::output_gate(gpu, &mut s.attn, &s.gate)?;
+        }
+        dense::matmul_with_scratch(gpu, &s.attn, o_proj, t, h, qd, &mut s.o, &mut s.bf)
+    }
+
+    /// `o = out_proj(gated_deltanet(...))` of the normed rows in `s.h`.
+    fn linear(&self, l: usize, lw: &GpuLayer, cache: &mut DeviceCache, s: &mut Scratch) -> Result<()> {
+        let c = &self.config;
+        let gpu = &*self.gpu;
+        let GpuMixer::Linear { in_proj_qkvz, in_proj_ba, out_proj, small } = &lw.mixer else {
+            unreachable!("linear on an attention layer")
+        };
+        let shape = deltanet_shape(c);
+        let (t, h, eps) = (s.t, c.hidden_size, c.rms_norm_eps as f32);
+        let dn = s.dn.as_mut().expect("a hybrid's scratch");
+        dense::matmul_with_scratch(gpu, &s.h, in_proj_qkvz, t, shape.qkvz_dim(), h, &mut dn.qkvz, &mut s.bf)?;
+        dense::matmul_with_scratch(gpu, &s.h, in_proj_ba, t, shape.ba_dim(), h, &mut dn.ba, &mut s.bf)?;
+        let state = cache.delta[l].as_mut().expect("a linear layer has a recurrent state");
+        deltanet_core_with(
+            gpu,
+            &dn.qkvz,
+            &dn.ba,
+            small,
+            shape,
+            eps,
+            t,
+            state,
+            &mut dn.core,
+            &mut dn.scratch,
+            DeltaRuleForm::Auto,
+        )?;
+        dense::matmul_with_scratch(gpu, &dn.core, out_proj, t, h, shape.value_dim(), &mut s.o, &mut s.bf)
+    }
+
+    /// `o = moe(s.h)` (+ the shared expert), through the one MoE pipeline:
+    /// router, top-k on the device, experts by the blob table, combine.
+    fn moe(&self, l: usize, lw: &GpuLayer, s: &mut Scratch) -> Result<()> {
+        let c = &self.config;
+        let gpu = &*self.gpu;
+        let (t, h, e, k) = (s.t, c.hidden_size, c.num_experts, c.num_experts_per_tok);
+        dense::matmul_with_scratch(gpu, &s.h, &lw.router, t, e, h, &mut s.router, &mut s.bf)?;
+        moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
+        run_experts(gpu, &s.h, &s.ids, &s.weights, &self.tables[l], &self.layout, t, k, &mut s.moe, &mut s.o, false)?;
+        if let Some(sh) = &lw.shared {
+            let sx = s.shared.as_mut().expect("a shared expert's scratch");
+            dense::matmul(gpu, &s.h, &sh.gate, t, 1, h, &mut sx.logit)?;
+            match &sh.mlp {
+                GpuSharedMlp::Nvfp4 { table, layout, .. } => {
+                    dense::sigmoid(gpu, &mut sx.logit)?;
+                    run_experts(gpu, &s.h, &sx.zeros, &sx.logit, table, layout, t, 1, &mut sx.moe, &mut s.o, true)?;
+                }
+                GpuSharedMlp::Dense { gate, up, down } => {
+                    let i = sh.intermediate;
+                    dense::matmul_with_scratch(gpu, &s.h, gate, t, i, h, &mut sx.g, &mut s.bf)?;
+                    dense::matmul_with_scratch(gpu, &s.h, up, t, i, h, &mut sx.u, &mut s.bf)?;
+                    dense::silu_mul(gpu, &sx.g, &sx.u, &mut sx.act)?;
+                    dense::matmul_with_scratch(gpu, &sx.act, down, t, h, i, &mut sx.y, &mut s.bf)?;
+                    dense::sigmoid_scale_add(gpu, &mut s.o, &sx.y, &sx.logit, h)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `out (+)= sum_j w[t, j] * expert_{ids[t, j]}(x[t])` with the experts found
+/// through `table`: per-token GEMV kernels for few rows, grouped kernels
+/// (tokens aligned by expert) for more. The one expert pipeline of the GPU.
+#[allow(clippy::too_many_arguments)]
+fn run_experts(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    ids: &CudaSlice<u32>,
+    weights: &CudaSlice<f32>,
+    table: &CudaSlice<u64>,
+    layout: &BlobLayout,
+    t: usize,
+    k: usize,
+    m: &mut MoeScratch,
+    out: &mut CudaSlice<f32>,
+    accumulate: bool,
+) -> Result<()> {
+    if t <= MOE_GEMV_MAX_ROWS {
+        moe::expert_gate_up_gemv(gpu, x, ids, table, layout, t, k, &mut m.act)?;
+        moe::expert_down_gemv(gpu, &m.act, ids, weights, table, layout, t, k, out, accumulate)
+    } else {
+        let g = m.grouping.as_mut().expect("grouped scratch for more than a few rows");
+        moe::group_by_expert_into(gpu, ids, t, k, g)?;
+        let y = m.y.as_mut().expect("grouped scratch for more than a few rows");
+        moe::expert_gate_up_grouped(gpu, x, g, table, layout, &mut m.act)?;
+        moe::expert_down_grouped(gpu, &m.act, g, table, layout, y)?;
+        moe::moe_combine(gpu, y, g, weights, layout.hidden as usize, out, accumulate)
+    }
+}
+
+impl GpuLayer {
+    fn load(pack: &Pack, gpu: &Arc<Gpu>, l: usize) -> Result<GpuLayer> {
+        let c = pack.config();
+        let h = c.hidden_size;
+        let zc = c.arch.zero_centered_norms();
+        let n = |role| layer_tensor_name(l, role);
+        let mixer = if c.is_full_attention(l) {
+            GpuMixer::Attention {
+                q_proj: upload_bf16(gpu, pack, &n(Role::QProj), &[c.q_proj_dim(), h])?,
+                k_proj: upload_bf16(gpu, pack, &n(Role::KProj), &[c.kv_dim(), h])?,
+                v_proj: upload_bf16(gpu, pack, &n(Role::VProj), &[c.kv_dim(), h])?,
+                o_proj: upload_bf16(gpu, pack, &n(Role::OProj), &[h, c.q_dim()])?,
+                q_norm: upload_f32(gpu, pack, &n(Role::QNorm), c.head_dim, zc)?,
+                k_norm: upload_f32(gpu, pack, &n(Role::KNorm), c.head_dim, zc)?,
+            }
+        } else {
+            let s = deltanet_shape(c);
+            let f32s = |role, len| -> Result<Vec<f32>> {
+                let t = pack.tensor(&n(role))?;
+                if t.numel() != len {
+                    return Err(Error::tensor(n(role), format!("{} elements, the engine needs {len}", t.numel())));
+                }
+                Ok(t.to_f32())
+            };
+            GpuMixer::Linear {
+                in_proj_qkvz: upload_bf16(gpu, pack, &n(Role::LinearInProjQkvz), &[s.qkvz_dim(), h])?,
+                in_proj_ba: upload_bf16(gpu, pack, &n(Role::LinearInProjBa), &[s.ba_dim(), h])?,
+                out_proj: upload_bf16(gpu, pack, &n(Role::LinearOutProj), &[h, s.value_dim()])?,
+                small: DeltaNetDeviceWeights::new(
+                    gpu,
+                    &f32s(Role::LinearConv1d, s.conv_dim() * s.conv_kernel)?,
+                    &f32s(Role::LinearDtBias, s.value_heads)?,
+                    &f32s(Role::LinearALog, s.value_heads)?,
+                    &f32s(Role::LinearNorm, s.value_head_dim)?,
+                    s,
+                )?,
+            }
+        };
+        let shared = match c.shared_expert_intermediate_size() {
+            None => None,
+            Some(is) => Some(GpuShared::load(pack, gpu, l, is)?),
+        };
+        Ok(GpuLayer {
+            input_norm: upload_f32(gpu, pack, &n(Role::InputNorm), h, zc)?,
+            mixer,
+            post_attn_norm: upload_f32(gpu, pack, &n(Role::PostAttnNorm), h, zc)?,
+            router: upload_bf16(gpu, pack, &n(Role::Router), &[c.num_experts, h])?,
+            shared,
+        })
+    }
+}
+
+impl GpuShared {
+    fn load(pack: &Pack, gpu: &Arc<Gpu>, l: usize, is: usize) -> Result<GpuShared> {
+        let h = pack.config().hidden_size;
+        let n = |role| layer_tensor_name(l, role);
+        let names = [n(Role::SharedGateProj), n(Role::SharedUpProj), n(Role::SharedDownProj)];
+        let mut nvfp4 = Vec::new();
+        for name in &names {
+            if let TensorData::Nvfp4(m) = pack.tensor(name)?.data {
+                nvfp4.push(m);
+            }
+        }
+        let mlp = if let [g, u, d] = nvfp4[..] {
+            // A blob of the experts' layout for this intermediate size.
+            let layout = ExpertLayout::new(h as u64, is as u64);
+            if (g.rows, g.cols, u.rows, u.cols, d.rows, d.cols) != (is, h, is, h, h, is) {
+                return Err(Error::tensor(&names[0], format!("the shared expert is not [{is}, {h}] / [{h}, {is}]")));
+            }
+            let mut blob = vec![0u8; layout.used_len() as usize];
+            for (m, codes, scales) in [
+                (g, layout.gate_codes, layout.gate_scales),
+                (u, layout.up_codes, layout.up_scales),
+                (d, layout.down_codes, layout.down_scales),
+            ] {
+                blob[codes as usize..codes as usize + m.codes.len()].copy_from_slice(m.codes);
+                blob[scales as usize..scales as usize + m.scales.len()].copy_from_slice(m.scales);
+            }
+            let tail = layout.tail as usize;
+            for (i, m) in [g, u, d].iter().enumerate() {
+                blob[tail + 4 * i..tail + 4 * i + 4].copy_from_slice(&m.global_scale.to_le_bytes());
+            }
+            let dev = gpu.upload(&blob)?;
+            let table = gpu.upload(&[address(gpu, &dev)])?;
+            GpuSharedMlp::Nvfp4 { _blob: dev, table, layout: BlobLayout::from(&layout) }
+        } else {
+            GpuSharedMlp::Dense {
+                gate: upload_bf16(gpu, pack, &names[0], &[is, h])?,
+                up: upload_bf16(gpu, pack, &names[1], &[is, h])?,
+                down: upload_bf16(gpu, pack, &names[2], &[h, is])?,
+            }
+        };
+        Ok(GpuShared { gate: upload_bf16(gpu, pack, &n(Role::SharedExpertGate), &[1, h])?, intermediate: is, mlp })
+    }
+}
+
+/// The intermediate buffers of the expert kernels for one row count.
+struct MoeScratch {
+    /// `[T * k, I]`.
+    act: CudaSlice<f32>,
+    /// Grouped path only: the grouping and `[T * k, hidden]` outputs.
+    grouping: Option<ExpertGrouping>,
+    y: Option<CudaSlice<f32>>,
+}
+
+impl MoeScratch {
+    fn new(gpu: &Gpu, t: usize, k: usize, num_experts: usize, hidden: usize, inter: usize) -> Result<MoeScratch> {
+        let grouped = t > MOE_GEMV_MAX_ROWS;
+        Ok(MoeScratch {
+            act: gpu.alloc_zeros(t * k * inter)?,
+            grouping: if grouped { Some(ExpertGrouping::new(gpu, t * k, num_experts)?) } else { None },
+            y: if grouped { Some(gpu.alloc_zeros(t * k * hidden)?) } else { None },
+        })
+    }
+}
+
+struct SharedScratch {
+    /// `[T]`: the gate's logits, then (NVFP4) their sigmoid.
+    logit: CudaSlice<f32>,
+    /// `[T]` zeros: every row's expert id in the one-entry table.
+    zeros: CudaSlice<u32>,
+    moe: MoeScratch,
+    /// Dense shared expert: `[T, I]` gate, up, act and `[T, hidden]` out.
+    g: CudaSlice<f32>,
+    u: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    y: CudaSlice<f32>,
+}
+
+struct DeltaScratch {
+    qkvz: CudaSlice<f32>,
+    ba: CudaSlice<f32>,
+    core: CudaSlice<f32>,
+    scratch: DeltaNetScratch,
+}
+
+/// Every intermediate buffer of a forward of `t` rows, sized exactly (the
+/// elementwise kernels take whole buffers). A session keeps the last one,
+/// so decode steps allocate nothing.
+struct Scratch {
+    t: usize,
+    tokens: CudaSlice<u32>,
+    x: CudaSlice<f32>,
+    h: CudaSlice<f32>,
+    o: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    qg: CudaSlice<f32>,
+    gate: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    qn: CudaSlice<f32>,
+    kn: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    router: CudaSlice<f32>,
+    ids: CudaSlice<u32>,
+    weights: CudaSlice<f32>,
+    moe: MoeScratch,
+    shared: Option<SharedScratch>,
+    dn: Option<DeltaScratch>,
+    /// BF16 copy of a GEMM's input (cuBLAS path), as large as the widest.
+    bf: CudaSlice<bf16>,
+}
+
+impl Scratch {
+    fn new(gpu: &Gpu, c: &ModelConfig, t: usize) -> Result<Scratch> {
+        let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let gated = c.has_attention_gate();
+        let z = |n: usize| gpu.alloc_zeros::<f32>(n);
+        let mut widest = h.max(qd);
+        let dn = match c.linear_attn() {
+            None => None,
+            Some(_) => {
+                let s = deltanet_shape(c);
+                widest = widest.max(s.value_dim());
+                Some(DeltaScratch {
+                    qkvz: z(t * s.qkvz_dim())?,
+                    ba: z(t * s.ba_dim())?,
+                    core: z(t * s.value_dim())?,
+                    scratch: DeltaNetScratch::new(gpu, s, t)?,
+                })
+            }
+        };
+        let shared = match c.shared_expert_intermediate_size() {
+            None => None,
+            Some(is) => {
+                widest = widest.max(is);
+                Some(SharedScratch {
+                    logit: z(t)?,
+                    zeros: gpu.alloc_zeros(t)?,
+                    moe: MoeScratch::new(gpu, t, 1, 1, h, is)?,
+                    g: z(t * is)?,
+                    u: z(t * is)?,
+                    act: z(t * is)?,
+                    y: z(t * h)?,
+                })
+            }
+        };
+        Ok(Scratch {
+            t,
+            tokens: gpu.alloc_zeros(t)?,
+            x: z(t * h)?,
+            h: z(t * h)?,
+            o: z(t * h)?,
+            q: z(t * qd)?,
+            qg: z(if gated { 2 * t * qd } else { 0 })?,
+            gate: z(if gated { t * qd } else { 0 })?,
+            k: z(t * kvd)?,
+            v: z(t * kvd)?,
+            qn: z(t * qd)?,
+            kn: z(t * kvd)?,
+            attn: z(t * qd)?,
+            router: z(t * e)?,
+            ids: gpu.alloc_zeros(t * k)?,
+            weights: z(t * k)?,
+            moe: MoeScratch::new(gpu, t, k, e, h, c.moe_intermediate_size)?,
+            shared,
+            dn,
+            bf: gpu.alloc_zeros(t * widest)?,
+        })
+    }
+}
+
+/// A session's state on the device (see the module doc).
+pub(crate) struct DeviceCache {
+    gpu: Arc<Gpu>,
+    config: ModelConfig,
+    dtype: KvDtype,
+    /// Committed positions.
+    len: usize,
+    /// Per layer: the KV of an attention layer.
+    kv: Vec<Option<DeviceKv>>,
+    /// Per layer: the state of a Gated DeltaNet layer.
+    delta: Vec<Option<DeviceDeltaState>>,
+    /// A copy of `delta` taken before each forward, to roll back a failure.
+    spare: Vec<Option<DeviceDeltaState>>,
+    /// One non-finite flag per layer, and one for the logits.
+    flags: CudaSlice<u32>,
+    scratch: Option<Scratch>,
+}
+
+impl DeviceCache {
+    fn new(gpu: Arc<Gpu>, c: &ModelConfig, dtype: KvDtype) -> Result<DeviceCache> {
+        let linear = linear_layers(c);
+        let cap = KV_INITIAL_CAPACITY.min(c.max_position_embeddings.max(1));
+        let kv = linear
+            .iter()
+            .map(|s| match s {
+                Some(_) => Ok(None),
+                None => DeviceKv::new(&gpu, dtype, cap, c.num_key_value_heads, c.head_dim).map(Some),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let states = |gpu: &Gpu| -> Result<Vec<Option<DeviceDeltaState>>> {
+            linear.iter().map(|s| s.map(|s| DeviceDeltaState::new(gpu, s)).transpose()).collect()
+        };
+        Ok(DeviceCache {
+            delta: states(&gpu)?,
+            spare: states(&gpu)?,
+            flags: gpu.alloc_zeros(c.num_hidden_layers + 1)?,
+            gpu,
+            config: c.clone(),
+            dtype,
+            len: 0,
+            kv,
+            scratch: None,
+        })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn is_hybrid(&self) -> bool {
+        self.delta.iter().any(Option::is_some)
+    }
+
+    pub(crate) fn num_layers(&self) -> usize {
+        self.kv.len()
+    }
+
+    pub(crate) fn has_kv(&self, layer: usize) -> bool {
+        self.kv[layer].is_some()
+    }
+
+    pub(crate) fn truncate(&mut self, n: usize) {
+        assert!(n <= self.len, "DeviceCache::truncate past its length");
+        self.len = n;
+    }
+
+    /// Grows every layer's KV (doubling) to hold `n` more positions.
+    pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
+        let need = self.len + n;
+        for slot in self.kv.iter_mut() {
+            let Some(kv) = slot else { continue };
+            if kv.capacity >= need {
+                continue;
+            }
+            let cap = need.max(2 * kv.capacity).min(self.config.max_position_embeddings.max(need));
+            let mut grown = DeviceKv::new(&self.gpu, self.dtype, cap, kv.kv_heads, kv.head_dim)?;
+            let rows = self.len * kv.kv_heads;
+            let bytes = rows * kv.head_dim * self.dtype.value_bytes();
+            let stream = self.gpu.stream();
+            stream.memcpy_dtod(&kv.k.slice(..bytes), &mut grown.k.slice_mut(..bytes))?;
+            stream.memcpy_dtod(&kv.v.slice(..bytes), &mut grown.v.slice_mut(..bytes))?;
+            if self.dtype == KvDtype::Int8 {
+                stream.memcpy_dtod(&kv.k_scale.slice(..rows), &mut grown.k_scale.slice_mut(..rows))?;
+                stream.memcpy_dtod(&kv.v_scale.slice(..rows), &mut grown.v_scale.slice_mut(..rows))?;
+            }
+            *kv = grown;
+        }
+        Ok(())
+    }
+
+    /// The scratch for `t` rows: the kept one when it fits exactly.
+    fn take_scratch(&mut self, t: usize) -> Result<Scratch> {
+        match self.scratch.take() {
+            Some(s) if s.t == t => Ok(s),
+            _ => Scratch::new(&self.gpu, &self.config, t),
+        }
+    }
+
+    fn snapshot(&mut self) -> Result<()> {
+        for (spare, d) in self.spare.iter_mut().zip(&self.delta) {
+            if let (Some(spare), Some(d)) = (spare, d) {
+                spare.copy_from(&self.gpu, d)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn restore_snapshot(&mut self) -> Result<()> {
+        for (d, spare) in self.delta.iter_mut().zip(&self.spare) {
+            if let (Some(d), Some(spare)) = (d, spare) {
+                d.copy_from(&self.gpu, spare)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn deltas(&self) -> Result<Vec<DeltaNetState>> {
+        self.delta.iter().flatten().map(|d| d.download(&self.gpu)).collect()
+    }
+
+    pub(crate) fn restore_deltas(&mut self, states: &[DeltaNetState]) -> Result<()> {
+        let mut it = states.iter();
+        for d in self.delta.iter_mut().flatten() {
+            let s = it.next().expect("DeviceCache::restore_deltas: too few states");
+            assert!(s.conv.len() == d.conv.len() && s.recurrent.len() == d.recurrent.len(), "restore_deltas: shapes");
+            self.gpu.stream().memcpy_htod(&s.conv, &mut d.conv)?;
+            self.gpu.stream().memcpy_htod(&s.recurrent, &mut d.recurrent)?;
+        }
+        assert!(it.next().is_none(), "DeviceCache::restore_deltas: too many states");
+        // The host states may be freed when this returns.
+        self.gpu.sync()
+    }
+
+    pub(crate) fn reset_deltas(&mut self) -> Result<()> {
+        for d in self.delta.iter_mut().flatten() {
+            self.gpu.stream().memset_zeros(&mut d.conv)?;
+            self.gpu.stream().memset_zeros(&mut d.recurrent)?;
+        }
+        Ok(())
+    }
+
+    /// Keys and values of `layer`, positions `0..len`, dequantized.
+    pub(crate) fn layer_f32(&self, layer: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let kv = self.kv[layer].as_ref().expect("layer_f32 of a Gated DeltaNet layer");
+        attention::kv_read_f32(&self.gpu, kv, self.len)
+    }
+
+    /// A new cache of this one's kind holding a restored state.
+    pub(crate) fn from_state(
+        &self,
+        len: usize,
+        layers: Vec<(Vec<f32>, Vec<f32>)>,
+        deltas: &[DeltaNetState],
+    ) -> Result<DeviceCache> {
+        let mut d = DeviceCache::new(self.gpu.clone(), &self.config, self.dtype)?;
+        d.reserve(len)?;
+        for (slot, (k, v)) in d.kv.iter_mut().zip(layers) {
+            if let Some(kv) = slot {
+                if len > 0 {
+                    let (k, v) = (self.gpu.upload(&k)?, self.gpu.upload(&v)?);
+                    attention::kv_append(&self.gpu, kv, &k, &v, 0, len)?;
+                }
+            }
+        }
+        d.restore_deltas(deltas)?;
+        d.len = len;
+        Ok(d)
+    }
+}

@@ -1,0 +1,181 @@
+//! Whole-model tests of the CUDA engine against the CPU engine (the
+//! reference): every fixture of both architectures (BF16 and NVFP4
+//! checkpoints, converted to packs here), every prefill chunk size, both
+//! KV types; rewinds, state round trips and the non-finite guard on the GPU.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use strata::backend::cuda::Gpu;
+use strata::engine::{Engine, EngineOptions};
+use strata::pack::convert::{convert, ConvertOptions};
+use strata::session::{KvType, Session, SessionOptions};
+
+use super::common::{check_close, e, GpuTest};
+
+pub const TESTS: &[GpuTest] = &[
+    ("model_qwen3_moe_fixtures_match_the_cpu", qwen3_moe_fixtures),
+    ("model_qwen3_next_fixtures_match_the_cpu", qwen3_next_fixtures),
+    ("model_rewind_and_state_are_exact_on_the_gpu", rewind_and_state),
+    #[cfg(feature = "test-hooks")]
+    ("model_nan_guard_on_the_gpu", nan_guard),
+];
+
+/// Logits of the GPU against the CPU, relative to max |logit|. The GPU
+/// rounds activations to BF16 in the cuBLAS GEMMs of rows > 8 and keeps its
+/// KV in bf16 or int8; both are far coarser than the CPU's f32 (about 4e-3
+/// relative per bf16 rounding), so the bound is loose enough for that and
+/// still catches a dropped scale (which changes logits by O(1)).
+const TOL_BF16_KV: f32 = 3e-2;
+const TOL_INT8_KV: f32 = 5e-2;
+
+/// The fixtures under tests/data: relative to the working directory when
+/// run from a repository root (a suite binary copied to another machine),
+/// else in the tree it was built from.
+fn fixture(set: &str, model: &str, layout: &str) -> PathBuf {
+    let here = Path::new("tests/data");
+    let root =
+        if here.is_dir() { here.to_path_buf() } else { Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data") };
+    root.join(set).join(model).join(layout)
+}
+
+/// The CPU engine and the GPU engine of one fixture checkpoint.
+fn engines(set: &str, model: &str, layout: &str, dir: &Path) -> Result<(Engine, Engine), String> {
+    let out = dir.join(format!("{set}-{model}-{layout}"));
+    convert(&fixture(set, model, layout), &out, &ConvertOptions::default()).map_err(e)?;
+    let cpu = Engine::load(&out, &EngineOptions::default()).map_err(e)?;
+    let gpu = Engine::load(&out, &EngineOptions { devices: vec!["cuda".into()], ..Default::default() }).map_err(e)?;
+    if gpu.backend_name() != "cuda" {
+        return Err(format!("the engine runs on {}", gpu.backend_name()));
+    }
+    Ok((cpu, gpu))
+}
+
+fn prompt(vocab: usize, n: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 131 + 7) % vocab) as u32).collect()
+}
+
+fn session(engine: &Engine, chunk: usize, kv: KvType) -> Result<Session, String> {
+    engine.new_session(&SessionOptions { prefill_chunk: chunk, kv_type: kv, ..Default::default() }).map_err(e)
+}
+
+/// Every position's logits of a 150-token prompt (crossing several 64-token
+/// chunks) for chunk sizes 0 (whole), 1, 16 and 64 and both KV types; then 8
+/// greedy steps, the GPU choosing the CPU's token unless the two are within
+/// the tolerance of each other.
+fn check_model(set: &str, model: &str, layout: &str) -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(e)?;
+    let (cpu, gpu) = engines(set, model, layout, dir.path())?;
+    let vocab = cpu.config().vocab_size;
+    let tokens = prompt(vocab, 150);
+    let want = session(&cpu, 0, KvType::Auto)?.prefill_all(&tokens).map_err(e)?;
+    for (kv, tol) in [(KvType::Bf16, TOL_BF16_KV), (KvType::Int8, TOL_INT8_KV)] {
+        for chunk in [0, 1, 16, 64] {
+            let what = format!("{set}/{model}/{layout} kv {kv:?} chunk {chunk}");
+            let got = session(&gpu, chunk, kv)?.prefill_all(&tokens).map_err(|x| format!("{what}: {x}"))?;
+            check_close(&what, &got, &want, tol)?;
+        }
+        // Decode: the GPU's GEMV path, one token at a time.
+        let (mut c, mut g) = (session(&cpu, 0, KvType::Auto)?, session(&gpu, 0, kv)?);
+        c.prefill(&tokens[..40]).map_err(e)?;
+        g.prefill(&tokens[..40]).map_err(e)?;
+        for step in 0..8 {
+            let (cl, gl) = (c.logits().unwrap().to_vec(), g.logits().unwrap().to_vec());
+            let what = format!("{set}/{model}/{layout} kv {kv:?} step {step}");
+            check_close(&what, &gl, &cl, tol)?;
+            let argmax = |l: &[f32]| (0..l.len()).fold(0, |b, i| if l[i] > l[b] { i } else { b });
+            let (ct, gt) = (argmax(&cl), argmax(&gl));
+            let scale = cl.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            if ct != gt && cl[ct] - cl[gt] > 2.0 * tol * scale {
+                return Err(format!(
+                    "{what}: greedy token {gt} on the GPU, {ct} on the CPU (margin {})",
+                    cl[ct] - cl[gt]
+                ));
+            }
+            c.prefill(&[ct as u32]).map_err(e)?;
+            g.prefill(&[ct as u32]).map_err(e)?;
+        }
+    }
+    println!("    {set}/{model}/{layout}: logits within {TOL_BF16_KV:.0e} (bf16 KV) / {TOL_INT8_KV:.0e} (int8 KV) of the CPU");
+    Ok(())
+}
+
+fn qwen3_moe_fixtures(_gpu: &Arc<Gpu>) -> Result<(), String> {
+    for model in ["a", "b"] {
+        for layout in ["bf16", "nvfp4_modelopt", "nvfp4_ct"] {
+            check_model("fixtures", model, layout)?;
+        }
+    }
+    Ok(())
+}
+
+fn qwen3_next_fixtures(_gpu: &Arc<Gpu>) -> Result<(), String> {
+    for model in ["a", "b"] {
+        for layout in ["bf16", "nvfp4_modelopt"] {
+            check_model("fixtures_next", model, layout)?;
+        }
+    }
+    Ok(())
+}
+
+/// On the GPU, for both architectures: rewind_to between checkpoints and a
+/// state saved and loaded continue bit for bit like a fresh session fed the
+/// same tokens in the same calls (the GPU path is deterministic).
+fn rewind_and_state(_gpu: &Arc<Gpu>) -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(e)?;
+    for (set, model) in [("fixtures", "a"), ("fixtures_next", "b")] {
+        let (_, gpu) = engines(set, model, "nvfp4_modelopt", dir.path())?;
+        let tokens = prompt(gpu.config().vocab_size, 60);
+        let opts =
+            SessionOptions { prefill_chunk: 16, checkpoint_every: 24, kv_type: KvType::Bf16, ..Default::default() };
+        let mut s = gpu.new_session(&opts).map_err(e)?;
+        s.prefill(&tokens[..10]).map_err(e)?;
+        s.prefill(&tokens[10..]).map_err(e)?;
+        s.rewind_to(30).map_err(e)?;
+        let mut fresh = gpu.new_session(&opts).map_err(e)?;
+        fresh.prefill(&tokens[..10]).map_err(e)?;
+        fresh.prefill(&tokens[10..30]).map_err(e)?;
+        if s.logits() != fresh.logits() {
+            return Err(format!("{set}/{model}: rewind_to(30) differs from a fresh session"));
+        }
+        let state = s.save_state();
+        let mut t = gpu.new_session(&opts).map_err(e)?;
+        t.load_state(&state).map_err(e)?;
+        let a = s.prefill(&tokens[30..45]).map_err(e)?.to_vec();
+        let b = t.prefill(&tokens[30..45]).map_err(e)?.to_vec();
+        if a != b {
+            return Err(format!("{set}/{model}: a loaded state continues differently"));
+        }
+    }
+    Ok(())
+}
+
+/// A NaN injected at a layer and position fails the GPU forward with
+/// NONFINITE naming both, and the session is as before the call.
+#[cfg(feature = "test-hooks")]
+fn nan_guard(_gpu: &Arc<Gpu>) -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(e)?;
+    for (set, model) in [("fixtures", "a"), ("fixtures_next", "a")] {
+        let (_, gpu) = engines(set, model, "bf16", dir.path())?;
+        let tokens = prompt(gpu.config().vocab_size, 20);
+        let mut s = session(&gpu, 4, KvType::Int8)?;
+        s.prefill(&tokens[..6]).map_err(e)?;
+        let (before, logits) = (s.save_state(), s.logits().unwrap().to_vec());
+        gpu.inject_nan_at(1, 9);
+        let err = s.prefill(&tokens[6..]).expect_err("an injected NaN must fail the prefill");
+        let msg = err.to_string();
+        if !matches!(err, strata::Error::NonFinite(_)) || !msg.contains("at layer 1, position 9") {
+            return Err(format!("{set}/{model}: {msg}"));
+        }
+        if s.save_state() != before || s.logits() != Some(&logits[..]) {
+            return Err(format!("{set}/{model}: the failed call changed the session"));
+        }
+        let got = s.prefill(&tokens[6..]).map_err(e)?.to_vec();
+        let mut fresh = session(&gpu, 4, KvType::Int8)?;
+        fresh.prefill(&tokens[..6]).map_err(e)?;
+        if got != fresh.prefill(&tokens[6..]).map_err(e)? {
+            return Err(format!("{set}/{model}: the retry differs from a fresh session"));
+        }
+    }
+    Ok(())
+}
