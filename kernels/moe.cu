@@ -299,18 +299,21 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32)
 #define MOE_DOWN_ROWS_PER_WARP (32 / MOE_DOWN_LANES)
 #define MOE_DOWN_CHUNKS 3
 
-// Row row0 + (lane / 8) of sum_j coef[j] * (down_{blob j} act_j), act_j staged
-// (chunk transposed, I floats each) at acts + j * I / 4; coef[j] already holds
-// w_j * g_down_j * 2^14. One warp; the result is valid in lanes with lane % 8 == 0.
+// Row row0 + (lane / 8) of sum_j coef[j] * (down_{blob j} act_j) over the
+// expert groups j0 = j_first, j_first + j_step, ... (4 experts a group), act_j
+// staged (chunk transposed, I floats each) at acts + j * I / 4; coef[j] already
+// holds w_j * g_down_j * 2^14. One warp; the result is valid in lanes with
+// lane % 8 == 0.
 static __device__ __forceinline__ float moe_down_row(const float4* acts, const uint8_t* const* blobs, const float* coef,
-                                                     int nexp, const MoeBlobLayout& L, int row0) {
+                                                     int nexp, const MoeBlobLayout& L, int row0, int j_first,
+                                                     int j_step) {
     const int H = (int)L.hidden, I = (int)L.intermediate, nchunk = I >> 5, lane = threadIdx.x & 31;
     const int sub = lane & (MOE_DOWN_LANES - 1);
     const int row = min(row0 + lane / MOE_DOWN_LANES, H - 1);
     const size_t code_off = (size_t)row * ((size_t)I >> 1), scale_off = (size_t)row * ((size_t)I >> 4);
     float acc = 0.0f;
-    // Experts in groups of 4, in order j = 0, 1, ... (the sum order is fixed).
-    for (int j0 = 0; j0 < nexp; j0 += 4) {
+    // Experts in groups of 4, in order (the sum order is fixed).
+    for (int j0 = j_first; j0 < nexp; j0 += j_step) {
         for (int cb = sub; cb < nchunk; cb += MOE_DOWN_LANES * MOE_DOWN_CHUNKS) {
             uint4 cd[4][MOE_DOWN_CHUNKS];
             uint32_t sd[4][MOE_DOWN_CHUNKS];
@@ -352,15 +355,19 @@ static __device__ __forceinline__ float moe_down_row(const float4* acts, const u
     return acc;
 }
 
-// grid (T, ceil(H / (4 warps * 4 rows))), block 128, dynamic smem k * I * 4.
+// grid (T, ceil(H / 16)), block 256 (8 warps), dynamic smem k * I * 4.
 // out[t] (+)= sum_j weights[t*k+j] * down_{ids[t*k+j]} act[t*k+j].
-extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32, 3)
+// Warps 0-3 own 16 rows (4 each) with the expert groups j = 0-3, 8-11, ...;
+// warps 4-7 the same rows with j = 4-7, 12-15: every load of a token's down
+// rows is in flight in one round. The halves are added in a fixed order.
+extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 2 * 32, 2)
     moe_down_gemv(const float* __restrict__ act, const uint32_t* __restrict__ ids, const float* __restrict__ weights,
                   const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k, float* __restrict__ out,
                   int accumulate) {
     extern __shared__ float4 moe_down_acts[];
     __shared__ const uint8_t* blobs[MOE_MAX_TOP_K];
     __shared__ float coef[MOE_MAX_TOP_K];
+    __shared__ float upper[MOE_DOWN_WARPS * MOE_DOWN_ROWS_PER_WARP];
     __shared__ int bad;
     const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate;
     if (threadIdx.x == 0) bad = 0;
@@ -380,16 +387,18 @@ extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32, 3)
     }
     for (int j = 0; j < top_k; ++j) moe_stage_row(moe_down_acts + (size_t)j * (I >> 2), act + ((size_t)t * top_k + j) * I, I);
     __syncthreads();
-    const int row0 = (blockIdx.y * MOE_DOWN_WARPS + (threadIdx.x >> 5)) * MOE_DOWN_ROWS_PER_WARP;
-    if (row0 >= H) return;
-    float* orow = out + (size_t)t * H;
-    const int lane = threadIdx.x & 31, row = row0 + lane / MOE_DOWN_LANES;
-    if (bad) {
-        if (lane % MOE_DOWN_LANES == 0 && row < H) orow[row] = __int_as_float(0x7fc00000);
-        return;
+    const int warp = threadIdx.x >> 5, half = warp / MOE_DOWN_WARPS, rw = warp % MOE_DOWN_WARPS;
+    const int lane = threadIdx.x & 31, local = rw * MOE_DOWN_ROWS_PER_WARP + lane / MOE_DOWN_LANES;
+    const int row0 = (blockIdx.y * MOE_DOWN_WARPS + rw) * MOE_DOWN_ROWS_PER_WARP, row = row0 + lane / MOE_DOWN_LANES;
+    float res = 0.0f;
+    if (row0 < H && !bad) res = moe_down_row(moe_down_acts, blobs, coef, top_k, L, row0, 4 * half, 8);
+    if (half == 1 && lane % MOE_DOWN_LANES == 0) upper[local] = res;
+    __syncthreads();
+    if (half == 0 && lane % MOE_DOWN_LANES == 0 && row < H) {
+        float* orow = out + (size_t)t * H;
+        const float v = res + upper[local];
+        orow[row] = bad ? __int_as_float(0x7fc00000) : accumulate ? orow[row] + v : v;
     }
-    const float res = moe_down_row(moe_down_acts, blobs, coef, top_k, L, row0);
-    if (lane % MOE_DOWN_LANES == 0 && row < H) orow[row] = accumulate ? orow[row] + res : res;
 }
 
 // ---------------------------------------------------------------------------
@@ -536,7 +545,7 @@ extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
     }
     __syncthreads();
     if (row0 >= H) return;
-    const float res = moe_down_row(moe_downs_acts, blob, cf, 1, L, row0);
+    const float res = moe_down_row(moe_downs_acts, blob, cf, 1, L, row0, 0, 4);
     if (lane % MOE_DOWN_LANES == 0 && row < H) yrow[row] = res;
 }
 

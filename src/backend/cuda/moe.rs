@@ -265,7 +265,8 @@ pub fn expert_down_gemv(
     allow_smem(&f, smem)?;
     let cfg = LaunchConfig {
         grid_dim: (tokens as u32, h.div_ceil(DOWN_WARPS * DOWN_ROWS) as u32, 1),
-        block_dim: ((DOWN_WARPS * 32) as u32, 1, 1),
+        // Two warps per row group: one for each half of the experts.
+        block_dim: ((2 * DOWN_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     let (k, acc) = (top_k as i32, accumulate as i32);
