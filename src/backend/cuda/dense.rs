@@ -651,7 +651,8 @@ mod tests {
         assert_eq!(gemv_ksplit(151_936, 2048, 132), 1);
         // N = 2048, K = 2048: 64 blocks unsplit -> split 8 ways (512 blocks).
         assert_eq!(gemv_ksplit(2048, 2048, 132), 8);
-        assert_eq!(gemv_ksplit(4096, 2048, 132), 4);
+        assert_eq!(gemv_ksplit(4096, 2048, 132), 8);
+        assert_eq!(gemv_ksplit(12288, 2048, 132), 2);
         // The shared-expert gate (N = 1) splits K across all warps.
         assert_eq!(gemv_ksplit(1, 2048, 132), 8);
         // Never more warps than 256-wide steps of K.
