@@ -180,8 +180,8 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
             int i = red_i[0];
             for (int w = 1; w < MOE_ROUTE_THREADS / 32; ++w) moe_argmax_merge(v, i, red_v[w], red_i[w]);
             chosen_p[j] = v;
-            chosen_e[j] = i;
-            probs[i] = -1.0f;  // probabilities are >= 0: never chosen again
+            chosen_e[j] = i;  // no winner (NaN logits): an id >= E, which later kernels turn into NaN
+            if (i < num_experts) probs[i] = -1.0f;  // probabilities are >= 0: never chosen again
         }
         __syncthreads();
     }
@@ -501,13 +501,16 @@ extern "C" __global__ void __launch_bounds__(MOE_GROUP_WARPS * 32)
 // ---------------------------------------------------------------------------
 
 // grid (n slots, ceil(I / 16)), block 256, dynamic smem H * 4. act[slot] =
-// silu(gate_e x_t) * (up_e x_t) with a = rows[slot], t = a / k, e = slot_expert[slot].
+// silu(gate_e x_t) * (up_e x_t) with a = rows[slot], t = a / k, e = slot_expert[slot];
+// filled = &offsets[E], the number of slots placed.
 extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32)
     moe_gate_up_grouped_simple(const float* __restrict__ x, const uint32_t* __restrict__ rows,
-                               const uint32_t* __restrict__ slot_expert, const uint64_t* __restrict__ table,
-                               int table_len, MoeBlobLayout L, int top_k, float* __restrict__ act) {
+                               const uint32_t* __restrict__ slot_expert, const uint32_t* __restrict__ filled,
+                               const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k,
+                               float* __restrict__ act) {
     extern __shared__ float4 moe_gus_xs[];
     const int s = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate;
+    if ((uint32_t)s >= *filled) return;  // slots past offsets[E] (only with ids >= E) hold nothing
     const int t = (int)(rows[s] / (uint32_t)top_k);
     const uint32_t e = slot_expert[s];
     float* act_row = act + (size_t)s * I;
@@ -525,9 +528,11 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32)
 // grid (n slots, ceil(H / 16)), block 128, dynamic smem I * 4. y[slot] = g_down * down_e act[slot].
 extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
     moe_down_grouped_simple(const float* __restrict__ act, const uint32_t* __restrict__ slot_expert,
-                            const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, float* __restrict__ y) {
+                            const uint32_t* __restrict__ filled, const uint64_t* __restrict__ table, int table_len,
+                            MoeBlobLayout L, float* __restrict__ y) {
     extern __shared__ float4 moe_downs_acts[];
     const int s = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate;
+    if ((uint32_t)s >= *filled) return;
     const uint32_t e = slot_expert[s];
     const int row0 = (blockIdx.y * MOE_DOWN_WARPS + (threadIdx.x >> 5)) * MOE_DOWN_ROWS_PER_WARP;
     const int lane = threadIdx.x & 31, row = row0 + lane / MOE_DOWN_LANES;

@@ -505,10 +505,11 @@ pub fn expert_gate_up_grouped_simple(
     };
     let k = g.top_k as i32;
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(x).arg(&g.rows).arg(&g.slot_expert).arg(table).arg(&table_len).arg(layout).arg(&k).arg(act);
+    let filled = g.offsets.slice(g.num_experts..);
+    b.arg(x).arg(&g.rows).arg(&g.slot_expert).arg(&filled).arg(table).arg(&table_len).arg(layout).arg(&k).arg(act);
     // SAFETY: moe_gate_up_grouped_simple(const float* x [T, H], const unsigned* rows [n],
-    // const unsigned* slot_expert [n], const u64* table, int table_len, MoeBlobLayout, int k,
-    // float* act [n, I]).
+    // const unsigned* slot_expert [n], const unsigned* filled (&offsets[E]), const u64* table,
+    // int table_len, MoeBlobLayout, int k, float* act [n, I]).
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
@@ -539,9 +540,10 @@ pub fn expert_down_grouped_simple(
         shared_mem_bytes: smem as u32,
     };
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(act).arg(&g.slot_expert).arg(table).arg(&table_len).arg(layout).arg(y);
+    let filled = g.offsets.slice(g.num_experts..);
+    b.arg(act).arg(&g.slot_expert).arg(&filled).arg(table).arg(&table_len).arg(layout).arg(y);
     // SAFETY: moe_down_grouped_simple(const float* act [n, I], const unsigned* slot_expert [n],
-    // const u64* table, int table_len, MoeBlobLayout, float* y [n, H]).
+    // const unsigned* filled (&offsets[E]), const u64* table, int table_len, MoeBlobLayout, float* y [n, H]).
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
