@@ -323,7 +323,11 @@ extern "C" __global__ void dense_embed(const __nv_bfloat16* __restrict__ table, 
 extern "C" __global__ void dense_first_nonfinite(const float* __restrict__ x, unsigned long long n,
                                                  unsigned int* __restrict__ flags, int slot) {
     DENSE_FOR_EACH(i, n) {
-        if (!isfinite(x[i])) atomicMin(flags + slot, (unsigned int)i);
+        // The lanes of a warp hold consecutive i: only the warp's first bad
+        // lane competes (an all-NaN tensor costs one atomic per warp, not
+        // one per element).
+        const unsigned int bad = __ballot_sync(__activemask(), !isfinite(x[i]));
+        if (bad != 0u && (int)(threadIdx.x & 31) == __ffs(bad) - 1) atomicMin(flags + slot, (unsigned int)i);
     }
 }
 

@@ -71,7 +71,8 @@ pub fn matmul(
         return gemv(gpu, x, w, t, n, k, out);
     }
     check_matmul(x, w, t, n, k, out)?;
-    let mut scratch = gpu.stream().alloc_zeros::<bf16>(t * k)?;
+    // SAFETY: uninitialized device memory; gemm's conversion writes all t*k elements before cuBLAS reads them.
+    let mut scratch = unsafe { gpu.stream().alloc::<bf16>(t * k) }?;
     gemm(gpu, x, w, t, n, k, out, &mut scratch)
 }
 
