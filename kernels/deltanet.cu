@@ -370,8 +370,18 @@ extern "C" __global__ void __launch_bounds__(256) dn_chunk_prep(
         for (int i = 0; i < DN_CHUNK; ++i) {
             float x = 0.0f;
             if (i >= c) {
-                x = i == c ? 1.0f : 0.0f;
-                for (int l = c; l < i; ++l) x -= am[i * (DN_CHUNK + 1) + l] * xs[l * (DN_CHUNK + 1) + c];
+                // Four partial sums: the chain of dependent multiply-adds is 4x shorter.
+                float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
+                const float* ai = am + i * (DN_CHUNK + 1);
+                int l = c;
+                for (; l + 3 < i; l += 4) {
+                    p0 += ai[l] * xs[l * (DN_CHUNK + 1) + c];
+                    p1 += ai[l + 1] * xs[(l + 1) * (DN_CHUNK + 1) + c];
+                    p2 += ai[l + 2] * xs[(l + 2) * (DN_CHUNK + 1) + c];
+                    p3 += ai[l + 3] * xs[(l + 3) * (DN_CHUNK + 1) + c];
+                }
+                for (; l < i; ++l) p0 += ai[l] * xs[l * (DN_CHUNK + 1) + c];
+                x = (i == c ? 1.0f : 0.0f) - ((p0 + p1) + (p2 + p3));
             }
             xs[i * (DN_CHUNK + 1) + c] = x;
             tm_blk[i * DN_CHUNK + c] = x;
@@ -451,13 +461,14 @@ static __device__ __forceinline__ void dn_chunk_state_body(
             rs[i * (DN_COLS + 1) + lane] = bet[i] * v - (bet[i] * ec[i]) * acc[m];
         }
         __syncthreads();
-        // V' = Tm R (Tm lower triangular).
+        // V' = Tm R. Tm is stored with its zeros above the diagonal, so the full
+        // sum over l is the triangular one, with 8 independent chains a thread.
 #pragma unroll
-        for (int m = 0; m < 8; ++m) {
-            const int i = warp + 8 * m;
-            float x = 0.0f;
-            for (int l = 0; l <= i; ++l) x += mat[i * MLD + l] * rs[l * (DN_COLS + 1) + lane];
-            acc[m] = x;
+        for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
+        for (int l = 0; l < DN_CHUNK; ++l) {
+            const float rv = rs[l * (DN_COLS + 1) + lane];
+#pragma unroll
+            for (int m = 0; m < 8; ++m) acc[m] += mat[(warp + 8 * m) * MLD + l] * rv;
         }
         __syncthreads();
 #pragma unroll
@@ -470,7 +481,7 @@ static __device__ __forceinline__ void dn_chunk_state_body(
             mat[(idx / DN_CHUNK) * MLD + idx % DN_CHUNK] = attn_blk[idx];
         __syncthreads();
 
-        // o_i = e^(c_i) (q_i S) + sum_{l <= i} attn_il V'_l.
+        // o_i = e^(c_i) (q_i S) + sum_{l <= i} attn_il V'_l (attn zero above the diagonal).
 #pragma unroll
         for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
         for (int r = 0; r < dk; ++r) {
@@ -478,12 +489,18 @@ static __device__ __forceinline__ void dn_chunk_state_body(
 #pragma unroll
             for (int m = 0; m < 8; ++m) acc[m] += buf[(warp + 8 * m) * ld + r] * sv;
         }
+        float po[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) po[m] = 0.0f;
+        for (int l = 0; l < DN_CHUNK; ++l) {
+            const float rv = rs[l * (DN_COLS + 1) + lane];
+#pragma unroll
+            for (int m = 0; m < 8; ++m) po[m] += mat[(warp + 8 * m) * MLD + l] * rv;
+        }
 #pragma unroll
         for (int m = 0; m < 8; ++m) {
             const int i = warp + 8 * m;
-            float x = ec[i] * acc[m];
-            for (int l = 0; l <= i; ++l) x += mat[i * MLD + l] * rs[l * (DN_COLS + 1) + lane];
-            if (i < n && jok) o[(size_t)(t0 + i) * vd + h * dv + j] = x;
+            if (i < n && jok) o[(size_t)(t0 + i) * vd + h * dv + j] = ec[i] * acc[m] + po[m];
         }
         __syncthreads();  // every read of ss and buf (q) is done
         for (int idx = tid; idx < DN_CHUNK * dk; idx += blockDim.x) {
@@ -492,15 +509,22 @@ static __device__ __forceinline__ void dn_chunk_state_body(
         }
         __syncthreads();
         // S_r = e^(c_n) S_r + sum_i e^(c_n - c_i) k_ir V'_i (own entries only).
+        // Rows i >= n have kdec = 0 and zero k.
         const float chunk_decay = expf(c_last);
+        float su[MAXR];
+#pragma unroll
+        for (int m = 0; m < MAXR; ++m) su[m] = 0.0f;
+        for (int i = 0; i < n; ++i) {
+            const float kv = kdec[i] * rs[i * (DN_COLS + 1) + lane];
+            const float* ki = buf + i * ld;
+#pragma unroll
+            for (int m = 0; m < MAXR; ++m)
+                if (warp + 8 * m < dk) su[m] += ki[warp + 8 * m] * kv;
+        }
 #pragma unroll
         for (int m = 0; m < MAXR; ++m) {
             const int r = warp + 8 * m;
-            if (r < dk) {
-                float x = 0.0f;
-                for (int i = 0; i < n; ++i) x += (kdec[i] * buf[i * ld + r]) * rs[i * (DN_COLS + 1) + lane];
-                ss[r * DN_COLS + lane] = chunk_decay * ss[r * DN_COLS + lane] + x;
-            }
+            if (r < dk) ss[r * DN_COLS + lane] = chunk_decay * ss[r * DN_COLS + lane] + su[m];
         }
     }
     __syncthreads();

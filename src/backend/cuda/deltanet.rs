@@ -542,8 +542,7 @@ pub fn deltanet_core_with(
     }
     conv_silu(gpu, mixed_qkvz, &w.conv1d, shape, tokens, &mut state.conv, &mut scratch.qkv)?;
     let chunked = match form {
-        // The chunked form is in review: Auto stays token by token for now.
-        DeltaRuleForm::Auto => false,
+        DeltaRuleForm::Auto => tokens > 1,
         DeltaRuleForm::Recurrent => false,
         DeltaRuleForm::Chunked => true,
     };
