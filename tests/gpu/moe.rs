@@ -37,6 +37,7 @@ pub const TESTS: &[GpuTest] = &[
     ("moe_decode_pipeline_matches_moe_forward", decode_pipeline_matches_moe_forward),
     ("moe_group_by_expert_matches_cpu", group_by_expert_matches_cpu),
     ("moe_grouped_matches_cpu_forward", grouped_matches_cpu_forward),
+    ("moe_results_are_deterministic", results_are_deterministic),
     ("moe_decode_gemv_timing", decode_gemv_timing),
     ("moe_prefill_grouped_timing", prefill_grouped_timing),
 ];
@@ -511,6 +512,47 @@ fn grouped_matches_cpu_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
                 let want_acc: Vec<f32> = prior.iter().zip(&want).map(|(p, w)| p + w).collect();
                 check_close(&format!("{what} (accumulate)"), &download(gpu, &acc)?, &want_acc, tol)?;
             }
+        }
+    }
+    Ok(())
+}
+
+/// Two runs of the decode and the prefill pipelines on the same inputs give
+/// the same bits (no float atomics; sums in a fixed order).
+fn results_are_deterministic(gpu: &Arc<Gpu>) -> Result<(), String> {
+    let (h, i, n_exp, k, tokens) = (2048usize, 512usize, 8usize, 4usize, 150usize);
+    let host = HostExperts::random(61, h, i, n_exp);
+    let dev = upload_experts(gpu, &host)?;
+    let routing = skewed_routing(62, tokens, n_exp, k, 0.2);
+    let d_x = gpu.upload(&rand_f32(63, tokens * h, 1.0)).map_err(e)?;
+    let d_ids = gpu.upload(&ids_u32(&routing)).map_err(e)?;
+    let d_w = gpu.upload(&routing.weights).map_err(e)?;
+    let n = tokens * k;
+    let run = |prefill: bool| -> Result<Vec<u32>, String> {
+        let mut act = poisoned(gpu, n * i)?;
+        let mut out = poisoned(gpu, tokens * h)?;
+        if prefill {
+            let g = gm::group_by_expert(gpu, &d_ids, tokens, k, n_exp).map_err(e)?;
+            let mut y = poisoned(gpu, n * h)?;
+            gm::expert_gate_up_grouped(gpu, &d_x, &g, &dev.table, &dev.layout, &mut act).map_err(e)?;
+            gm::expert_down_grouped(gpu, &act, &g, &dev.table, &dev.layout, &mut y).map_err(e)?;
+            gm::moe_combine(gpu, &y, &g, &d_w, h, &mut out, false).map_err(e)?;
+        } else {
+            gm::expert_gate_up_gemv(gpu, &d_x, &d_ids, &dev.table, &dev.layout, tokens, k, &mut act).map_err(e)?;
+            gm::expert_down_gemv(gpu, &act, &d_ids, &d_w, &dev.table, &dev.layout, tokens, k, &mut out, false)
+                .map_err(e)?;
+        }
+        Ok(download(gpu, &out)?.iter().map(|v| v.to_bits()).collect())
+    };
+    for prefill in [false, true] {
+        let (a, b) = (run(prefill)?, run(prefill)?);
+        if let Some(at) = a.iter().zip(&b).position(|(x, y)| x != y) {
+            return Err(format!(
+                "{} differs between two runs at [{at}]: {} vs {}",
+                if prefill { "prefill" } else { "decode" },
+                f32::from_bits(a[at]),
+                f32::from_bits(b[at])
+            ));
         }
     }
     Ok(())
