@@ -114,16 +114,22 @@ fn check_matmul(gpu: &Gpu, ts: &[usize], n: usize, k: usize, seed: u64) -> Resul
         if t <= dense::GEMV_MAX_ROWS {
             // f32 x and f32 accumulation: only the order of the sums differs.
             check_dots(&format!("{what} (GEMV)"), got, &x, &wm, 1e-6)?;
-            ops::matmul(&x, &wm, &mut want);
-            check_close(&format!("{what} (GEMV vs ops::matmul)"), got, &want, if t * n >= 16 { 1e-5 } else { 1e-4 })?;
+            // Relative to max |want|: meaningless for a handful of outputs
+            // that may all be near 0 (check_dots covers those).
+            if t * n >= 64 {
+                ops::matmul(&x, &wm, &mut want);
+                check_close(&format!("{what} (GEMV vs ops::matmul)"), got, &want, 1e-5)?;
+            }
         } else {
             // cuBLAS multiplies bf16(x): exact against the rounded x, ~2^-9 off the f32 x.
             let xr = round_bf16(&x);
             check_dots(&format!("{what} (cuBLAS vs bf16(x))"), got, &xr, &wm, 1e-5)?;
-            ops::matmul(&xr, &wm, &mut want);
-            check_close(&format!("{what} (cuBLAS vs ops::matmul on bf16(x))"), got, &want, 1e-4)?;
-            ops::matmul(&x, &wm, &mut want);
-            check_close(&format!("{what} (cuBLAS vs ops::matmul on f32 x)"), got, &want, 1e-2)?;
+            if t * n >= 64 {
+                ops::matmul(&xr, &wm, &mut want);
+                check_close(&format!("{what} (cuBLAS vs ops::matmul on bf16(x))"), got, &want, 1e-4)?;
+                ops::matmul(&x, &wm, &mut want);
+                check_close(&format!("{what} (cuBLAS vs ops::matmul on f32 x)"), got, &want, 1e-2)?;
+            }
         }
     }
     Ok(())
