@@ -593,9 +593,10 @@ fn random_blobs(gpu: &Gpu, layout: &ExpertLayout, n: usize) -> Result<(CudaSlice
     Ok((words, gpu.upload(&table).map_err(e)?))
 }
 
-/// Batch-1 decode at Qwen3-30B-A3B sizes: H=2048, I=768, k=8, E=128; each
-/// run uses 8 experts not used by the previous 15 runs (L2 holds ~6 layers'
-/// worth of 8 experts, so the rotation over 128 keeps it from serving them).
+/// Batch-1 decode at Qwen3-30B-A3B sizes: H=2048, I=768, k=8, E=128. A timed
+/// run is 16 layers' launches, each with 8 other experts (all 128 in turn:
+/// 340 MB of blobs against a 50 MB L2, so L2 does not serve them). Bytes per
+/// layer: k x 3 matrices x (H I / 2 codes + H I / 16 scales) = 21.2 MB.
 fn decode_gemv_timing(gpu: &Arc<Gpu>) -> Result<(), String> {
     let (h, i, k, n_exp) = (2048usize, 768usize, 8usize, 128usize);
     let layout = ExpertLayout::new(h as u64, i as u64);
