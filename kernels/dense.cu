@@ -127,10 +127,10 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
     }
 }
 
-// Rows of W per warp group: 4 for T <= 2 (more blocks, two steps of the k
-// loop in flight), 8 above (x reused across more rows: less L1 traffic per
-// weight byte; one step in flight, at most 128 registers so two blocks fit
-// an SM). The Rust wrapper (dense::gemv_rows_per_group) must agree.
+// Four rows of W per warp group (GEMV_ROWS_PER_GROUP in dense.rs). T <= 2:
+// two steps of the k loop in flight, 4 / 3 blocks per SM; T >= 3: one step
+// (the T x-loads per step already fill the registers), at most 128
+// registers so two blocks fit an SM.
 #define DENSE_GEMV_KERNEL(T, ROWS, UNROLL, MINB)                                                             \
     extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, MINB)                                \
         dense_gemv_t##T(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,                    \
