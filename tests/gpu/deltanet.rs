@@ -21,8 +21,9 @@ use strata::backend::cpu::deltanet::{
     split_qkvz, DeltaNetShape, DeltaNetState, DELTA_RULE_CHUNK,
 };
 use strata::backend::cuda::deltanet::{
-    conv_silu, delta_rule_chunked, delta_rule_recurrent, deltanet_core, deltanet_core_with, gated_rmsnorm as gpu_norm,
-    DeltaNetDeviceWeights, DeltaNetScratch, DeltaRuleChunkScratch, DeltaRuleForm, DeviceDeltaState,
+    chunked_form_fits, conv_silu, delta_rule_chunked, delta_rule_recurrent, deltanet_core, deltanet_core_with,
+    gated_rmsnorm as gpu_norm, DeltaNetDeviceWeights, DeltaNetScratch, DeltaRuleChunkScratch, DeltaRuleForm,
+    DeviceDeltaState,
 };
 use strata::backend::cuda::{CudaSlice, Gpu};
 use strata::error::Error;
@@ -302,6 +303,10 @@ fn check_state(gpu: &Gpu, what: &str, got: &DeviceDeltaState, want: &DeltaNetSta
 }
 
 fn core_matches_cpu_layer(gpu: &Arc<Gpu>) -> Result<(), String> {
+    // Auto must take the chunked form for T > 1 on every CC >= 8.0 device.
+    if gpu.compute_capability() >= (8, 0) && !chunked_form_fits(gpu, NEXT_80B).map_err(e)? {
+        return Err("the chunked form's shared memory does not fit a CC >= 8.0 device".into());
+    }
     for (name, s) in SHAPES {
         let l = layer(14, s);
         let w = device_weights(gpu, &l, s)?;

@@ -21,7 +21,7 @@
 //! largest call) holds the conv output, the pre-norm core and the chunked
 //! form's per-chunk matrices; `deltanet_core` allocates one per call.
 
-use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 
 use super::{CudaFunction, CudaSlice, Gpu, LaunchConfig, PushKernelArg};
 use crate::backend::cpu::deltanet::{DeltaNetShape, DeltaNetState, DELTA_RULE_CHUNK};
@@ -89,6 +89,26 @@ fn check_shape(s: DeltaNetShape) -> Result<()> {
 /// The r16 variant of a rule kernel (16 state rows a thread) for dk <= 128, else r32.
 fn rule_function(gpu: &Gpu, base: &str, dk: usize) -> Result<CudaFunction> {
     gpu.function(&format!("{base}_{}", if dk <= 128 { "r16" } else { "r32" }))
+}
+
+/// Dynamic shared memory of `dn_chunk_prep`: ks [64][dk+1], qs [64][max(dk+1, 65)], am [64][65], cum, beta.
+fn prep_shared_bytes(s: DeltaNetShape) -> usize {
+    let (c, ld) = (DELTA_RULE_CHUNK, s.key_head_dim + 1);
+    4 * (c * ld + c * ld.max(c + 1) + c * (c + 1) + 2 * c)
+}
+
+/// Dynamic shared memory of `dn_chunk_state_*`: the state slice [dk][32], buf [64][dk+1],
+/// mat [64][65], rs [64][33], ec, kdec, beta.
+fn state_shared_bytes(s: DeltaNetShape) -> usize {
+    let (c, ld) = (DELTA_RULE_CHUNK, s.key_head_dim + 1);
+    4 * (s.key_head_dim * COLS_PER_BLOCK + c * ld + c * (c + 1) + c * (COLS_PER_BLOCK + 1) + 3 * c)
+}
+
+/// Whether this device gives a block the shared memory of the chunked form
+/// (dk 128: 83 KB; every CC >= 8.0 device does, sm_75's 64 KB does not).
+pub fn chunked_form_fits(gpu: &Gpu, shape: DeltaNetShape) -> Result<bool> {
+    let optin = gpu.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+    Ok(prep_shared_bytes(shape).max(state_shared_bytes(shape)) <= optin.max(0) as usize)
 }
 
 /// Opts `f` into `bytes` of dynamic shared memory when above the default.
@@ -405,9 +425,7 @@ pub fn delta_rule_chunked(
     unsafe { b.launch(cfg) }?;
 
     // Per (chunk, head): cum, beta, Tm, attn.
-    let c = DELTA_RULE_CHUNK;
-    let ld = shape.key_head_dim + 1;
-    let prep_smem = 4 * (c * ld + c * ld.max(c + 1) + c * (c + 1) + 2 * c);
+    let prep_smem = prep_shared_bytes(shape);
     let f = gpu.function("dn_chunk_prep")?;
     allow_shared(&f, prep_smem, "dn_chunk_prep")?;
     let cfg = LaunchConfig {
@@ -424,8 +442,7 @@ pub fn delta_rule_chunked(
     unsafe { b.launch(cfg) }?;
 
     // Sequential over chunks per (head, 32 columns).
-    let state_smem =
-        4 * (shape.key_head_dim * COLS_PER_BLOCK + c * ld + c * (c + 1) + c * (COLS_PER_BLOCK + 1) + 3 * c);
+    let state_smem = state_shared_bytes(shape);
     let name = if shape.key_head_dim <= 128 { "dn_chunk_state_r16" } else { "dn_chunk_state_r32" };
     let f = gpu.function(name)?;
     allow_shared(&f, state_smem, name)?;
@@ -487,7 +504,8 @@ pub fn gated_rmsnorm(
 /// `mixed_qkvz [T, qkvz_dim]` and `mixed_ba [T, ba_dim]` (the in_proj outputs)
 /// -> `out [T, value_dim]` (the gated-RMSNorm output, input of out_proj),
 /// advancing `state`: what `gated_deltanet_layer` does between its matmuls.
-/// One token takes the recurrent form, more the chunked form. Allocates its
+/// One token takes the recurrent form, more the chunked form (where the device
+/// has its shared memory: `chunked_form_fits`). Allocates its
 /// scratch; keep a `DeltaNetScratch` and call `deltanet_core_with` to avoid that.
 #[allow(clippy::too_many_arguments, non_snake_case)]
 pub fn deltanet_core(
@@ -542,7 +560,8 @@ pub fn deltanet_core_with(
     }
     conv_silu(gpu, mixed_qkvz, &w.conv1d, shape, tokens, &mut state.conv, &mut scratch.qkv)?;
     let chunked = match form {
-        DeltaRuleForm::Auto => tokens > 1,
+        // Devices without the chunked form's shared memory (sm_75) stay token by token.
+        DeltaRuleForm::Auto => tokens > 1 && chunked_form_fits(gpu, shape)?,
         DeltaRuleForm::Recurrent => false,
         DeltaRuleForm::Chunked => true,
     };
