@@ -35,6 +35,7 @@ pub const TESTS: &[GpuTest] = &[
     ("dense_rmsnorm_widths", rmsnorm_widths),
     ("dense_add_rmsnorm_fused", add_rmsnorm_fused),
     ("dense_rope_full_partial_yarn", rope_full_partial_yarn),
+    ("dense_rmsnorm_rope_fused", rmsnorm_rope_fused),
     ("dense_elementwise_ops", elementwise_ops),
     ("dense_split_q_gate_layout", split_q_gate_layout),
     ("dense_embed_gathers_rows", embed_gathers_rows),
@@ -299,6 +300,41 @@ fn rope_full_partial_yarn(gpu: &Arc<Gpu>) -> Result<(), String> {
                     return Err(format!("{what}: pass-through dim {} of head {} changed", i % hd, i / hd));
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+fn rmsnorm_rope_fused(gpu: &Arc<Gpu>) -> Result<(), String> {
+    let yarn = Some(RopeScaling {
+        factor: 4.0,
+        original_max_position_embeddings: 32768,
+        attention_factor: None,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+    });
+    // qwen3_moe q (32 heads) and k (4), qwen3_next q (16 of 256, partial 64) and k (2).
+    let cases = [
+        (rope_config(128, 1.0, 1e6, yarn.clone()), 32),
+        (rope_config(128, 1.0, 1e6, None), 4),
+        (rope_config(256, 0.25, 1e7, yarn), 16),
+        (rope_config(256, 0.25, 1e7, None), 2),
+    ];
+    for (cfg, heads) in cases {
+        let rope = Rope::new(&cfg);
+        let table = RopeTable::new(gpu, &rope).map_err(e)?;
+        let hd = cfg.head_dim;
+        for (t, start) in [(1, 0), (6, 0), (2, 100_000)] {
+            let what = format!("rmsnorm_rope hd={hd} rotary={} heads={heads} T={t} start={start}", rope.rotary_dim);
+            let x = rand_f32(start as u64 + 7 * t as u64 + heads as u64, t * heads * hd, 3.0);
+            let w: Vec<f32> = rand_f32(hd as u64 + 1, hd, 0.3).iter().map(|v| 1.0 + v).collect();
+            let (xd, wd) = (gpu.upload(&x).map_err(e)?, gpu.upload(&w).map_err(e)?);
+            let mut out = poisoned(gpu, x.len())?;
+            dense::rmsnorm_rope(gpu, &xd, &wd, 1e-6, heads, start, &table, &mut out).map_err(e)?;
+            let mut want = vec![0.0; x.len()];
+            ops::rmsnorm(&x, &w, 1e-6, &mut want);
+            ops::rope(&mut want, heads, hd, start, &rope);
+            check_close(&what, &gpu.download(&out).map_err(e)?, &want, 1e-5)?;
         }
     }
     Ok(())

@@ -401,6 +401,58 @@ pub fn rope(
     Ok(())
 }
 
+/// The per-head q/k norm and RoPE in one launch: `out = rope(rmsnorm(x))`
+/// for `x, out [T, heads, head_dim]`, `w [head_dim]`, row `i` at position
+/// `start_pos + i` (the same numbers as `rmsnorm` then `rope`).
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_rope(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    eps: f32,
+    heads: usize,
+    start_pos: usize,
+    table: &RopeTable,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let head_dim = w.len();
+    let (rows, rows_i, hd_i) = check_norm("rmsnorm_rope", x.len(), head_dim, out.len())?;
+    if heads == 0 || rows % heads != 0 {
+        return Err(invalid(format!("rmsnorm_rope: {rows} head rows are not rows of {heads} heads")));
+    }
+    if table.rotary_dim > head_dim {
+        return Err(invalid(format!("rmsnorm_rope: rotary_dim {} > head_dim {head_dim}", table.rotary_dim)));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let heads_i = check_i32("rmsnorm_rope: heads", heads)?;
+    let (half_i, start64) = ((table.rotary_dim / 2) as i32, start_pos as u64);
+    let f = gpu.function("dense_rmsnorm_rope")?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(GEMV_WARPS) as u32, 1, 1),
+        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x)
+        .arg(w)
+        .arg(out)
+        .arg(&rows_i)
+        .arg(&heads_i)
+        .arg(&hd_i)
+        .arg(&eps)
+        .arg(&table.inv_freq)
+        .arg(&half_i)
+        .arg(&start64)
+        .arg(&table.attention_factor);
+    // SAFETY: dense_rmsnorm_rope(const float* x, const float* w, float* out, int rows, int heads, int head_dim,
+    // float eps, const float* inv_freq [half], int half, u64 start_pos, float attention_factor); x and out hold
+    // rows*head_dim, w head_dim (checked), 2*half <= head_dim.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------
 // Elementwise.
 
