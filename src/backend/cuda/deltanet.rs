@@ -237,7 +237,7 @@ impl DeltaRuleChunkScratch {
 /// q, k in place), core `[T, Hv*dv]` (the rule's output before the norm) and
 /// the chunked form's `DeltaRuleChunkScratch`. About
 /// `T * (conv_dim + value_dim + 2*Hv) + 2 * Hv * ceil(T/64) * 4096` floats
-/// (4096 tokens at 80B: ~200 MB; one token: ~1.1 MB). The caller keeps one per
+/// (4096 tokens at 80B: ~270 MB; one token: ~1.1 MB). The caller keeps one per
 /// device and shape, sized for its largest call.
 pub struct DeltaNetScratch {
     shape: DeltaNetShape,
