@@ -48,7 +48,8 @@ static __device__ __forceinline__ float dense_bf16_lo(unsigned int u) { return _
 static __device__ __forceinline__ float dense_bf16_hi(unsigned int u) { return __uint_as_float(u & 0xffff0000u); }
 
 // ---------------------------------------------------------------------------
-// GEMV: out[t, n] = sum_k x[t, k] * W[n, k] for t < T <= 8, W bf16 [N, K],
+// GEMV: out[t, n] (+)= sum_k x[t, k] * W[n, k] for t < T <= 8 (accumulate != 0:
+// added to out, the residual add of o_proj / down), W bf16 [N, K],
 // K % 8 == 0. A block is DENSE_GEMV_WARPS warps; `ksplit` consecutive warps
 // share ROWS rows of W and split K between them (ksplit in {1, 2, 4, 8}, so
 // small N still fills the SMs); each lane reads 16 bytes (8 weights) of each
@@ -62,7 +63,8 @@ static __device__ __forceinline__ float dense_bf16_hi(unsigned int u) { return _
 template <int T, int ROWS, int UNROLL>
 static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__ x,
                                                        const __nv_bfloat16* __restrict__ w,
-                                                       float* __restrict__ out, int N, int K, int ksplit) {
+                                                       float* __restrict__ out, int N, int K, int ksplit,
+                                                       int accumulate) {
     __shared__ float red[DENSE_GEMV_WARPS][ROWS * T];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int groups = DENSE_GEMV_WARPS / ksplit;
@@ -123,7 +125,10 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
         float s = 0.0f;
         for (int p = 0; p < ksplit; ++p) s += red[g * ksplit + p][rt];
         const long long n = ((long long)blockIdx.x * groups + g) * ROWS + r;
-        if (n < N) out[(long long)t * N + n] = s;
+        if (n < N) {
+            float* o = out + (long long)t * N + n;
+            *o = accumulate ? __fadd_rn(*o, s) : s;
+        }
     }
 }
 
@@ -134,8 +139,8 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
 #define DENSE_GEMV_KERNEL(T, ROWS, UNROLL, MINB)                                                             \
     extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, MINB)                                \
         dense_gemv_t##T(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,                    \
-                        float* __restrict__ out, int N, int K, int ksplit) {                                 \
-        dense_gemv_body<T, ROWS, UNROLL>(x, w, out, N, K, ksplit);                                           \
+                        float* __restrict__ out, int N, int K, int ksplit, int accumulate) {                 \
+        dense_gemv_body<T, ROWS, UNROLL>(x, w, out, N, K, ksplit, accumulate);                               \
     }
 DENSE_GEMV_KERNEL(1, 4, 2, 4)
 DENSE_GEMV_KERNEL(2, 4, 2, 3)
@@ -149,7 +154,7 @@ DENSE_GEMV_KERNEL(8, 4, 1, 2)
 // The simple path for any K (K % 8 != 0): one warp per output (t, n), lanes
 // stride over k, scalar loads. grid = (ceil(N / 8), T), block = 256.
 extern "C" __global__ void dense_matmul_simple(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
-                                               float* __restrict__ out, int N, int K) {
+                                               float* __restrict__ out, int N, int K, int accumulate) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long n = (long long)blockIdx.x * (blockDim.x >> 5) + warp;
     const int t = blockIdx.y;
@@ -159,7 +164,10 @@ extern "C" __global__ void dense_matmul_simple(const float* __restrict__ x, cons
     float s = 0.0f;
     for (int k = lane; k < K; k += 32) s = fmaf(__bfloat162float(wr[k]), xr[k], s);
     s = dense_warp_sum(s);
-    if (lane == 0) out[(long long)t * N + n] = s;
+    if (lane == 0) {
+        float* o = out + (long long)t * N + n;
+        *o = accumulate ? __fadd_rn(*o, s) : s;
+    }
 }
 
 // out[i] = bf16(x[i]), round to nearest even (half::bf16::from_f32).

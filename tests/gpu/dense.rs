@@ -20,7 +20,7 @@ use std::time::Instant;
 use half::bf16;
 use rayon::prelude::*;
 use strata::backend::cpu::{next_ops, ops};
-use strata::backend::cuda::dense::{self, RopeTable, NONFINITE_NONE};
+use strata::backend::cuda::dense::{self, RopeTable, Write, NONFINITE_NONE};
 use strata::backend::cuda::{CudaSlice, Gpu};
 use strata::backend::{Matrix, Rope};
 use strata::model::{Arch, ModelConfig, RopeScaling};
@@ -31,6 +31,7 @@ use super::common::{check_close, e, poisoned, rand_f32, GpuTest};
 pub const TESTS: &[GpuTest] = &[
     ("dense_matmul_gemv_small_t", matmul_gemv_small_t),
     ("dense_matmul_cublas_large_t", matmul_cublas_large_t),
+    ("dense_matmul_add_residual", matmul_add_residual),
     ("dense_matmul_rejects_bad_shapes", matmul_rejects_bad_shapes),
     ("dense_rmsnorm_widths", rmsnorm_widths),
     ("dense_add_rmsnorm_fused", add_rmsnorm_fused),
@@ -159,15 +160,43 @@ fn matmul_cublas_large_t(gpu: &Arc<Gpu>) -> Result<(), String> {
     let (xd, wd) = (gpu.upload(&x).map_err(e)?, gpu.upload(&w).map_err(e)?);
     let mut scratch = gpu.alloc_zeros::<bf16>(t * k + 3).map_err(e)?;
     let mut out = poisoned(gpu, t * n)?;
-    dense::gemm(gpu, &xd, &wd, t, n, k, &mut out, &mut scratch).map_err(e)?;
+    dense::gemm(gpu, &xd, &wd, t, n, k, &mut out, &mut scratch, Write::Store).map_err(e)?;
     let mut want = vec![0.0f32; t * n];
     ops::matmul(&round_bf16(&x), &wm, &mut want);
     check_close("gemm T=3 (cuBLAS vs bf16(x))", &gpu.download(&out).map_err(e)?, &want, 1e-4)?;
     // matmul_with_scratch at T = 3 takes the GEMV (exact x).
     let mut out = poisoned(gpu, t * n)?;
-    dense::matmul_with_scratch(gpu, &xd, &wd, t, n, k, &mut out, &mut scratch).map_err(e)?;
+    dense::matmul_with_scratch(gpu, &xd, &wd, t, n, k, &mut out, &mut scratch, Write::Store).map_err(e)?;
     ops::matmul(&x, &wm, &mut want);
     check_close("matmul_with_scratch T=3", &gpu.download(&out).map_err(e)?, &want, 1e-5)
+}
+
+/// `matmul_add` (out += x W^T, the residual add fused) against
+/// `ops::matmul` then `ops::add`, on the GEMV (exact x), the simple kernel
+/// and cuBLAS (bf16 x) paths.
+fn matmul_add_residual(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for (t, n, k, tol) in [(1, 2048, 4096, 1e-5), (8, 2048, 512, 1e-5), (3, 77, 100, 1e-5), (64, 2048, 1024, 1e-2)] {
+        let what = format!("matmul_add T={t} N={n} K={k}");
+        let x = rand_f32(2000 + t as u64, t * k, 1.0);
+        let resid = rand_f32(2100 + t as u64, t * n, 1.0);
+        let (w, wm) = bf16_weights(2200 + t as u64, n, k, 0.05);
+        let (xd, wd) = (gpu.upload(&x).map_err(e)?, gpu.upload(&w).map_err(e)?);
+        let mut out = gpu.upload(&resid).map_err(e)?;
+        dense::matmul_add(gpu, &xd, &wd, t, n, k, &mut out).map_err(e)?;
+        let mut o = vec![0.0f32; t * n];
+        ops::matmul(&x, &wm, &mut o);
+        let mut want = resid.clone();
+        ops::add(&mut want, &o);
+        check_close(&what, &gpu.download(&out).map_err(e)?, &want, tol)?;
+        if t > dense::GEMV_MAX_ROWS {
+            // Tight on the rounded x: beta = 1 adds the residual in f32.
+            ops::matmul(&round_bf16(&x), &wm, &mut o);
+            let mut want = resid.clone();
+            ops::add(&mut want, &o);
+            check_close(&format!("{what} vs bf16(x)"), &gpu.download(&out).map_err(e)?, &want, 1e-5)?;
+        }
+    }
+    Ok(())
 }
 
 fn matmul_rejects_bad_shapes(gpu: &Arc<Gpu>) -> Result<(), String> {
@@ -178,7 +207,7 @@ fn matmul_rejects_bad_shapes(gpu: &Arc<Gpu>) -> Result<(), String> {
         dense::matmul(gpu, &x, &w, 2, 16, 32, &mut out), // w is not [16, 32]
         dense::matmul(gpu, &x, &w, 3, 16, 64, &mut out), // x too short
         dense::matmul(gpu, &x, &w, 2, 8, 128, &mut out), // x too short for K
-        dense::gemv(gpu, &x, &w, 2, 16, 64, &mut poisoned(gpu, 31)?), // out too short
+        dense::gemv(gpu, &x, &w, 2, 16, 64, &mut poisoned(gpu, 31)?, Write::Store), // out too short
     ];
     for (i, r) in bad.into_iter().enumerate() {
         match r {
@@ -583,7 +612,9 @@ fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
     let x = gpu.upload(&rand_f32(2, t * k, 1.0)).map_err(e)?;
     let mut out = poisoned(gpu, t * n)?;
     let mut scratch = gpu.alloc_zeros::<bf16>(t * k).map_err(e)?;
-    let s = time_it(gpu, 20, |_| dense::matmul_with_scratch(gpu, &x, &w, t, n, k, &mut out, &mut scratch).map_err(e))?;
+    let s = time_it(gpu, 20, |_| {
+        dense::matmul_with_scratch(gpu, &x, &w, t, n, k, &mut out, &mut scratch, Write::Store).map_err(e)
+    })?;
     let flops = 2.0 * (t * n * k) as f64;
     println!(
         "     GEMM T={t} N={n} K={k} (x->bf16 + cuBLAS): {:.1} us, {:.0} TFLOP/s (BF16 dense ~790 TFLOP/s on H200)",

@@ -52,12 +52,21 @@ fn row_block_threads(width: usize) -> u32 {
 // ---------------------------------------------------------------------------
 // Dense projections.
 
+/// How a projection writes `out`: overwrite it, or add to it (the residual
+/// add after o_proj / down_proj fused into the projection: `out += x W^T`,
+/// the same f32 add as `add` after `matmul`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Write {
+    Store,
+    Add,
+}
+
 /// `out [T, N] = x [T, K] * W^T` for BF16 `w [N, K]` with f32 accumulation
 /// (a linear layer's `y = x W^T`). T <= 8 (decode, speculative verify): the
 /// own GEMV (`gemv`), exact f32 products of the bf16 weights and f32 x. T > 8:
 /// x is rounded to bf16 into a scratch buffer allocated here and cuBLAS runs
 /// the GEMM (`gemm`); pass your own scratch to `matmul_with_scratch`.
-#[allow(clippy::too_many_arguments)]
+/// `out` must not overlap `x`.
 pub fn matmul(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
@@ -67,17 +76,44 @@ pub fn matmul(
     k: usize,
     out: &mut CudaSlice<f32>,
 ) -> Result<()> {
+    matmul_alloc(gpu, x, w, t, n, k, out, Write::Store)
+}
+
+/// `out [T, N] += x [T, K] * W^T` (`matmul` fused with the residual add).
+pub fn matmul_add(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<bf16>,
+    t: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    matmul_alloc(gpu, x, w, t, n, k, out, Write::Add)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matmul_alloc(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<bf16>,
+    t: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+    write: Write,
+) -> Result<()> {
     if t <= GEMV_MAX_ROWS {
-        return gemv(gpu, x, w, t, n, k, out);
+        return gemv(gpu, x, w, t, n, k, out, write);
     }
     check_matmul(x, w, t, n, k, out)?;
     // SAFETY: uninitialized device memory; gemm's conversion writes all t*k elements before cuBLAS reads them.
     let mut scratch = unsafe { gpu.stream().alloc::<bf16>(t * k) }?;
-    gemm(gpu, x, w, t, n, k, out, &mut scratch)
+    gemm(gpu, x, w, t, n, k, out, &mut scratch, write)
 }
 
-/// `matmul` with the caller's bf16 scratch of at least `T * K` elements for
-/// the cuBLAS path (unused for T <= 8).
+/// `matmul` / `matmul_add` with the caller's bf16 scratch of at least
+/// `T * K` elements for the cuBLAS path (unused for T <= 8).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_with_scratch(
     gpu: &Gpu,
@@ -88,11 +124,12 @@ pub fn matmul_with_scratch(
     k: usize,
     out: &mut CudaSlice<f32>,
     scratch: &mut CudaSlice<bf16>,
+    write: Write,
 ) -> Result<()> {
     if t <= GEMV_MAX_ROWS {
-        gemv(gpu, x, w, t, n, k, out)
+        gemv(gpu, x, w, t, n, k, out, write)
     } else {
-        gemm(gpu, x, w, t, n, k, out, scratch)
+        gemm(gpu, x, w, t, n, k, out, scratch, write)
     }
 }
 
@@ -129,8 +166,9 @@ fn gemv_ksplit(n: usize, k: usize, sm_count: usize) -> usize {
     ks
 }
 
-/// `out [T, N] = x [T, K] * W^T` for T in 1..=8 with the own GEMV kernels
+/// `out [T, N] (+)= x [T, K] * W^T` for T in 1..=8 with the own GEMV kernels
 /// (any K; the fast kernels need K % 8 == 0, others take the simple kernel).
+#[allow(clippy::too_many_arguments)]
 pub fn gemv(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
@@ -139,6 +177,7 @@ pub fn gemv(
     n: usize,
     k: usize,
     out: &mut CudaSlice<f32>,
+    write: Write,
 ) -> Result<()> {
     check_matmul(x, w, t, n, k, out)?;
     if t > GEMV_MAX_ROWS {
@@ -147,7 +186,7 @@ pub fn gemv(
     if t == 0 {
         return Ok(());
     }
-    let (n_i, k_i) = (n as i32, k as i32);
+    let (n_i, k_i, acc_i) = (n as i32, k as i32, (write == Write::Add) as i32);
     if k % 8 != 0 {
         let f = gpu.function("dense_matmul_simple")?;
         let cfg = LaunchConfig {
@@ -156,8 +195,9 @@ pub fn gemv(
             shared_mem_bytes: 0,
         };
         let mut b = gpu.stream().launch_builder(&f);
-        b.arg(x).arg(w).arg(out).arg(&n_i).arg(&k_i);
-        // SAFETY: dense_matmul_simple(const float* x [T,K], const bf16* w [N,K], float* out [T,N], int N, int K);
+        b.arg(x).arg(w).arg(out).arg(&n_i).arg(&k_i).arg(&acc_i);
+        // SAFETY: dense_matmul_simple(const float* x [T,K], const bf16* w [N,K], float* out [T,N], int N, int K,
+        // int accumulate);
         // lengths checked above, grid.y = T.
         unsafe { b.launch(cfg) }?;
         return Ok(());
@@ -172,18 +212,20 @@ pub fn gemv(
     };
     let ks_i = ks as i32;
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(x).arg(w).arg(out).arg(&n_i).arg(&k_i).arg(&ks_i);
-    // SAFETY: dense_gemv_tT(const float* x [T,K], const bf16* w [N,K], float* out [T,N], int N, int K, int ksplit);
+    b.arg(x).arg(w).arg(out).arg(&n_i).arg(&k_i).arg(&ks_i).arg(&acc_i);
+    // SAFETY: dense_gemv_tT(const float* x [T,K], const bf16* w [N,K], float* out [T,N], int N, int K, int ksplit,
+    // int accumulate);
     // K % 8 == 0 keeps every 16-byte load inside its row and aligned (cudarc buffers are 256-byte aligned);
     // rows past N are clamped in the kernel and never stored.
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
 
-/// `out [T, N] = bf16(x) [T, K] * W^T` through cuBLAS (bf16 inputs, f32
-/// compute and output) for any T: x is first rounded to bf16 into
-/// `scratch` (at least `T * K` elements), so results differ from the f32
-/// reference by about the bf16 rounding of x (~1e-3 relative).
+/// `out [T, N] (+)= bf16(x) [T, K] * W^T` through cuBLAS (bf16 inputs, f32
+/// compute and output; `Write::Add` is beta = 1) for any T: x is first
+/// rounded to bf16 into `scratch` (at least `T * K` elements), so results
+/// differ from the f32 reference by about the bf16 rounding of x (~1e-3
+/// relative).
 #[allow(clippy::too_many_arguments)]
 pub fn gemm(
     gpu: &Gpu,
@@ -194,6 +236,7 @@ pub fn gemm(
     k: usize,
     out: &mut CudaSlice<f32>,
     scratch: &mut CudaSlice<bf16>,
+    write: Write,
 ) -> Result<()> {
     check_matmul(x, w, t, n, k, out)?;
     need("gemm: scratch", scratch.len(), t * k)?;
@@ -203,7 +246,7 @@ pub fn gemm(
     convert_to_bf16(gpu, x, scratch, t * k)?;
     let blas = gpu.blas()?;
     let stream = gpu.stream();
-    let (alpha, beta) = (1.0f32, 0.0f32);
+    let (alpha, beta) = (1.0f32, if write == Write::Add { 1.0f32 } else { 0.0 });
     use cudarc::cublas::{result, sys};
     // Column-major view: C (N x T, ldc N) = W^T-as-stored (K x N, lda K)^T * x (K x T, ldb K).
     let (a, _ra) = w.device_ptr(stream);
