@@ -377,26 +377,19 @@ extern "C" __global__ void dense_fill_u32(unsigned int* __restrict__ out, unsign
 
 // ---------------------------------------------------------------------------
 // Greedy argmax per row of logits [rows, V] (sampling::argmax: the largest
-// value, the lowest index on ties). One block (1024 threads) per row.
+// value, the lowest index on ties), in two deterministic passes so a
+// 151936-wide row is read by ~37 blocks at once, not one SM: partials of
+// DENSE_ARGMAX_CHUNK elements (16 independent loads in flight per thread),
+// then one warp per row over the partials in chunk order.
+#define DENSE_ARGMAX_THREADS 256
+#define DENSE_ARGMAX_PER_THREAD 16
+#define DENSE_ARGMAX_CHUNK (DENSE_ARGMAX_THREADS * DENSE_ARGMAX_PER_THREAD)
+
 static __device__ __forceinline__ bool dense_better(float av, unsigned int ai, float bv, unsigned int bi) {
     return av > bv || (av == bv && ai < bi);
 }
 
-extern "C" __global__ void __launch_bounds__(1024) dense_argmax(const float* __restrict__ logits,
-                                                                unsigned int* __restrict__ out, int V) {
-    __shared__ float sv[32];
-    __shared__ unsigned int si[32];
-    const float* row = logits + (long long)blockIdx.x * V;
-    float bv = -INFINITY;
-    unsigned int bi = 0xffffffffu;
-    // Increasing i within a thread: strict > keeps the lowest index.
-    for (int i = threadIdx.x; i < V; i += blockDim.x) {
-        const float v = row[i];
-        if (bi == 0xffffffffu || v > bv) {
-            bv = v;
-            bi = i;
-        }
-    }
+static __device__ __forceinline__ void dense_argmax_warp(float& bv, unsigned int& bi) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
@@ -406,24 +399,68 @@ extern "C" __global__ void __launch_bounds__(1024) dense_argmax(const float* __r
             bi = oi;
         }
     }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+}
+
+// grid (chunks, rows): the best (value, index) of chunk blockIdx.x of row blockIdx.y.
+extern "C" __global__ void __launch_bounds__(DENSE_ARGMAX_THREADS)
+    dense_argmax_partial(const float* __restrict__ logits, float* __restrict__ part_v,
+                         unsigned int* __restrict__ part_i, int V) {
+    __shared__ float sv[DENSE_ARGMAX_THREADS / 32];
+    __shared__ unsigned int si[DENSE_ARGMAX_THREADS / 32];
+    const float* row = logits + (long long)blockIdx.y * V;
+    const int base = blockIdx.x * DENSE_ARGMAX_CHUNK + threadIdx.x;
+    float vals[DENSE_ARGMAX_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < DENSE_ARGMAX_PER_THREAD; ++j) {
+        const int i = base + j * DENSE_ARGMAX_THREADS;
+        vals[j] = i < V ? row[i] : -INFINITY;
+    }
+    // Increasing index within the thread: strict > keeps the lowest.
+    float bv = -INFINITY;
+    unsigned int bi = 0xffffffffu;
+#pragma unroll
+    for (int j = 0; j < DENSE_ARGMAX_PER_THREAD; ++j) {
+        const int i = base + j * DENSE_ARGMAX_THREADS;
+        if (i < V && (bi == 0xffffffffu || vals[j] > bv)) {
+            bv = vals[j];
+            bi = (unsigned int)i;
+        }
+    }
+    dense_argmax_warp(bv, bi);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) {
         sv[warp] = bv;
         si[warp] = bi;
     }
     __syncthreads();
     if (warp == 0) {
-        bv = lane < warps ? sv[lane] : -INFINITY;
-        bi = lane < warps ? si[lane] : 0xffffffffu;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const unsigned int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (dense_better(ov, oi, bv, bi)) {
-                bv = ov;
-                bi = oi;
-            }
+        bv = lane < DENSE_ARGMAX_THREADS / 32 ? sv[lane] : -INFINITY;
+        bi = lane < DENSE_ARGMAX_THREADS / 32 ? si[lane] : 0xffffffffu;
+        dense_argmax_warp(bv, bi);
+        if (lane == 0) {
+            const long long p = (long long)blockIdx.y * gridDim.x + blockIdx.x;
+            part_v[p] = bv;
+            part_i[p] = bi;
         }
-        if (lane == 0) out[blockIdx.x] = bi;
     }
+}
+
+// One warp per row (8 rows per block): the best of the row's `chunks` partials.
+extern "C" __global__ void dense_argmax_final(const float* __restrict__ part_v, const unsigned int* __restrict__ part_i,
+                                              unsigned int* __restrict__ out, int rows, int chunks) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    float bv = -INFINITY;
+    unsigned int bi = 0xffffffffu;
+    for (int c = lane; c < chunks; c += 32) {
+        const float v = part_v[row * chunks + c];
+        const unsigned int i = part_i[row * chunks + c];
+        if (dense_better(v, i, bv, bi) || bi == 0xffffffffu) {
+            bv = v;
+            bi = i;
+        }
+    }
+    dense_argmax_warp(bv, bi);
+    if (lane == 0) out[row] = bi;
 }

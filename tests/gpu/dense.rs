@@ -528,7 +528,7 @@ fn first_nonfinite_guard(gpu: &Arc<Gpu>) -> Result<(), String> {
 
 fn argmax_ties_lowest_index(gpu: &Arc<Gpu>) -> Result<(), String> {
     let greedy = Sampler::greedy();
-    for (rows, vocab) in [(4, 151_936), (3, 5), (2, 1), (2, 1025)] {
+    for (rows, vocab) in [(4, 151_936), (3, 5), (2, 1), (2, 1025), (3, 8193), (9, 4096)] {
         let mut logits = rand_f32(600 + vocab as u64, rows * vocab, 5.0);
         if rows >= 3 && vocab > 100 {
             // Row 0: the maximum twice (90 and the last index): 90 wins.
@@ -606,6 +606,10 @@ fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
             moved / s / 1e9
         );
     }
+    let logits = gpu.upload(&rand_f32(3, 151_936, 1.0)).map_err(e)?;
+    let mut ids = gpu.alloc_zeros::<u32>(1).map_err(e)?;
+    let s = time_it(gpu, 50, |_| dense::argmax(gpu, &logits, 1, 151_936, &mut ids).map_err(e))?;
+    println!("     argmax 1 x 151936: {:.1} us", s * 1e6);
     let (t, n, k) = (4096, 4096, 2048);
     let mut w = gpu.alloc_zeros::<bf16>(n * k).map_err(e)?;
     gpu.fill_uniform_bf16(&mut w, 9).map_err(e)?;

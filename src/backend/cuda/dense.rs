@@ -19,6 +19,9 @@ use crate::error::{Error, Result};
 const GEMV_WARPS: usize = 8;
 /// Rows of W per warp group of `dense_gemv_t{T}` (the `ROWS` of `DENSE_GEMV_KERNEL`).
 const GEMV_ROWS_PER_GROUP: usize = 4;
+/// Threads and elements per block of `dense_argmax_partial`.
+const ARGMAX_THREADS: u32 = 256;
+const ARGMAX_CHUNK: usize = 256 * 16;
 /// Largest row count of the GEMV kernels; above it `matmul` goes to cuBLAS.
 pub const GEMV_MAX_ROWS: usize = 8;
 
@@ -724,11 +727,35 @@ pub fn argmax(gpu: &Gpu, logits: &CudaSlice<f32>, rows: usize, vocab: usize, out
         return Ok(());
     }
     let v_i = check_i32("argmax: vocab", vocab)?;
-    let f = gpu.function("dense_argmax")?;
-    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    let chunks = vocab.div_ceil(ARGMAX_CHUNK);
+    if rows > u16::MAX as usize {
+        return Err(invalid(format!("argmax: {rows} rows (grid.y at most 65535)")));
+    }
+    // SAFETY: uninitialized; dense_argmax_partial writes every (row, chunk) before dense_argmax_final reads it.
+    let mut part_v = unsafe { gpu.stream().alloc::<f32>(rows * chunks) }?;
+    let mut part_i = unsafe { gpu.stream().alloc::<u32>(rows * chunks) }?;
+    let f = gpu.function("dense_argmax_partial")?;
+    let cfg = LaunchConfig {
+        grid_dim: (chunks as u32, rows as u32, 1),
+        block_dim: (ARGMAX_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(logits).arg(out).arg(&v_i);
-    // SAFETY: dense_argmax(const float* logits [rows, V], u32* out [rows], int V); one block per row.
+    b.arg(logits).arg(&mut part_v).arg(&mut part_i).arg(&v_i);
+    // SAFETY: dense_argmax_partial(const float* logits [rows, V], float* part_v, u32* part_i [rows * chunks],
+    // int V); grid = (chunks, rows).
+    unsafe { b.launch(cfg) }?;
+    let f = gpu.function("dense_argmax_final")?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(GEMV_WARPS) as u32, 1, 1),
+        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rows_i, chunks_i) = (rows as i32, chunks as i32);
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&part_v).arg(&part_i).arg(out).arg(&rows_i).arg(&chunks_i);
+    // SAFETY: dense_argmax_final(const float* part_v, const u32* part_i [rows * chunks], u32* out [rows], int rows,
+    // int chunks); one warp per row.
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
