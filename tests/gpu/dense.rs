@@ -166,7 +166,7 @@ fn matmul_cublas_large_t(gpu: &Arc<Gpu>) -> Result<(), String> {
     check_close("gemm T=3 (cuBLAS vs bf16(x))", &gpu.download(&out).map_err(e)?, &want, 1e-4)?;
     // matmul_with_scratch at T = 3 takes the GEMV (exact x).
     let mut out = poisoned(gpu, t * n)?;
-    dense::matmul_with_scratch(gpu, &xd, &wd, t, n, k, &mut out, &mut scratch, Write::Store).map_err(e)?;
+    dense::matmul_with_scratch(gpu, &xd, &wd, t, n, k, &mut out, &mut scratch).map_err(e)?;
     ops::matmul(&x, &wm, &mut want);
     check_close("matmul_with_scratch T=3", &gpu.download(&out).map_err(e)?, &want, 1e-5)
 }
@@ -188,6 +188,11 @@ fn matmul_add_residual(gpu: &Arc<Gpu>) -> Result<(), String> {
         let mut want = resid.clone();
         ops::add(&mut want, &o);
         check_close(&what, &gpu.download(&out).map_err(e)?, &want, tol)?;
+        // The same through the caller's scratch.
+        let mut out2 = gpu.upload(&resid).map_err(e)?;
+        let mut scratch = gpu.alloc_zeros::<bf16>(t * k).map_err(e)?;
+        dense::matmul_add_with_scratch(gpu, &xd, &wd, t, n, k, &mut out2, &mut scratch).map_err(e)?;
+        check_close(&format!("{what} with scratch"), &gpu.download(&out2).map_err(e)?, &want, tol)?;
         if t > dense::GEMV_MAX_ROWS {
             // Tight on the rounded x: beta = 1 adds the residual in f32.
             ops::matmul(&round_bf16(&x), &wm, &mut o);
@@ -616,9 +621,7 @@ fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
     let x = gpu.upload(&rand_f32(2, t * k, 1.0)).map_err(e)?;
     let mut out = poisoned(gpu, t * n)?;
     let mut scratch = gpu.alloc_zeros::<bf16>(t * k).map_err(e)?;
-    let s = time_it(gpu, 20, |_| {
-        dense::matmul_with_scratch(gpu, &x, &w, t, n, k, &mut out, &mut scratch, Write::Store).map_err(e)
-    })?;
+    let s = time_it(gpu, 20, |_| dense::matmul_with_scratch(gpu, &x, &w, t, n, k, &mut out, &mut scratch).map_err(e))?;
     let flops = 2.0 * (t * n * k) as f64;
     println!(
         "     GEMM T={t} N={n} K={k} (x->bf16 + cuBLAS): {:.1} us, {:.0} TFLOP/s (BF16 dense ~790 TFLOP/s on H200)",

@@ -115,10 +115,39 @@ fn matmul_alloc(
     gemm(gpu, x, w, t, n, k, out, &mut scratch, write)
 }
 
-/// `matmul` / `matmul_add` with the caller's bf16 scratch of at least
-/// `T * K` elements for the cuBLAS path (unused for T <= 8).
+/// `matmul` with the caller's bf16 scratch of at least `T * K` elements for
+/// the cuBLAS path (unused for T <= 8).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_with_scratch(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<bf16>,
+    t: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+    scratch: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    project(gpu, x, w, t, n, k, out, scratch, Write::Store)
+}
+
+/// `matmul_add` with the caller's bf16 scratch (see `matmul_with_scratch`).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_add_with_scratch(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<bf16>,
+    t: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+    scratch: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    project(gpu, x, w, t, n, k, out, scratch, Write::Add)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn project(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
     w: &CudaSlice<bf16>,
