@@ -69,12 +69,25 @@ extern "C" __global__ void attn_kv_append_bf16(const float* __restrict__ k, cons
 // --------------------------------------------------------------- helpers --
 
 // 16 bytes of cache values -> floats (16 int8 times scale, or 8 bf16).
+// Four int8 (one word, element b in byte b) -> exact floats without I2F
+// (quarter rate): byte ^ 0x80 = v + 128 as u in [0, 255]; the float with
+// bits 0x4B0000uu is 2^23 + u, so subtracting 2^23 + 128 gives v exactly.
+static __device__ __forceinline__ void attn_i8x4_to_f32(uint32_t w, float* out) {
+    const uint32_t x = w ^ 0x80808080u;
+    out[0] = __int_as_float((int)__byte_perm(x, 0x4B000000u, 0x7540)) - 8388736.0f;
+    out[1] = __int_as_float((int)__byte_perm(x, 0x4B000000u, 0x7541)) - 8388736.0f;
+    out[2] = __int_as_float((int)__byte_perm(x, 0x4B000000u, 0x7542)) - 8388736.0f;
+    out[3] = __int_as_float((int)__byte_perm(x, 0x4B000000u, 0x7543)) - 8388736.0f;
+}
+
 static __device__ __forceinline__ void attn_dequant16(const int8_t*, uint4 raw, float scale, float* out) {
     const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
+        float f[4];
+        attn_i8x4_to_f32(w[i], f);
 #pragma unroll
-        for (int b = 0; b < 4; ++b) out[i * 4 + b] = (float)(int8_t)((w[i] >> (8 * b)) & 0xff) * scale;
+        for (int b = 0; b < 4; ++b) out[i * 4 + b] = f[b] * scale;
     }
 }
 
@@ -318,7 +331,7 @@ static __device__ __forceinline__ void attn_simt(const float* __restrict__ q, co
 }
 
 #define ATTN_SIMT_INSTANCE(HD, KVNAME, KV, MAXQ)                                                                    \
-    extern "C" __global__ void __launch_bounds__(ATTN_SIMT_THREADS) attn_simt_hd##HD##_##KVNAME##_q##MAXQ(          \
+    extern "C" __global__ void __launch_bounds__(ATTN_SIMT_THREADS, 1) attn_simt_hd##HD##_##KVNAME##_q##MAXQ(          \
         const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,                          \
         const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                        \
         float* __restrict__ part_acc, float* __restrict__ part_ml, int heads, int kv_heads, int start_pos, int rows, \
@@ -433,12 +446,17 @@ static __device__ __forceinline__ void attn_mma_bf16(float* c, const uint32_t* a
 }
 
 // Cache values of one 16-byte vector as bf16 (int8: exact integers; bf16: as is).
+// An integer of magnitude <= 128 has at most 8 significant bits: its f32
+// bits end in 16 zeros, and the high half is its exact bf16.
 static __device__ __forceinline__ void attn_to_bf16(const int8_t*, uint4 raw, __nv_bfloat16* out) {
     const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    uint32_t* o = reinterpret_cast<uint32_t*>(out);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int b = 0; b < 4; ++b) out[i * 4 + b] = __float2bfloat16_rn((float)(int8_t)((w[i] >> (8 * b)) & 0xff));
+        float f[4];
+        attn_i8x4_to_f32(w[i], f);
+        o[i * 2] = __byte_perm(__float_as_uint(f[0]), __float_as_uint(f[1]), 0x7632);
+        o[i * 2 + 1] = __byte_perm(__float_as_uint(f[2]), __float_as_uint(f[3]), 0x7632);
     }
 }
 static __device__ __forceinline__ void attn_to_bf16(const __nv_bfloat16*, uint4 raw, __nv_bfloat16* out) {
@@ -702,3 +720,367 @@ static __device__ __forceinline__ void attn_mma(const float* __restrict__ q, con
 ATTN_MMA_INSTANCES(64)
 ATTN_MMA_INSTANCES(128)
 ATTN_MMA_INSTANCES(256)
+
+// ------------------------------------------------ tensor-core decode kernel --
+//
+// Decode (up to 16 query vectors per kv head: a GQA group of one or two
+// rows): the keys are the M dimension of the mma, so a group of 8 query
+// heads exactly fills N = 8. S^T = K Q^T (A = K tile, B = Q), then
+// O^T += V^T P^T (A = V tile through ldmatrix.trans, B = P from shared
+// memory). Q and P are bf16 hi + lo pairs (f32-level accuracy, as attn_mma).
+// Each of the 4 warps streams its own key tiles (tile w, w + 4, ... of the
+// block's split) through its own shared memory with only __syncwarp, and
+// keeps its own (max, sum, O); the block merges the 4 warps in warp order.
+//
+// Shared memory (bytes), mirrored by the Rust wrapper (dec_smem_bytes):
+//   q_hi, q_lo [NQ][HD + 8] bf16, then per warp: k_s, v_s [BKW][HD + 8] bf16,
+//   p_hi, p_lo [NQ][BKW + 8] bf16, k/v scales [BKW] f32. After the key loop
+//   the per-warp area holds the merge inputs: m, l [4][NQ], o [4][NQ][HD] f32.
+
+#define ATTN_DEC_WARPS 4
+#define ATTN_DEC_THREADS (ATTN_DEC_WARPS * 32)
+
+template <int HD, int NQB>
+struct AttnDecShape {
+    static constexpr int NQ = NQB * 8;
+    static constexpr int BKW = HD == 256 ? 16 : 32;  // keys per warp tile
+    static constexpr int KS = HD + 8;                // bf16 row stride of q/k/v tiles
+    static constexpr int PS = BKW + 8;               // bf16 row stride of P^T
+    static constexpr int kQ = NQ * KS * 2;           // bytes of one q part
+    static constexpr int kWarp = 2 * BKW * KS * 2 + 2 * NQ * PS * 2 + 2 * BKW * 4;
+    static constexpr int kMerge = ATTN_DEC_WARPS * NQ * (HD + 2) * 4;
+    static constexpr int kBytes = 2 * kQ + (ATTN_DEC_WARPS * kWarp > kMerge ? ATTN_DEC_WARPS * kWarp : kMerge);
+};
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+// Four 8x8 bf16 matrices, transposed: lanes 8i..8i+7 give the row addresses of matrix i.
+static __device__ __forceinline__ void attn_ldmatrix_x4_trans(uint32_t* r, const __nv_bfloat16* p) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+#endif
+
+// grid: (splits, kv_heads, 1); block: ATTN_DEC_THREADS; rows * (heads /
+// kv_heads) <= NQB * 8. Same arguments and outputs as attn_simt.
+template <int HD, typename KV, int NQB>
+static __device__ __forceinline__ void attn_dec(const float* __restrict__ q, const KV* __restrict__ kc,
+                                                const KV* __restrict__ vc, const float* __restrict__ ks,
+                                                const float* __restrict__ vs, float* __restrict__ out,
+                                                float* __restrict__ part_acc, float* __restrict__ part_ml, int heads,
+                                                int kv_heads, int start_pos, int rows, int chunk, float scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    using D = AttnDecShape<HD, NQB>;
+    constexpr int NQ = D::NQ, BKW = D::BKW, KS = D::KS, PS = D::PS;
+    constexpr int EPV = 16 / (int)sizeof(KV);  // cache values per 16-byte vector
+    constexpr int VR = HD / EPV;               // vectors per cache row
+    constexpr int NV = BKW * VR / 32;          // vectors per lane per tile (K, and V)
+    constexpr int CH = (HD == 256 || sizeof(KV) == 2) ? 4 : 8;  // vectors in flight per lane and tensor
+    static_assert(NV % CH == 0 || NV < CH, "staging chunks");
+    constexpr int CHUNK = NV < CH ? NV : CH;
+    constexpr int MT = BKW / 16;  // key m-tiles per warp tile
+    constexpr int MD = HD / 16;   // d m-tiles of O^T
+
+    extern __shared__ float4 attn_smem4[];
+    unsigned char* base = reinterpret_cast<unsigned char*>(attn_smem4);
+    __nv_bfloat16* q_hi = reinterpret_cast<__nv_bfloat16*>(base);
+    __nv_bfloat16* q_lo = reinterpret_cast<__nv_bfloat16*>(base + D::kQ);
+    unsigned char* area = base + 2 * D::kQ;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tig = lane & 3;
+    unsigned char* wbase = area + warp * D::kWarp;
+    __nv_bfloat16* k_s = reinterpret_cast<__nv_bfloat16*>(wbase);
+    __nv_bfloat16* v_s = k_s + BKW * KS;
+    __nv_bfloat16* p_hi = v_s + BKW * KS;
+    __nv_bfloat16* p_lo = p_hi + NQ * PS;
+    float* ksc = reinterpret_cast<float*>(p_lo + NQ * PS);
+    float* vsc = ksc + BKW;
+
+    const int split = blockIdx.x, kvh = blockIdx.y;
+    const int group = heads / kv_heads;
+    const int nq = rows * group;  // <= NQ (checked by the wrapper)
+    const int kend = start_pos + rows;
+    const int kbeg = split * chunk;
+    const int kstop = min(kbeg + chunk, kend);
+
+    // Q -> bf16 hi/lo [NQ][KS]; zero rows past nq.
+    for (int i = tid; i < NQ * (HD / 4); i += ATTN_DEC_THREADS) {
+        const int qi = i / (HD / 4), c = i % (HD / 4);
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (qi < nq) {
+            const int t = qi / group, h = kvh * group + qi % group;
+            x = reinterpret_cast<const float4*>(q + ((size_t)t * heads + h) * HD)[c];
+        }
+        uint2 hi, lo;
+        attn_split_bf16(x.x, x.y, hi.x, lo.x);
+        attn_split_bf16(x.z, x.w, hi.y, lo.y);
+        *reinterpret_cast<uint2*>(q_hi + qi * KS + c * 4) = hi;
+        *reinterpret_cast<uint2*>(q_lo + qi * KS + c * 4) = lo;
+    }
+    __syncthreads();
+
+    // This thread's queries: nb * 8 + 2 * tig + e (e = 0, 1).
+    int qend[NQB][2];
+    float m[NQB][2], l[NQB][2];
+#pragma unroll
+    for (int nb = 0; nb < NQB; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int qi = nb * 8 + 2 * tig + e;
+            qend[nb][e] = qi < nq ? start_pos + qi / group + 1 : 0;
+            m[nb][e] = ATTN_NEG_INF;
+            l[nb][e] = 0.0f;
+        }
+    }
+    float o[MD][NQB][4];
+#pragma unroll
+    for (int md = 0; md < MD; ++md)
+#pragma unroll
+        for (int nb = 0; nb < NQB; ++nb) o[md][nb][0] = o[md][nb][1] = o[md][nb][2] = o[md][nb][3] = 0.0f;
+
+    for (int k0 = kbeg + warp * BKW; k0 < kstop; k0 += ATTN_DEC_WARPS * BKW) {
+        // Stage this warp's tile: rows contiguous across lanes (coalesced).
+#pragma unroll
+        for (int c0 = 0; c0 < NV; c0 += CHUNK) {
+            uint4 kr[CHUNK], vr[CHUNK];
+#pragma unroll
+            for (int u = 0; u < CHUNK; ++u) {
+                const int i = lane + 32 * (c0 + u);
+                const int j = i / VR, c = i % VR;
+                const int kg = k0 + j;
+                kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
+                if (kg < kstop) {
+                    const size_t blk = (size_t)kg * (size_t)kv_heads + (size_t)kvh;
+                    kr[u] = reinterpret_cast<const uint4*>(kc + blk * HD)[c];
+                    vr[u] = reinterpret_cast<const uint4*>(vc + blk * HD)[c];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < CHUNK; ++u) {
+                const int i = lane + 32 * (c0 + u);
+                const int j = i / VR, c = i % VR;
+                __align__(16) __nv_bfloat16 kb[EPV];
+                __align__(16) __nv_bfloat16 vb[EPV];
+                attn_to_bf16(kc, kr[u], kb);
+                attn_to_bf16(vc, vr[u], vb);
+#pragma unroll
+                for (int e = 0; e < EPV; e += 8) {
+                    *reinterpret_cast<uint4*>(k_s + j * KS + c * EPV + e) = *reinterpret_cast<const uint4*>(kb + e);
+                    *reinterpret_cast<uint4*>(v_s + j * KS + c * EPV + e) = *reinterpret_cast<const uint4*>(vb + e);
+                }
+            }
+        }
+        if (lane < BKW) {
+            const int kg = k0 + lane;
+            float kscale = 0.0f, vscale = 0.0f;
+            if (kg < kstop) {
+                const size_t blk = (size_t)kg * (size_t)kv_heads + (size_t)kvh;
+                kscale = attn_scale_of(kc, ks, blk);
+                vscale = attn_scale_of(vc, vs, blk);
+            }
+            ksc[lane] = kscale;
+            vsc[lane] = vscale;
+        }
+        __syncwarp();
+
+        // S^T [BKW keys x NQ queries] = K Q^T.
+        float s[MT][NQB][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nb = 0; nb < NQB; ++nb) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const int col = kk * 16 + 2 * tig;
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const __nv_bfloat16* kr0 = k_s + (mt * 16 + g) * KS + col;
+                a[mt][0] = attn_ld32(kr0);
+                a[mt][1] = attn_ld32(kr0 + 8 * KS);
+                a[mt][2] = attn_ld32(kr0 + 8);
+                a[mt][3] = attn_ld32(kr0 + 8 * KS + 8);
+            }
+#pragma unroll
+            for (int nb = 0; nb < NQB; ++nb) {
+                const int qoff = (nb * 8 + g) * KS + col;
+                const uint32_t bh0 = attn_ld32(q_hi + qoff), bh1 = attn_ld32(q_hi + qoff + 8);
+                const uint32_t bl0 = attn_ld32(q_lo + qoff), bl1 = attn_ld32(q_lo + qoff + 8);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    attn_mma_bf16(s[mt][nb], a[mt], bh0, bh1);
+                    attn_mma_bf16(s[mt][nb], a[mt], bl0, bl1);
+                }
+            }
+        }
+
+        // Scale, mask, online softmax per query (column of S^T): element e
+        // of s[mt][nb] is key mt*16 + g + 8*(e >= 2), query nb*8 + 2*tig + (e & 1).
+#pragma unroll
+        for (int nb = 0; nb < NQB; ++nb) {
+            float mx[2] = {ATTN_NEG_INF, ATTN_NEG_INF};
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = mt * 16 + g + ((e >> 1) << 3);
+                    const int kg = k0 + j;
+                    const bool valid = kg < kstop && kg < qend[nb][e & 1];
+                    s[mt][nb][e] = valid ? s[mt][nb][e] * ksc[j] * scale : ATTN_NEG_INF;
+                    mx[e & 1] = fmaxf(mx[e & 1], s[mt][nb][e]);
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+#pragma unroll
+                for (int o2 = 4; o2 <= 16; o2 <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o2));
+                const float mn = fmaxf(m[nb][e], mx[e]);
+                const float mu = mn == ATTN_NEG_INF ? 0.0f : mn;
+                const float corr = expf(m[nb][e] - mu);
+                m[nb][e] = mn;
+                float ps = 0.0f;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    s[mt][nb][e] = expf(s[mt][nb][e] - mu);
+                    s[mt][nb][e + 2] = expf(s[mt][nb][e + 2] - mu);
+                    ps += s[mt][nb][e] + s[mt][nb][e + 2];
+                }
+                l[nb][e] = l[nb][e] * corr + ps;
+#pragma unroll
+                for (int md = 0; md < MD; ++md) {
+                    o[md][nb][e] *= corr;
+                    o[md][nb][e + 2] *= corr;
+                }
+            }
+            // P^T (times the V scale of each key) -> p_hi/p_lo [query][key].
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = mt * 16 + g + ((e >> 1) << 3);
+                    const int qi = nb * 8 + 2 * tig + (e & 1);
+                    const float x = s[mt][nb][e] * vsc[j];
+                    const __nv_bfloat16 h = __float2bfloat16_rn(x);
+                    p_hi[qi * PS + j] = h;
+                    p_lo[qi * PS + j] = __float2bfloat16_rn(x - __bfloat162float(h));
+                }
+            }
+        }
+        __syncwarp();
+
+        // O^T [HD x NQ] += V^T P^T, 16 keys per step.
+#pragma unroll
+        for (int kk = 0; kk < BKW / 16; ++kk) {
+            uint32_t bh[NQB][2], bl[NQB][2];
+#pragma unroll
+            for (int nb = 0; nb < NQB; ++nb) {
+                const int poff = (nb * 8 + g) * PS + kk * 16 + 2 * tig;
+                bh[nb][0] = attn_ld32(p_hi + poff);
+                bh[nb][1] = attn_ld32(p_hi + poff + 8);
+                bl[nb][0] = attn_ld32(p_lo + poff);
+                bl[nb][1] = attn_ld32(p_lo + poff + 8);
+            }
+            // ldmatrix rows: keys kk*16 + (lane & 7) + 8 * (lane >= 16), at d + 8 * ((lane >> 3) & 1).
+            const __nv_bfloat16* vrow = v_s + (kk * 16 + (lane & 7) + ((lane >> 4) << 3)) * KS + ((lane >> 3) & 1) * 8;
+#pragma unroll
+            for (int md = 0; md < MD; ++md) {
+                uint32_t a[4];
+                attn_ldmatrix_x4_trans(a, vrow + md * 16);
+#pragma unroll
+                for (int nb = 0; nb < NQB; ++nb) {
+                    attn_mma_bf16(o[md][nb], a, bh[nb][0], bh[nb][1]);
+                    attn_mma_bf16(o[md][nb], a, bl[nb][0], bl[nb][1]);
+                }
+            }
+        }
+        __syncwarp();  // the tile's shared memory is read before the next staging
+    }
+
+    // Sums over the 8 lanes of a query column (xor butterfly: same bits in each).
+#pragma unroll
+    for (int nb = 0; nb < NQB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+            for (int o2 = 4; o2 <= 16; o2 <<= 1) l[nb][e] += __shfl_xor_sync(0xffffffffu, l[nb][e], o2);
+
+    // Merge the 4 warps in warp order.
+    __syncthreads();  // every warp is done with its staging area
+    float* m_s = reinterpret_cast<float*>(area);
+    float* l_s = m_s + ATTN_DEC_WARPS * NQ;
+    float* o_s = l_s + ATTN_DEC_WARPS * NQ;  // [warp][NQ][HD]
+#pragma unroll
+    for (int nb = 0; nb < NQB; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int qi = nb * 8 + 2 * tig + e;
+            if (g == 0) {
+                m_s[warp * NQ + qi] = m[nb][e];
+                l_s[warp * NQ + qi] = l[nb][e];
+            }
+#pragma unroll
+            for (int md = 0; md < MD; ++md) {
+                float* orow = o_s + ((size_t)warp * NQ + qi) * HD + md * 16 + g;
+                orow[0] = o[md][nb][e];
+                orow[8] = o[md][nb][e + 2];
+            }
+        }
+    }
+    __syncthreads();
+    const bool single = gridDim.x == 1;
+    for (int i = tid; i < nq * HD; i += ATTN_DEC_THREADS) {
+        const int qi = i / HD, d = i % HD;
+        float mx = ATTN_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < ATTN_DEC_WARPS; ++w) mx = fmaxf(mx, m_s[w * NQ + qi]);
+        float sum = 0.0f, acc = 0.0f;
+        if (mx != ATTN_NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < ATTN_DEC_WARPS; ++w) {
+                const float mw = m_s[w * NQ + qi];
+                if (mw != ATTN_NEG_INF) {
+                    const float f = expf(mw - mx);
+                    sum += l_s[w * NQ + qi] * f;
+                    acc += o_s[((size_t)w * NQ + qi) * HD + d] * f;
+                }
+            }
+        }
+        const int t = qi / group, h = kvh * group + qi % group;
+        const size_t qrow = (size_t)t * heads + h;
+        if (single) {
+            out[qrow * HD + d] = acc / sum;
+        } else {
+            const size_t prow = (size_t)split * ((size_t)rows * heads) + qrow;
+            part_acc[prow * HD + d] = acc;
+            if (d == 0) {
+                part_ml[prow * 2] = mx;
+                part_ml[prow * 2 + 1] = sum;
+            }
+        }
+    }
+#else
+    __trap();  // the wrapper launches these only on compute capability >= 8.0
+#endif
+}
+
+#define ATTN_DEC_INSTANCE(HD, KVNAME, KV, NQB)                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATTN_DEC_THREADS) attn_dec_hd##HD##_##KVNAME##_n##NQB(             \
+        const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,                          \
+        const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                        \
+        float* __restrict__ part_acc, float* __restrict__ part_ml, int heads, int kv_heads, int start_pos, int rows, \
+        int chunk, float scale) {                                                                                   \
+        attn_dec<HD, KV, NQB>(q, kc, vc, ks, vs, out, part_acc, part_ml, heads, kv_heads, start_pos, rows, chunk,    \
+                              scale);                                                                               \
+    }
+
+#define ATTN_DEC_INSTANCES(HD)                           \
+    ATTN_DEC_INSTANCE(HD, i8, int8_t, 1)                 \
+    ATTN_DEC_INSTANCE(HD, bf16, __nv_bfloat16, 1)        \
+    ATTN_DEC_INSTANCE(HD, i8, int8_t, 2)                 \
+    ATTN_DEC_INSTANCE(HD, bf16, __nv_bfloat16, 2)
+
+ATTN_DEC_INSTANCES(64)
+ATTN_DEC_INSTANCES(128)
+ATTN_DEC_INSTANCES(256)

@@ -27,6 +27,8 @@ pub const TESTS: &[GpuTest] = &[
     ("attention_prefill_bf16", prefill_bf16),
     ("attention_simt_int8", simt_int8),
     ("attention_simt_bf16", simt_bf16),
+    ("attention_dec_kernel_int8", dec_kernel_int8),
+    ("attention_dec_kernel_bf16", dec_kernel_bf16),
     ("attention_mma_decode_int8", mma_decode_int8),
     ("attention_mma_decode_bf16", mma_decode_bf16),
     ("attention_mma_bf16_operands", mma_bf16_operands),
@@ -236,13 +238,50 @@ fn prefill_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
     check_cases(gpu, KvDtype::Bf16, &PREFILL_CASES, AUTO, tight_tol)
 }
 
-/// The SIMT kernel on prefill sizes too (the path of devices before sm_80).
+/// The SIMT kernel (the path of devices before sm_80) on decode and prefill sizes.
 fn simt_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
+    check_cases(gpu, KvDtype::Int8, &DECODE_CASES, SIMT, tight_tol)?;
     check_cases(gpu, KvDtype::Int8, &PREFILL_CASES, SIMT, tight_tol)
 }
 
 fn simt_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
+    check_cases(gpu, KvDtype::Bf16, &DECODE_CASES, SIMT, tight_tol)?;
     check_cases(gpu, KvDtype::Bf16, &PREFILL_CASES, SIMT, tight_tol)
+}
+
+/// The tensor-core decode kernel forced, with one row and with as many rows
+/// as fit its 16 query vectors per kv head (two n-blocks), at context
+/// lengths from 1 to 40K (one split, many splits, partly filled warp tiles).
+fn dec_kernel(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
+    let dec = AttnConfig { kernel: AttnKernel::Decode, precision: AttnPrecision::F32 };
+    for (si, &sh) in SHAPES.iter().enumerate() {
+        let shape = shape_of(sh);
+        let most_rows = (16 / (sh.0 / sh.1)).max(1);
+        let mut cases = vec![(0usize, 1usize), (1, 1), (45, 1), (1000, 1), (40000, 1), (0, most_rows)];
+        cases.extend([(7, most_rows), (1000, most_rows), (40000, most_rows)]);
+        if most_rows > 2 {
+            cases.push((300, most_rows - 1));
+        }
+        for (ci, &(start_pos, rows)) in cases.iter().enumerate() {
+            let seed = 3000 + (si * 100 + ci) as u64;
+            let (got, want, ..) = run_case(gpu, dtype, shape, start_pos, rows, seed, dec)?;
+            check_close(
+                &format!("{dtype:?} decode kernel {sh:?} start_pos {start_pos} rows {rows}"),
+                &got,
+                &want,
+                tight_tol(start_pos + rows),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn dec_kernel_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
+    dec_kernel(gpu, KvDtype::Int8)
+}
+
+fn dec_kernel_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
+    dec_kernel(gpu, KvDtype::Bf16)
 }
 
 /// The tensor-core kernel on decode sizes (mostly-empty query tiles, split key ranges).
@@ -331,6 +370,10 @@ fn rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
     if attention(gpu, &q, &kv, shape, 0, 5, &mut out).is_ok() {
         failures.push("attention of more rows than q holds");
     }
+    let dec = AttnConfig { kernel: AttnKernel::Decode, precision: AttnPrecision::F32 };
+    if attention_with(gpu, &q, &kv, shape, 0, 5, &mut out, dec).is_ok() {
+        failures.push("the decode kernel with 20 query vectors per kv head");
+    }
     if DeviceKv::new(gpu, KvDtype::Bf16, 16, 2, 96).is_ok() {
         failures.push("a cache of head_dim 96");
     }
@@ -362,16 +405,26 @@ fn median_seconds(gpu: &Arc<Gpu>, reps: usize, mut work: impl FnMut() -> Result<
 /// Decode T=1 at 32K context (GB/s of KV bytes read vs the 4.3 TB/s HBM
 /// floor) and prefill T=4096 (TFLOP/s of the causal 4 * T^2 / 2 * hd * heads).
 fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
-    for dtype in [KvDtype::Int8, KvDtype::Bf16] {
-        let shape = shape_of((32, 4, 128));
+    let decode_runs = [
+        ((32usize, 4usize, 128usize), KvDtype::Int8, AUTO),
+        ((32, 4, 128), KvDtype::Int8, SIMT),
+        ((32, 4, 128), KvDtype::Bf16, AUTO),
+        ((16, 2, 256), KvDtype::Int8, AUTO),
+    ];
+    for (sh, dtype, config) in decode_runs {
+        let shape = shape_of(sh);
         let ctx_len = 32768;
         let (kv, ..) = filled_cache(gpu, dtype, shape, ctx_len, ctx_len, 91)?;
         let qd = gpu.upload(&rand_f32(92, shape.q_dim(), 2.0)).map_err(e)?;
         let mut out = poisoned(gpu, shape.q_dim())?;
-        let secs = median_seconds(gpu, 21, || attention(gpu, &qd, &kv, shape, ctx_len - 1, 1, &mut out).map_err(e))?;
+        let secs = median_seconds(gpu, 21, || {
+            attention_with(gpu, &qd, &kv, shape, ctx_len - 1, 1, &mut out, config).map_err(e)
+        })?;
         let gbs = (ctx_len * kv.bytes_per_position()) as f64 / secs / 1e9;
         println!(
-            "     timing: attention decode {dtype:?} (32,4,128) ctx {ctx_len}: {:.1} us, {gbs:.0} GB/s of KV = {:.1}% of 4300 GB/s",
+            "     timing: attention decode {dtype:?} {sh:?} {:?} ctx {ctx_len}: {:.1} us, {gbs:.0} GB/s of KV = {:.1}% \
+             of 4300 GB/s",
+            config.kernel,
             secs * 1e6,
             gbs / 43.0
         );

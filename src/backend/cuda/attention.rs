@@ -226,6 +226,11 @@ const SIMT_TK: usize = 32;
 /// Threads and query vectors of a block of the tensor-core kernel.
 const MMA_THREADS: u32 = 128;
 const MMA_BQ: usize = 64;
+/// Threads of a block of the tensor-core decode kernel (4 warps, each its own key tiles).
+const DEC_THREADS: u32 = 128;
+const DEC_WARPS: usize = 4;
+/// Most query vectors per kv head the decode kernel takes (two n-blocks of 8).
+pub const DEC_MAX_QUERIES: usize = 16;
 /// Fewest key tiles one split covers (below that the combine costs more than the split saves).
 const MIN_TILES_PER_SPLIT: usize = 4;
 /// Blocks per SM the split count aims for.
@@ -251,6 +256,24 @@ fn mma_smem_bytes(head_dim: usize, split: bool) -> usize {
     let bk = mma_tile(head_dim);
     let q_part = MMA_BQ * (head_dim + 8) * 2;
     q_part * if split { 2 } else { 1 } + bk * (head_dim + 8) * 2 + head_dim * (bk + 8) * 2 + 2 * bk * 4
+}
+
+/// Keys per warp tile of attn_dec_hd{HD}_*: mirrors AttnDecShape in attention.cu.
+fn dec_tile(head_dim: usize) -> usize {
+    if head_dim == 256 {
+        16
+    } else {
+        32
+    }
+}
+
+/// Dynamic shared memory of attn_dec_hd{HD}_*_n{NQB}: mirrors AttnDecShape in attention.cu.
+fn dec_smem_bytes(head_dim: usize, nqb: usize) -> usize {
+    let (nq, bkw) = (nqb * 8, dec_tile(head_dim));
+    let q_part = nq * (head_dim + 8) * 2;
+    let warp = 2 * bkw * (head_dim + 8) * 2 + 2 * nq * (bkw + 8) * 2 + 2 * bkw * 4;
+    let merge = DEC_WARPS * nq * (head_dim + 2) * 4;
+    2 * q_part + (DEC_WARPS * warp).max(merge)
 }
 
 fn set_smem(f: &CudaFunction, bytes: usize) -> Result<()> {
@@ -281,17 +304,20 @@ pub fn plan_splits(kend: usize, base_blocks: usize, sm_count: usize, tile: usize
 /// Which attention kernel runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum AttnKernel {
-    /// SIMT for up to 32 query vectors per kv head (decode) or before
-    /// compute capability 8.0, the tensor-core kernel otherwise.
+    /// On compute capability 8.0 and later: the tensor-core decode kernel
+    /// for up to DEC_MAX_QUERIES query vectors per kv head (rows x heads per
+    /// kv head), the tensor-core prefill kernel above that; SIMT before 8.0.
     #[default]
     Auto,
     /// The f32 CUDA-core kernel (any device).
     Simt,
-    /// The tensor-core kernel (compute capability 8.0 and later).
+    /// The tensor-core prefill kernel, 64 query vectors per block (compute capability 8.0 and later).
     Mma,
+    /// The tensor-core decode kernel (compute capability 8.0 and later, at most DEC_MAX_QUERIES query vectors per kv head).
+    Decode,
 }
 
-/// Operand precision of the tensor-core kernel (the SIMT kernel is f32).
+/// Operand precision of the tensor-core prefill kernel (the SIMT and decode kernels are f32-level).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum AttnPrecision {
     /// Q and P as bf16 hi + lo pairs (two mma each): matches f32 to ~1e-5.
@@ -365,31 +391,46 @@ pub fn attention_with(
     let group = heads / kv_heads;
     let nq_total = rows * group;
     let has_mma = gpu.compute_capability().0 >= 8;
-    let use_mma = match config.kernel {
-        AttnKernel::Auto => has_mma && nq_total > 32,
-        AttnKernel::Simt => false,
-        AttnKernel::Mma if has_mma => true,
-        AttnKernel::Mma => {
-            return Err(Error::InvalidArgument("attention: the tensor-core kernel needs compute capability 8.0".into()))
+    let kernel = match config.kernel {
+        AttnKernel::Auto if !has_mma => AttnKernel::Simt,
+        AttnKernel::Auto if nq_total <= DEC_MAX_QUERIES => AttnKernel::Decode,
+        AttnKernel::Auto => AttnKernel::Mma,
+        AttnKernel::Mma | AttnKernel::Decode if !has_mma => {
+            return Err(Error::InvalidArgument("attention: the tensor-core kernels need compute capability 8.0".into()))
         }
+        AttnKernel::Decode if nq_total > DEC_MAX_QUERIES => {
+            return Err(Error::InvalidArgument(format!(
+                "attention: the decode kernel takes at most {DEC_MAX_QUERIES} query vectors per kv head, not {nq_total}"
+            )))
+        }
+        k => k,
     };
     let tag = kv.dtype.kernel_tag();
-    // (kernel, block threads, query vectors per block, key tile, shared memory bytes)
-    let (name, threads, bq, tile, smem) = if use_mma {
-        let split = config.precision == AttnPrecision::F32;
-        let prec = if split { "f32" } else { "bf16" };
-        let name = format!("attn_mma_hd{head_dim}_{tag}_{prec}");
-        (name, MMA_THREADS, MMA_BQ, mma_tile(head_dim), mma_smem_bytes(head_dim, split))
-    } else {
-        let maxq = if nq_total <= 8 {
-            8
-        } else if nq_total <= 32 || head_dim == 256 {
-            32
-        } else {
-            64
-        };
-        let name = format!("attn_simt_hd{head_dim}_{tag}_q{maxq}");
-        (name, SIMT_THREADS, maxq, SIMT_TK, simt_smem_bytes(head_dim, maxq))
+    // (kernel, block threads, query vectors per block, key tile of a split, shared memory bytes)
+    let (name, threads, bq, tile, smem) = match kernel {
+        AttnKernel::Mma => {
+            let split = config.precision == AttnPrecision::F32;
+            let prec = if split { "f32" } else { "bf16" };
+            let name = format!("attn_mma_hd{head_dim}_{tag}_{prec}");
+            (name, MMA_THREADS, MMA_BQ, mma_tile(head_dim), mma_smem_bytes(head_dim, split))
+        }
+        AttnKernel::Decode => {
+            let nqb = nq_total.div_ceil(8);
+            let name = format!("attn_dec_hd{head_dim}_{tag}_n{nqb}");
+            // A split is whole rounds of the 4 warps' tiles.
+            (name, DEC_THREADS, DEC_MAX_QUERIES, DEC_WARPS * dec_tile(head_dim), dec_smem_bytes(head_dim, nqb))
+        }
+        _ => {
+            let maxq = if nq_total <= 8 {
+                8
+            } else if nq_total <= 32 || head_dim == 256 {
+                32
+            } else {
+                64
+            };
+            let name = format!("attn_simt_hd{head_dim}_{tag}_q{maxq}");
+            (name, SIMT_THREADS, maxq, SIMT_TK, simt_smem_bytes(head_dim, maxq))
+        }
     };
     let qtiles = nq_total.div_ceil(bq);
     if qtiles > 65535 {
@@ -429,13 +470,14 @@ pub fn attention_with(
         let mut b = gpu.stream().launch_builder(&f);
         b.arg(q).arg(&kv.k).arg(&kv.v).arg(&kv.k_scale).arg(&kv.v_scale).arg(&mut *out);
         b.arg(&mut part_acc).arg(&mut part_ml).arg(&h).arg(&kvh).arg(&sp).arg(&nr).arg(&chunk).arg(&scale);
-        // SAFETY: attn_simt_* / attn_mma_* (q, kc, vc, ks, vs, out, part_acc, part_ml, heads, kv_heads,
+        // SAFETY: attn_simt_* / attn_mma_* / attn_dec_* (q, kc, vc, ks, vs, out, part_acc, part_ml, heads, kv_heads,
         // start_pos, rows, chunk, scale): read q[0..rows*heads*HD] (checked), cache positions
         // 0..start_pos+rows (<= capacity, checked) of kv heads < kv_heads (= the cache's, checked) and
         // write out[0..rows*heads*HD] (one split) or part_acc[splits*rows*heads*HD] and
         // part_ml[splits*rows*heads*2] (allocated above); grid (splits, kv_heads, qtiles) with
-        // qtiles*bq >= rows*group and splits*chunk >= start_pos+rows; dynamic shared memory as the
-        // kernel's AttnSimtSmem / AttnMmaSmem; the mma kernels only on compute capability >= 8.0.
+        // qtiles*bq >= rows*group (attn_dec: qtiles = 1, rows*group <= 8*NQB) and splits*chunk >=
+        // start_pos+rows; dynamic shared memory as the kernel's AttnSimtSmem / AttnMmaSmem /
+        // AttnDecShape; the mma and dec kernels only on compute capability >= 8.0.
         unsafe { b.launch(cfg) }?;
     }
     if plan.splits > 1 {
