@@ -108,16 +108,20 @@ typedef enum strata_log_level {
  */
 typedef enum strata_kv_type {
   /*
-   The backend's choice (f32 on cpu).
+   The backend's choice (f32 on cpu, int8 on cuda).
    */
   STRATA_KV_AUTO = 0,
+  /*
+   cpu only (`STRATA_ERR_UNSUPPORTED` on cuda).
+   */
   STRATA_KV_F32 = 1,
   /*
-   Not supported on cpu (`STRATA_ERR_UNSUPPORTED`).
+   cuda only (`STRATA_ERR_UNSUPPORTED` on cpu).
    */
   STRATA_KV_BF16 = 2,
   /*
-   Not supported on cpu (`STRATA_ERR_UNSUPPORTED`).
+   cuda only: int8 with one scale per position and head
+   (`STRATA_ERR_UNSUPPORTED` on cpu).
    */
   STRATA_KV_INT8 = 3,
 } strata_kv_type;

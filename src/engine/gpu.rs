@@ -251,15 +251,15 @@ impl GpuModel {
             gpu.stream().memcpy_htod(tokens, &mut s.tokens)?;
             dense::embed(gpu, &self.embed, &s.tokens, t, h, &mut s.x)?;
             for (l, lw) in self.layers.iter().enumerate() {
+                // Each block adds its output to the residual stream x itself
+                // (the projections and expert kernels accumulate).
                 dense::rmsnorm(gpu, &s.x, &lw.input_norm, eps, &mut s.h)?;
                 match &lw.mixer {
                     GpuMixer::Attention { .. } => self.attention(l, lw, cache, &mut s, start)?,
                     GpuMixer::Linear { .. } => self.linear(l, lw, cache, &mut s)?,
                 }
-                dense::add(gpu, &mut s.x, &s.o)?;
                 dense::rmsnorm(gpu, &s.x, &lw.post_attn_norm, eps, &mut s.h)?;
                 self.moe(l, lw, &mut s)?;
-                dense::add(gpu, &mut s.x, &s.o)?;
                 #[cfg(any(test, feature = "test-hooks"))]
                 if let Some(row) = engine.take_nan(l, start, t) {
                     gpu.stream().memcpy_htod(&[f32::NAN], &mut s.x.slice_mut(row * h..row * h + 1))?;
@@ -299,7 +299,7 @@ impl GpuModel {
         r
     }
 
-    /// `o = o_proj(attention(...))` of the normed rows in `s.h`.
+    /// `x += o_proj(attention(...))` of the normed rows in `s.h`.
     fn attention(&self, l: usize, lw: &GpuLayer, cache: &mut DeviceCache, s: &mut Scratch, start: usize) -> Result<()> {
         let c = &self.config;
         let gpu = &*self.gpu;
@@ -318,20 +318,19 @@ impl GpuModel {
         }
         dense::matmul_with_scratch(gpu, &s.h, k_proj, t, kvd, h, &mut s.k, &mut s.bf)?;
         dense::matmul_with_scratch(gpu, &s.h, v_proj, t, kvd, h, &mut s.v, &mut s.bf)?;
-        dense::rmsnorm(gpu, &s.q, q_norm, eps, &mut s.qn)?;
-        dense::rmsnorm(gpu, &s.k, k_norm, eps, &mut s.kn)?;
-        dense::rope(gpu, &mut s.qn, t, shape.heads, shape.head_dim, start, &self.rope)?;
-        dense::rope(gpu, &mut s.kn, t, shape.kv_heads, shape.head_dim, start, &self.rope)?;
+        // Per-head q/k RMSNorm and RoPE in one launch each.
+        dense::rmsnorm_rope(gpu, &s.q, q_norm, eps, shape.heads, start, &self.rope, &mut s.qn)?;
+        dense::rmsnorm_rope(gpu, &s.k, k_norm, eps, shape.kv_heads, start, &self.rope, &mut s.kn)?;
         let kv = cache.kv[l].as_mut().expect("an attention layer has KV");
         attention::kv_append(gpu, kv, &s.kn, &s.v, start, t)?;
         attention::attention(gpu, &s.qn, kv, shape, start, t, &mut s.attn)?;
         if c.has_attention_gate() {
             dense::output_gate(gpu, &mut s.attn, &s.gate)?;
         }
-        dense::matmul_with_scratch(gpu, &s.attn, o_proj, t, h, qd, &mut s.o, &mut s.bf)
+        dense::matmul_add_with_scratch(gpu, &s.attn, o_proj, t, h, qd, &mut s.x, &mut s.bf)
     }
 
-    /// `o = out_proj(gated_deltanet(...))` of the normed rows in `s.h`.
+    /// `x += out_proj(gated_deltanet(...))` of the normed rows in `s.h`.
     fn linear(&self, l: usize, lw: &GpuLayer, cache: &mut DeviceCache, s: &mut Scratch) -> Result<()> {
         let c = &self.config;
         let gpu = &*self.gpu;
@@ -357,10 +356,10 @@ impl GpuModel {
             &mut dn.scratch,
             DeltaRuleForm::Auto,
         )?;
-        dense::matmul_with_scratch(gpu, &dn.core, out_proj, t, h, shape.value_dim(), &mut s.o, &mut s.bf)
+        dense::matmul_add_with_scratch(gpu, &dn.core, out_proj, t, h, shape.value_dim(), &mut s.x, &mut s.bf)
     }
 
-    /// `o = moe(s.h)` (+ the shared expert), through the one MoE pipeline:
+    /// `x += moe(s.h)` (+ the shared expert), through the one MoE pipeline:
     /// router, top-k on the device, experts by the blob table, combine.
     fn moe(&self, l: usize, lw: &GpuLayer, s: &mut Scratch) -> Result<()> {
         let c = &self.config;
@@ -368,14 +367,14 @@ impl GpuModel {
         let (t, h, e, k) = (s.t, c.hidden_size, c.num_experts, c.num_experts_per_tok);
         dense::matmul_with_scratch(gpu, &s.h, &lw.router, t, e, h, &mut s.router, &mut s.bf)?;
         moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
-        run_experts(gpu, &s.h, &s.ids, &s.weights, &self.tables[l], &self.layout, t, k, &mut s.moe, &mut s.o, false)?;
+        run_experts(gpu, &s.h, &s.ids, &s.weights, &self.tables[l], &self.layout, t, k, &mut s.moe, &mut s.x, true)?;
         if let Some(sh) = &lw.shared {
             let sx = s.shared.as_mut().expect("a shared expert's scratch");
             dense::matmul(gpu, &s.h, &sh.gate, t, 1, h, &mut sx.logit)?;
             match &sh.mlp {
                 GpuSharedMlp::Nvfp4 { table, layout, .. } => {
                     dense::sigmoid(gpu, &mut sx.logit)?;
-                    run_experts(gpu, &s.h, &sx.zeros, &sx.logit, table, layout, t, 1, &mut sx.moe, &mut s.o, true)?;
+                    run_experts(gpu, &s.h, &sx.zeros, &sx.logit, table, layout, t, 1, &mut sx.moe, &mut s.x, true)?;
                 }
                 GpuSharedMlp::Dense { gate, up, down } => {
                     let i = sh.intermediate;
@@ -383,7 +382,7 @@ impl GpuModel {
                     dense::matmul_with_scratch(gpu, &s.h, up, t, i, h, &mut sx.u, &mut s.bf)?;
                     dense::silu_mul(gpu, &sx.g, &sx.u, &mut sx.act)?;
                     dense::matmul_with_scratch(gpu, &sx.act, down, t, h, i, &mut sx.y, &mut s.bf)?;
-                    dense::sigmoid_scale_add(gpu, &mut s.o, &sx.y, &sx.logit, h)?;
+                    dense::sigmoid_scale_add(gpu, &mut s.x, &sx.y, &sx.logit, h)?;
                 }
             }
         }
@@ -565,7 +564,6 @@ struct Scratch {
     tokens: CudaSlice<u32>,
     x: CudaSlice<f32>,
     h: CudaSlice<f32>,
-    o: CudaSlice<f32>,
     q: CudaSlice<f32>,
     qg: CudaSlice<f32>,
     gate: CudaSlice<f32>,
@@ -624,7 +622,6 @@ impl Scratch {
             tokens: gpu.alloc_zeros(t)?,
             x: z(t * h)?,
             h: z(t * h)?,
-            o: z(t * h)?,
             q: z(t * qd)?,
             qg: z(if gated { 2 * t * qd } else { 0 })?,
             gate: z(if gated { t * qd } else { 0 })?,
