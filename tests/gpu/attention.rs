@@ -175,15 +175,30 @@ fn run_case(
     Ok((got, want, q, k, v))
 }
 
-/// Tolerance against the CPU on the same (dequantized) cache: both sum in
-/// f32, in different orders (the CPU sequentially over up to 40K keys, the
-/// GPU in tiles and splits, with online-softmax rescaling); the error of a
-/// sequential f32 sum grows like sqrt(n) * 2^-24, ~1e-5 at 40K terms.
+/// Tolerance of the SIMT kernel against the CPU on the same (dequantized)
+/// cache: both sum in f32, in different orders (the CPU sequentially over up
+/// to 40K keys, the GPU in tiles and splits, with online-softmax rescaling);
+/// the error of a sequential f32 sum grows like sqrt(n) * 2^-24, ~1e-5 at 40K terms.
 fn tight_tol(keys: usize) -> f32 {
     if keys > 4096 {
         5e-5
     } else {
         2e-5
+    }
+}
+
+/// Tolerance of the tensor-core kernels (decode and prefill, F32 precision):
+/// Q and P (times the V scale) enter as bf16 hi + lo pairs, 16 significant
+/// bits, so each operand is off by up to 2^-17 ~ 7.6e-6 relative (a host
+/// emulation of the kernels measured up to ~9e-6 of max |out|); K and V
+/// are exact in bf16 (int8 integers, or bf16 already). 5e-5 leaves room for
+/// the tensor cores' own f32 accumulation and still fails on a dropped key
+/// (~1e-3 at 1000 keys) or a wrong scale.
+fn mma_tol(keys: usize) -> f32 {
+    if keys > 4096 {
+        1e-4
+    } else {
+        5e-5
     }
 }
 
@@ -220,22 +235,23 @@ const AUTO: AttnConfig = AttnConfig { kernel: AttnKernel::Auto, precision: AttnP
 const SIMT: AttnConfig = AttnConfig { kernel: AttnKernel::Simt, precision: AttnPrecision::F32 };
 const MMA: AttnConfig = AttnConfig { kernel: AttnKernel::Mma, precision: AttnPrecision::F32 };
 
-/// The default path (SIMT flash-decoding for these).
+/// The default path (on sm_80+: the tensor-core decode kernel up to 16 query
+/// vectors per kv head, the prefill kernel for T = 3 with groups of 8).
 fn decode_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
-    check_cases(gpu, KvDtype::Int8, &DECODE_CASES, AUTO, tight_tol)
+    check_cases(gpu, KvDtype::Int8, &DECODE_CASES, AUTO, mma_tol)
 }
 
 fn decode_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
-    check_cases(gpu, KvDtype::Bf16, &DECODE_CASES, AUTO, tight_tol)
+    check_cases(gpu, KvDtype::Bf16, &DECODE_CASES, AUTO, mma_tol)
 }
 
 /// The default path (the tensor-core kernel with hi/lo bf16 operands on sm_80+).
 fn prefill_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
-    check_cases(gpu, KvDtype::Int8, &PREFILL_CASES, AUTO, tight_tol)
+    check_cases(gpu, KvDtype::Int8, &PREFILL_CASES, AUTO, mma_tol)
 }
 
 fn prefill_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
-    check_cases(gpu, KvDtype::Bf16, &PREFILL_CASES, AUTO, tight_tol)
+    check_cases(gpu, KvDtype::Bf16, &PREFILL_CASES, AUTO, mma_tol)
 }
 
 /// The SIMT kernel (the path of devices before sm_80) on decode and prefill sizes.
@@ -269,7 +285,7 @@ fn dec_kernel(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
                 &format!("{dtype:?} decode kernel {sh:?} start_pos {start_pos} rows {rows}"),
                 &got,
                 &want,
-                tight_tol(start_pos + rows),
+                mma_tol(start_pos + rows),
             )?;
         }
     }
@@ -286,11 +302,11 @@ fn dec_kernel_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
 
 /// The tensor-core kernel on decode sizes (mostly-empty query tiles, split key ranges).
 fn mma_decode_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
-    check_cases(gpu, KvDtype::Int8, &DECODE_CASES, MMA, tight_tol)
+    check_cases(gpu, KvDtype::Int8, &DECODE_CASES, MMA, mma_tol)
 }
 
 fn mma_decode_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
-    check_cases(gpu, KvDtype::Bf16, &DECODE_CASES, MMA, tight_tol)
+    check_cases(gpu, KvDtype::Bf16, &DECODE_CASES, MMA, mma_tol)
 }
 
 /// The tensor-core kernel with single bf16 Q and P: Q rounds by up to 2^-9

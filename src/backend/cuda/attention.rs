@@ -3,7 +3,7 @@
 //! or bf16), appending rows to it, and causal grouped-query attention over
 //! it (flash-decoding for a few rows, tiled flash attention for prefill).
 
-use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute_enum};
 
 use super::{CudaFunction, CudaSlice, Gpu, LaunchConfig, PushKernelArg};
 use crate::backend::AttentionShape;
@@ -276,6 +276,20 @@ fn dec_smem_bytes(head_dim: usize, nqb: usize) -> usize {
     2 * q_part + (DEC_WARPS * warp).max(merge)
 }
 
+/// The SIMT kernel for `nq_total` query vectors per kv head: the largest
+/// query tile that is needed and fits `smem_max` (kernels exist for 8, 32,
+/// 64 query vectors; 8 and 32 for head_dim 256).
+fn simt_choice(head_dim: usize, nq_total: usize, tag: &str, smem_max: usize) -> (String, u32, usize, usize, usize) {
+    let largest = if head_dim == 256 { 32 } else { 64 };
+    let maxq = [64, 32, 8]
+        .into_iter()
+        .filter(|&m| m <= largest && (m == 8 || nq_total > if m == 64 { 32 } else { 8 }))
+        .find(|&m| simt_smem_bytes(head_dim, m) <= smem_max)
+        .unwrap_or(8);
+    let name = format!("attn_simt_hd{head_dim}_{tag}_q{maxq}");
+    (name, SIMT_THREADS, maxq, SIMT_TK, simt_smem_bytes(head_dim, maxq))
+}
+
 fn set_smem(f: &CudaFunction, bytes: usize) -> Result<()> {
     f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
     Ok(())
@@ -406,8 +420,11 @@ pub fn attention_with(
         k => k,
     };
     let tag = kv.dtype.kernel_tag();
+    // Shared memory a block may opt into (227 KB on sm_90, 99 KB on sm_86/89, 64 KB on sm_75).
+    let smem_max =
+        gpu.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize;
     // (kernel, block threads, query vectors per block, key tile of a split, shared memory bytes)
-    let (name, threads, bq, tile, smem) = match kernel {
+    let mut choice = match kernel {
         AttnKernel::Mma => {
             let split = config.precision == AttnPrecision::F32;
             let prec = if split { "f32" } else { "bf16" };
@@ -420,18 +437,17 @@ pub fn attention_with(
             // A split is whole rounds of the 4 warps' tiles.
             (name, DEC_THREADS, DEC_MAX_QUERIES, DEC_WARPS * dec_tile(head_dim), dec_smem_bytes(head_dim, nqb))
         }
-        _ => {
-            let maxq = if nq_total <= 8 {
-                8
-            } else if nq_total <= 32 || head_dim == 256 {
-                32
-            } else {
-                64
-            };
-            let name = format!("attn_simt_hd{head_dim}_{tag}_q{maxq}");
-            (name, SIMT_THREADS, maxq, SIMT_TK, simt_smem_bytes(head_dim, maxq))
-        }
+        _ => simt_choice(head_dim, nq_total, tag, smem_max),
     };
+    if choice.4 > smem_max && config.kernel == AttnKernel::Auto {
+        choice = simt_choice(head_dim, nq_total, tag, smem_max);
+    }
+    let (name, threads, bq, tile, smem) = choice;
+    if smem > smem_max {
+        return Err(Error::InvalidArgument(format!(
+            "attention: {name} needs {smem} bytes of shared memory, the device allows {smem_max}"
+        )));
+    }
     let qtiles = nq_total.div_ceil(bq);
     if qtiles > 65535 {
         return Err(Error::InvalidArgument(format!("attention: {rows} rows is too many for one launch")));
