@@ -176,6 +176,9 @@ struct KernelReport {
 /// stores, L bytes spill loads", then "Used R registers, ..., B bytes smem".
 fn parse_ptxas(report: &str) -> Vec<KernelReport> {
     let mut kernels: Vec<KernelReport> = Vec::new();
+    // The function the next "stack frame" line is about: a non-inlined
+    // device function has its own, not to be booked on the kernel.
+    let mut properties_of = String::new();
     for line in report.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             let mut parts = rest.split('\'');
@@ -184,8 +187,12 @@ fn parse_ptxas(report: &str) -> Vec<KernelReport> {
             kernels.push(KernelReport { name, arch, ..Default::default() });
             continue;
         }
+        if let Some(name) = line.split("Function properties for ").nth(1) {
+            properties_of = name.trim().to_string();
+            continue;
+        }
         let Some(k) = kernels.last_mut() else { continue };
-        if line.contains("bytes stack frame") {
+        if line.contains("bytes stack frame") && properties_of == k.name {
             k.stack = number_before(line, "bytes stack frame");
             k.spill_stores = number_before(line, "bytes spill stores");
             k.spill_loads = number_before(line, "bytes spill loads");

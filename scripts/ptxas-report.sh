@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Prints ptxas's resource report of every kernel (registers, shared memory,
 # stack frame, spills) per target, from the last `--features cuda` build's
-# $OUT_DIR/ptxas.tsv (written by build.rs next to the raw ptxas.txt). With no
+# $OUT_DIR/ptxas.tsv (written by build.rs next to the raw ptxas.txt; under
+# $CARGO_TARGET_DIR when set, else target/). With no
 # such build, compiles the kernels first (`cargo check --features cuda --lib`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+target_dir="${CARGO_TARGET_DIR:-target}"
 latest() {
-  ls -t target/*/build/strata-*/out/ptxas.tsv 2>/dev/null | head -1 || true
+  ls -t "$target_dir"/*/build/strata-*/out/ptxas.tsv 2>/dev/null | head -1 || true
 }
 
 report="$(latest)"
@@ -17,7 +19,7 @@ if [ -z "$report" ]; then
   report="$(latest)"
 fi
 if [ -z "$report" ]; then
-  echo "ptxas-report.sh: no ptxas.tsv under target/*/build/strata-*/out/ after building" >&2
+  echo "ptxas-report.sh: no ptxas.tsv under $target_dir/*/build/strata-*/out/ after building" >&2
   exit 1
 fi
 

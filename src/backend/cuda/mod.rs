@@ -15,19 +15,25 @@ pub mod moe;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{sys, CudaContext, CudaModule, DriverError};
+use cudarc::driver::{sys, CudaModule, DriverError};
 use parking_lot::Mutex;
 
+/// The whole binding, for what the names below do not cover (tests reach
+/// it through here: cudarc is not a dependency of theirs).
+pub use cudarc;
 pub use cudarc::cublas::CudaBlas;
 pub use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+    DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 
 use crate::error::{Error, Result};
 
 /// The fatbin build.rs made from kernels/*.cu (sm_75 .. sm_90/sm_90a).
 static KERNELS_FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/strata_kernels.fatbin"));
+
+/// cuDriverGetVersion of CUDA 13.0, the toolkit the kernels are built with.
+const MIN_DRIVER_VERSION: i32 = 13000;
 
 /// Threads per block of the simple elementwise kernels (fill).
 const ELEMENTWISE_THREADS: u32 = 256;
@@ -46,6 +52,18 @@ pub fn driver_library_present() -> bool {
 pub fn device_count() -> Result<usize> {
     if !driver_library_present() {
         return Err(Error::NoCuda("the CUDA driver library (libcuda.so.1) was not found".into()));
+    }
+    // An older driver cannot load CUDA 13 machine code, and cudarc's CUDA 13
+    // bindings panic on a driver entry point it lacks.
+    let mut version = 0;
+    // SAFETY: writes one int; needs no cuInit.
+    unsafe { sys::cuDriverGetVersion(&mut version) }.result()?;
+    if version < MIN_DRIVER_VERSION {
+        return Err(Error::NoCuda(format!(
+            "the CUDA driver supports CUDA {}.{}; this build needs CUDA 13.0 or newer (driver 580+)",
+            version / 1000,
+            version % 1000 / 10
+        )));
     }
     match CudaContext::device_count() {
         Ok(n) if n > 0 => Ok(n as usize),
@@ -106,6 +124,12 @@ impl Gpu {
     pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
         probe(ordinal)?;
         let ctx = CudaContext::new(ordinal)?;
+        // One stream does all of this device's work, so cudarc's per-buffer
+        // event tracking (an event recorded per buffer argument of every
+        // launch, for ordering across streams) is pure overhead: off, before
+        // any buffer exists.
+        // SAFETY: every buffer of this context is used on `stream` only.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let name = ctx.name()?;
         let (major, minor) = ctx.compute_capability()?;
@@ -146,6 +170,11 @@ impl Gpu {
     /// Number of streaming multiprocessors (sizes persistent grids).
     pub fn sm_count(&self) -> u32 {
         self.sm_count
+    }
+
+    /// (free, total) bytes of device memory now.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        Ok(self.ctx.mem_get_info()?)
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
