@@ -8,6 +8,9 @@
 //             moe_gate_up_grouped_simple / moe_down_grouped_simple   (one slot per block row, SIMT)
 //             moe_gate_up_grouped_mma   / moe_down_grouped_mma       (tensor cores, sm_80+)
 //             moe_combine               out[t] (+)= sum_j w[t,j] y[slot(t,j)]
+//   generic:  moe_gate_up_gemv16, moe_down_gemv16, moe_gate_up_grouped16,
+//             moe_down_grouped16: the same for a reduced dimension (H for
+//             gate/up, I for down) that is a multiple of 16 but not of 32.
 //
 // NVFP4 (docs/pack-format.md): W[r, c] = e2m1(code) * e4m3(scale[r, c/16]) * g,
 // element 2i of a row is the LOW nibble of byte i. Each kernel receives the
@@ -551,6 +554,241 @@ extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
     __syncthreads();
     if (row0 >= H) return;
     const float res = moe_down_row(moe_downs_acts, blob, cf, 1, L, row0, 0, 4);
+    if (lane % MOE_DOWN_LANES == 0 && row < H) yrow[row] = res;
+}
+
+// ---------------------------------------------------------------------------
+// Generic path: hidden and intermediate any positive multiples of 16 (the
+// NVFP4 block). The kernels above read 32-element chunks with 16-byte code
+// loads, so they need the dimension they reduce over (H for gate/up, I for
+// down) to be a multiple of 32: a code row is cols / 2 bytes, only 8-byte
+// aligned when cols = 16 (mod 32). These kernels read one 16-element block at
+// a time: 8 code bytes (one uint2) and its one scale byte. Same grids, same
+// NaN rows for bad ids, f32 throughout; the wrappers choose them when the
+// reduced dimension is not a multiple of 32 (the fixture models' 48 and 16).
+// ---------------------------------------------------------------------------
+
+static __device__ __forceinline__ uint2 moe_ld_codes8(const uint8_t* p) {
+    return __ldg(reinterpret_cast<const uint2*>(p));
+}
+static __device__ __forceinline__ uint32_t moe_ld_scale1(const uint8_t* p) { return (uint32_t)__ldg(p); }
+
+// One 16-element block of an NVFP4 row (codes c: element i is nibble i of
+// c.x, then of c.y; block scale byte s) dotted with its 16 x values (4 float4
+// xq[0..4)), added to acc in units of 2^-14.
+static __device__ __forceinline__ float moe_block16_dot(uint2 c, uint32_t s, const float4 (&xq)[4], float acc) {
+    float p = moe_dot8(c.x, xq[0], xq[1], 0.0f);
+    p = moe_dot8(c.y, xq[2], xq[3], p);
+    return fmaf(p, moe_e4m3_to_f32(s), acc);
+}
+
+// Copies a row of n floats (n % 16 == 0) into shared memory "block
+// transposed": float4 q (0..3) of 16-element block b goes to dst[q * (n / 16)
+// + b], so lane b reading its block's q-th float4 is conflict-free.
+static __device__ __forceinline__ void moe_stage_row16(float4* dst, const float* src, int n) {
+    const int nblk = n >> 4;
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+    for (int f = threadIdx.x; f < (n >> 2); f += blockDim.x) dst[(f & 3) * nblk + (f >> 2)] = s4[f];
+}
+
+static __device__ __forceinline__ void moe_load_xq16(const float4* xs, int nblk, int b, float4 (&xq)[4]) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xq[q] = xs[q * nblk + b];
+}
+
+// moe_gate_up_rows with 16-element blocks: rows [row0, row0 + 2) of
+// silu(gate x) * (up x), x staged by moe_stage_row16; one warp, lane b takes
+// blocks b, b + 32, ... Rows >= I are computed on row I - 1 and not written.
+static __device__ __forceinline__ void moe_gate_up_rows16(const float4* xs, const uint8_t* blob,
+                                                          const MoeBlobLayout& L, int row0, float* act_row) {
+    const int H = (int)L.hidden, I = (int)L.intermediate, nblk = H >> 4, lane = threadIdx.x & 31;
+    const size_t code_row = (size_t)H >> 1, scale_row = (size_t)H >> 4;
+    size_t co[MOE_GEMV_ROWS], so[MOE_GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
+        const size_t row = (size_t)min(row0 + r, I - 1);
+        co[r] = row * code_row;
+        so[r] = row * scale_row;
+    }
+    const uint8_t* gc = blob + L.gate_codes;
+    const uint8_t* gs = blob + L.gate_scales;
+    const uint8_t* uc = blob + L.up_codes;
+    const uint8_t* us = blob + L.up_scales;
+    float ag[MOE_GEMV_ROWS] = {}, au[MOE_GEMV_ROWS] = {};
+    for (int b = lane; b < nblk; b += 32) {
+        uint2 cg[MOE_GEMV_ROWS], cu[MOE_GEMV_ROWS];
+        uint32_t sg[MOE_GEMV_ROWS], su[MOE_GEMV_ROWS];
+#pragma unroll
+        for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
+            cg[r] = moe_ld_codes8(gc + co[r] + 8 * (size_t)b);
+            cu[r] = moe_ld_codes8(uc + co[r] + 8 * (size_t)b);
+            sg[r] = moe_ld_scale1(gs + so[r] + b);
+            su[r] = moe_ld_scale1(us + so[r] + b);
+        }
+        float4 xq[4];
+        moe_load_xq16(xs, nblk, b, xq);
+#pragma unroll
+        for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
+            ag[r] = moe_block16_dot(cg[r], sg[r], xq, ag[r]);
+            au[r] = moe_block16_dot(cu[r], su[r], xq, au[r]);
+        }
+    }
+    const float gg = moe_tail(blob, L, 0) * 16384.0f, gu = moe_tail(blob, L, 1) * 16384.0f;
+#pragma unroll
+    for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
+        const float g = moe_warp_sum(ag[r]) * gg;
+        const float u = moe_warp_sum(au[r]) * gu;
+        if (lane == 0 && row0 + r < I) act_row[row0 + r] = moe_silu(g) * u;
+    }
+}
+
+// moe_down_row with 16-element blocks: row row0 + lane / 8 of
+// sum_j coef[j] * (down_{blob j} act_j), j = 0 .. nexp - 1 in order, act_j
+// staged by moe_stage_row16 at acts + j * I / 4; coef[j] holds
+// w_j * g_down_j * 2^14. One warp, 8 lanes a row (lane % 8 takes blocks
+// lane % 8, + 8, ...); the result is valid in lanes with lane % 8 == 0.
+static __device__ __forceinline__ float moe_down_row16(const float4* acts, const uint8_t* const* blobs,
+                                                       const float* coef, int nexp, const MoeBlobLayout& L,
+                                                       int row0) {
+    const int H = (int)L.hidden, I = (int)L.intermediate, nblk = I >> 4, lane = threadIdx.x & 31;
+    const int sub = lane & (MOE_DOWN_LANES - 1);
+    const size_t row = (size_t)min(row0 + lane / MOE_DOWN_LANES, H - 1);
+    const size_t code_off = row * ((size_t)I >> 1), scale_off = row * ((size_t)I >> 4);
+    float acc = 0.0f;
+    for (int j = 0; j < nexp; ++j) {
+        const uint8_t* bc = blobs[j] + L.down_codes + code_off;
+        const uint8_t* bs = blobs[j] + L.down_scales + scale_off;
+        const float4* xa = acts + (size_t)j * (I >> 2);
+        float part = 0.0f;
+        for (int b = sub; b < nblk; b += MOE_DOWN_LANES) {
+            const uint2 c = moe_ld_codes8(bc + 8 * (size_t)b);
+            const uint32_t s = moe_ld_scale1(bs + b);
+            float4 xq[4];
+            moe_load_xq16(xa, nblk, b, xq);
+            part = moe_block16_dot(c, s, xq, part);
+        }
+        acc = fmaf(coef[j], part, acc);
+    }
+#pragma unroll
+    for (int o = MOE_DOWN_LANES / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;
+}
+
+// moe_gate_up_gemv for H % 16 == 0. grid (T * k, ceil(I / 16)), block 256,
+// dynamic smem H * 4.
+extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32)
+    moe_gate_up_gemv16(const float* __restrict__ x, const uint32_t* __restrict__ ids,
+                       const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k,
+                       float* __restrict__ act) {
+    extern __shared__ float4 moe_gu16_xs[];
+    const int a = blockIdx.x, t = a / top_k;
+    const int H = (int)L.hidden, I = (int)L.intermediate, lane = threadIdx.x & 31;
+    const uint32_t e = ids[a];
+    float* act_row = act + (size_t)a * I;
+    const int row0 = (blockIdx.y * MOE_GU_WARPS + (threadIdx.x >> 5)) * MOE_GEMV_ROWS;
+    if (e >= (uint32_t)table_len) {  // a bad expert id: a visible NaN, never a wild read
+        if (lane < MOE_GEMV_ROWS && row0 + lane < I) act_row[row0 + lane] = __int_as_float(0x7fc00000);
+        return;
+    }
+    moe_stage_row16(moe_gu16_xs, x + (size_t)t * H, H);
+    __syncthreads();
+    if (row0 >= I) return;
+    moe_gate_up_rows16(moe_gu16_xs, reinterpret_cast<const uint8_t*>(table[e]), L, row0, act_row);
+}
+
+// moe_down_gemv for I % 16 == 0. grid (T, ceil(H / 16)), block 128 (4 warps
+// of 4 rows), dynamic smem k * I * 4. out[t] (+)= sum_j weights[t*k+j] *
+// down_{ids[t*k+j]} act[t*k+j], j in order.
+extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
+    moe_down_gemv16(const float* __restrict__ act, const uint32_t* __restrict__ ids,
+                    const float* __restrict__ weights, const uint64_t* __restrict__ table, int table_len,
+                    MoeBlobLayout L, int top_k, float* __restrict__ out, int accumulate) {
+    extern __shared__ float4 moe_down16_acts[];
+    __shared__ const uint8_t* blobs[MOE_MAX_TOP_K];
+    __shared__ float coef[MOE_MAX_TOP_K];
+    __shared__ int bad;
+    const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate;
+    if (threadIdx.x == 0) bad = 0;
+    __syncthreads();
+    if (threadIdx.x < top_k) {
+        const int a = t * top_k + threadIdx.x;
+        const uint32_t e = ids[a];
+        if (e < (uint32_t)table_len) {
+            const uint8_t* b = reinterpret_cast<const uint8_t*>(table[e]);
+            blobs[threadIdx.x] = b;
+            coef[threadIdx.x] = weights[a] * moe_tail(b, L, 2) * 16384.0f;
+        } else {
+            blobs[threadIdx.x] = nullptr;
+            coef[threadIdx.x] = 0.0f;
+            bad = 1;
+        }
+    }
+    for (int j = 0; j < top_k; ++j)
+        moe_stage_row16(moe_down16_acts + (size_t)j * (I >> 2), act + ((size_t)t * top_k + j) * I, I);
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int row0 = (blockIdx.y * MOE_DOWN_WARPS + (threadIdx.x >> 5)) * MOE_DOWN_ROWS_PER_WARP;
+    const int row = row0 + lane / MOE_DOWN_LANES;
+    if (row0 >= H) return;
+    float res = 0.0f;
+    if (!bad) res = moe_down_row16(moe_down16_acts, blobs, coef, top_k, L, row0);
+    if (lane % MOE_DOWN_LANES == 0 && row < H) {
+        float* orow = out + (size_t)t * H;
+        orow[row] = bad ? __int_as_float(0x7fc00000) : accumulate ? orow[row] + res : res;
+    }
+}
+
+// moe_gate_up_grouped_simple for H % 16 == 0. grid (n slots, ceil(I / 16)),
+// block 256, dynamic smem H * 4.
+extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32)
+    moe_gate_up_grouped16(const float* __restrict__ x, const uint32_t* __restrict__ rows,
+                          const uint32_t* __restrict__ slot_expert, const uint32_t* __restrict__ filled,
+                          const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k,
+                          float* __restrict__ act) {
+    extern __shared__ float4 moe_gu16g_xs[];
+    const int s = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate, lane = threadIdx.x & 31;
+    if ((uint32_t)s >= *filled) return;  // slots past offsets[E] (only with ids >= E) hold nothing
+    const int t = (int)(rows[s] / (uint32_t)top_k);
+    const uint32_t e = slot_expert[s];
+    float* act_row = act + (size_t)s * I;
+    const int row0 = (blockIdx.y * MOE_GU_WARPS + (threadIdx.x >> 5)) * MOE_GEMV_ROWS;
+    if (e >= (uint32_t)table_len) {
+        if (lane < MOE_GEMV_ROWS && row0 + lane < I) act_row[row0 + lane] = __int_as_float(0x7fc00000);
+        return;
+    }
+    moe_stage_row16(moe_gu16g_xs, x + (size_t)t * H, H);
+    __syncthreads();
+    if (row0 >= I) return;
+    moe_gate_up_rows16(moe_gu16g_xs, reinterpret_cast<const uint8_t*>(table[e]), L, row0, act_row);
+}
+
+// moe_down_grouped_simple for I % 16 == 0. grid (n slots, ceil(H / 16)),
+// block 128, dynamic smem I * 4. y[slot] = g_down * down_e act[slot].
+extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 32)
+    moe_down_grouped16(const float* __restrict__ act, const uint32_t* __restrict__ slot_expert,
+                       const uint32_t* __restrict__ filled, const uint64_t* __restrict__ table, int table_len,
+                       MoeBlobLayout L, float* __restrict__ y) {
+    extern __shared__ float4 moe_down16g_acts[];
+    __shared__ const uint8_t* blob[1];
+    __shared__ float cf[1];
+    const int s = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate;
+    if ((uint32_t)s >= *filled) return;
+    const uint32_t e = slot_expert[s];
+    const int row0 = (blockIdx.y * MOE_DOWN_WARPS + (threadIdx.x >> 5)) * MOE_DOWN_ROWS_PER_WARP;
+    const int lane = threadIdx.x & 31, row = row0 + lane / MOE_DOWN_LANES;
+    float* yrow = y + (size_t)s * H;
+    if (e >= (uint32_t)table_len) {
+        if (lane % MOE_DOWN_LANES == 0 && row < H) yrow[row] = __int_as_float(0x7fc00000);
+        return;
+    }
+    moe_stage_row16(moe_down16g_acts, act + (size_t)s * I, I);
+    if (threadIdx.x == 0) {
+        blob[0] = reinterpret_cast<const uint8_t*>(table[e]);
+        cf[0] = moe_tail(blob[0], L, 2) * 16384.0f;
+    }
+    __syncthreads();
+    if (row0 >= H) return;
+    const float res = moe_down_row16(moe_down16g_acts, blob, cf, 1, L, row0);
     if (lane % MOE_DOWN_LANES == 0 && row < H) yrow[row] = res;
 }
 

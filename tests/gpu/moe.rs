@@ -37,6 +37,9 @@ pub const TESTS: &[GpuTest] = &[
     ("moe_decode_pipeline_matches_moe_forward", decode_pipeline_matches_moe_forward),
     ("moe_group_by_expert_matches_cpu", group_by_expert_matches_cpu),
     ("moe_grouped_matches_cpu_forward", grouped_matches_cpu_forward),
+    ("moe_gemv_any_multiple_of_16", gemv_any_multiple_of_16),
+    ("moe_grouped_any_multiple_of_16", grouped_any_multiple_of_16),
+    ("moe_shared_expert_every_token_count", shared_expert_every_token_count),
     ("moe_results_are_deterministic", results_are_deterministic),
     ("moe_decode_gemv_timing", decode_gemv_timing),
     ("moe_prefill_grouped_timing", prefill_grouped_timing),
@@ -218,72 +221,96 @@ fn route_topk_matches_moe_route(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// with overwrite and accumulate, and a check that the down scale matters.
 fn gemv_matches_expert_ffn_row(gpu: &Arc<Gpu>) -> Result<(), String> {
     for &(h, i, n_exp, k) in &[(64usize, 32usize, 12usize, 10usize), (2048, 768, 10, 8), (2048, 512, 12, 10)] {
-        let host = HostExperts::random(h as u64 + i as u64, h, i, n_exp);
-        let dev = upload_experts(gpu, &host)?;
-        for &tokens in &[1usize, 3] {
-            let what = format!("H={h} I={i} k={k} T={tokens}");
-            let seed = (h * 7 + i * 3 + tokens) as u64;
-            let x = rand_f32(seed, tokens * h, 1.0);
-            let ids = random_ids(seed + 1, tokens, k, n_exp);
-            let weights: Vec<f32> = rand_f32(seed + 2, tokens * k, 1.0).iter().map(|v| 0.05 + v.abs()).collect();
-            let prior = rand_f32(seed + 3, tokens * h, 1.0);
+        check_gemv(gpu, h, i, n_exp, k, &[1, 3])?;
+    }
+    Ok(())
+}
 
-            // CPU: act per assignment, out per token summed in j order.
-            let mut want_act = Vec::with_capacity(tokens * k * i);
-            let mut want_out = vec![0.0f32; tokens * h];
-            let mut want_no_gdown = vec![0.0f32; tokens * h];
-            let mut want_act_no_ggate = Vec::with_capacity(tokens * k * i);
-            let mut y = vec![0.0f32; h];
-            for t in 0..tokens {
-                let xt = &x[t * h..(t + 1) * h];
-                for j in 0..k {
-                    let ev = host.view(ids[t * k + j] as usize);
-                    want_act.extend(cpu_act(&ev, xt));
-                    let mut no_gate = ev;
-                    no_gate.gate.global_scale = 1.0;
-                    want_act_no_ggate.extend(cpu_act(&no_gate, xt));
-                    let w = weights[t * k + j];
-                    expert_ffn_row(&ev, xt, &mut y);
-                    for (o, v) in want_out[t * h..(t + 1) * h].iter_mut().zip(&y) {
-                        *o += w * v;
-                    }
-                    let mut no_down = ev;
-                    no_down.down.global_scale = 1.0;
-                    expert_ffn_row(&no_down, xt, &mut y);
-                    for (o, v) in want_no_gdown[t * h..(t + 1) * h].iter_mut().zip(&y) {
-                        *o += w * v;
-                    }
+/// The (hidden, intermediate) sizes of the fixture models' routed and shared
+/// experts, (48, 16), and the other mixes of "multiple of 32" and "multiple
+/// of 16 only" (the kernels reduce over H for gate/up and I for down: each
+/// matrix takes the fast 32-element kernel or the generic 16-element one).
+const SMALL_SHAPES: &[(usize, usize)] = &[(64, 32), (96, 48), (64, 48), (96, 32), (48, 16), (48, 32), (16, 16)];
+
+/// The decode GEMVs at every SMALL_SHAPES size (hidden and intermediate any
+/// multiples of 16), with the fixtures' k = 2 of 8 experts and k = 10 of 12,
+/// T in {1, 3, 8}: act, out (overwrite and accumulate) against expert_ffn_row.
+fn gemv_any_multiple_of_16(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for &(h, i) in SMALL_SHAPES {
+        check_gemv(gpu, h, i, 8, 2, &[1, 3, 8])?;
+        check_gemv(gpu, h, i, 12, 10, &[1, 3])?;
+    }
+    Ok(())
+}
+
+/// gate/up GEMV then down GEMV against the CPU for each token count: act with
+/// F32_TOL (and not what g_gate = 1 gives), out overwritten (poisoned first;
+/// not what g_down = 1 gives) and accumulated onto a prior.
+fn check_gemv(gpu: &Gpu, h: usize, i: usize, n_exp: usize, k: usize, token_counts: &[usize]) -> Result<(), String> {
+    let host = HostExperts::random(h as u64 + i as u64, h, i, n_exp);
+    let dev = upload_experts(gpu, &host)?;
+    for &tokens in token_counts {
+        let what = format!("H={h} I={i} E={n_exp} k={k} T={tokens}");
+        let seed = (h * 7 + i * 3 + tokens) as u64;
+        let x = rand_f32(seed, tokens * h, 1.0);
+        let ids = random_ids(seed + 1, tokens, k, n_exp);
+        let weights: Vec<f32> = rand_f32(seed + 2, tokens * k, 1.0).iter().map(|v| 0.05 + v.abs()).collect();
+        let prior = rand_f32(seed + 3, tokens * h, 1.0);
+
+        // CPU: act per assignment, out per token summed in j order.
+        let mut want_act = Vec::with_capacity(tokens * k * i);
+        let mut want_out = vec![0.0f32; tokens * h];
+        let mut want_no_gdown = vec![0.0f32; tokens * h];
+        let mut want_act_no_ggate = Vec::with_capacity(tokens * k * i);
+        let mut y = vec![0.0f32; h];
+        for t in 0..tokens {
+            let xt = &x[t * h..(t + 1) * h];
+            for j in 0..k {
+                let ev = host.view(ids[t * k + j] as usize);
+                want_act.extend(cpu_act(&ev, xt));
+                let mut no_gate = ev;
+                no_gate.gate.global_scale = 1.0;
+                want_act_no_ggate.extend(cpu_act(&no_gate, xt));
+                let w = weights[t * k + j];
+                expert_ffn_row(&ev, xt, &mut y);
+                for (o, v) in want_out[t * h..(t + 1) * h].iter_mut().zip(&y) {
+                    *o += w * v;
+                }
+                let mut no_down = ev;
+                no_down.down.global_scale = 1.0;
+                expert_ffn_row(&no_down, xt, &mut y);
+                for (o, v) in want_no_gdown[t * h..(t + 1) * h].iter_mut().zip(&y) {
+                    *o += w * v;
                 }
             }
-
-            let d_x = gpu.upload(&x).map_err(e)?;
-            let d_ids = gpu.upload(&ids).map_err(e)?;
-            let d_w = gpu.upload(&weights).map_err(e)?;
-            let mut act = poisoned(gpu, tokens * k * i)?;
-            gm::expert_gate_up_gemv(gpu, &d_x, &d_ids, &dev.table, &dev.layout, tokens, k, &mut act).map_err(e)?;
-            let got_act = download(gpu, &act)?;
-            check_close(&format!("{what}: act"), &got_act, &want_act, F32_TOL)?;
-            if check_close("", &got_act, &want_act_no_ggate, 0.5).is_ok() {
-                return Err(format!("{what}: act matches the result with g_gate = 1: the gate scale is ignored"));
-            }
-
-            let mut out = poisoned(gpu, tokens * h)?;
-            gm::expert_down_gemv(gpu, &act, &d_ids, &d_w, &dev.table, &dev.layout, tokens, k, &mut out, false)
-                .map_err(e)?;
-            let got = download(gpu, &out)?;
-            check_close(&format!("{what}: out"), &got, &want_out, F32_TOL)?;
-            // The field report's bug: a path that ignores the down global scale.
-            if check_close("", &got, &want_no_gdown, 0.5).is_ok() {
-                return Err(format!("{what}: out matches the result with g_down = 1: the down scale is ignored"));
-            }
-
-            let mut acc = gpu.upload(&prior).map_err(e)?;
-            gm::expert_down_gemv(gpu, &act, &d_ids, &d_w, &dev.table, &dev.layout, tokens, k, &mut acc, true)
-                .map_err(e)?;
-            let got = download(gpu, &acc)?;
-            let want: Vec<f32> = prior.iter().zip(&want_out).map(|(p, w)| p + w).collect();
-            check_close(&format!("{what}: out (accumulate)"), &got, &want, F32_TOL)?;
         }
+
+        let d_x = gpu.upload(&x).map_err(e)?;
+        let d_ids = gpu.upload(&ids).map_err(e)?;
+        let d_w = gpu.upload(&weights).map_err(e)?;
+        let mut act = poisoned(gpu, tokens * k * i)?;
+        gm::expert_gate_up_gemv(gpu, &d_x, &d_ids, &dev.table, &dev.layout, tokens, k, &mut act).map_err(e)?;
+        let got_act = download(gpu, &act)?;
+        check_close(&format!("{what}: act"), &got_act, &want_act, F32_TOL)?;
+        if check_close("", &got_act, &want_act_no_ggate, 0.5).is_ok() {
+            return Err(format!("{what}: act matches the result with g_gate = 1: the gate scale is ignored"));
+        }
+
+        let mut out = poisoned(gpu, tokens * h)?;
+        gm::expert_down_gemv(gpu, &act, &d_ids, &d_w, &dev.table, &dev.layout, tokens, k, &mut out, false)
+            .map_err(e)?;
+        let got = download(gpu, &out)?;
+        check_close(&format!("{what}: out"), &got, &want_out, F32_TOL)?;
+        // The field report's bug: a path that ignores the down global scale.
+        if check_close("", &got, &want_no_gdown, 0.5).is_ok() {
+            return Err(format!("{what}: out matches the result with g_down = 1: the down scale is ignored"));
+        }
+
+        let mut acc = gpu.upload(&prior).map_err(e)?;
+        gm::expert_down_gemv(gpu, &act, &d_ids, &d_w, &dev.table, &dev.layout, tokens, k, &mut acc, true).map_err(e)?;
+        let got = download(gpu, &acc)?;
+        let want: Vec<f32> = prior.iter().zip(&want_out).map(|(p, w)| p + w).collect();
+        check_close(&format!("{what}: out (accumulate)"), &got, &want, F32_TOL)?;
     }
     Ok(())
 }
@@ -331,6 +358,83 @@ fn gemv_shared_expert_accumulates(gpu: &Arc<Gpu>) -> Result<(), String> {
     gm::expert_down_gemv(gpu, &act_sh, &d_zero, &d_gates, &d_shared.table, &d_shared.layout, tokens, 1, &mut out, true)
         .map_err(e)?;
     check_close("routed + shared expert", &download(gpu, &out)?, &want, F32_TOL)
+}
+
+/// The shared expert as the engine runs it (src/engine/gpu.rs, run_experts):
+/// its blob alone in an allocation of `used_len` bytes, a table of one entry,
+/// ids all 0, k = 1, weights = per-row sigmoid gates, accumulate = true onto
+/// the routed output, for every T in 1..=300 at every SMALL_SHAPES size, by
+/// three paths: the GEMVs (the engine's path for T <= 8), the grouped SIMT
+/// and the default grouped entry points (its path above), each against
+/// prior + gate * expert_ffn_row (F32_TOL; BF16_TOL where the default path
+/// runs a matrix on tensor cores). act and y are poisoned before every run.
+/// The prior is about as large as the expert's term, and at T = 300 the
+/// result must be far from the prior alone and from the term alone.
+fn shared_expert_every_token_count(gpu: &Arc<Gpu>) -> Result<(), String> {
+    const T_MAX: usize = 300;
+    for &(h, i) in SMALL_SHAPES {
+        let host = HostExperts::random(7 * h as u64 + i as u64 + 1, h, i, 1);
+        let blob = host.blob_bytes();
+        let d_blob = gpu.upload(&blob[..host.layout.used_len() as usize]).map_err(e)?;
+        let table = table_of(gpu, &d_blob, host.layout.stride, 1)?;
+        let layout = BlobLayout::from(&host.layout);
+        let seed = (h * 31 + i) as u64;
+        let x = rand_f32(seed, T_MAX * h, 1.0);
+        let gates: Vec<f32> = rand_f32(seed + 1, T_MAX, 2.0).iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
+        let ev = host.view(0);
+        let mut term = vec![0.0f32; T_MAX * h];
+        for (t, row) in term.chunks_exact_mut(h).enumerate() {
+            expert_ffn_row(&ev, &x[t * h..(t + 1) * h], row);
+            row.iter_mut().for_each(|v| *v *= gates[t]);
+        }
+        let term_max = term.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let prior = rand_f32(seed + 2, T_MAX * h, 0.5 * term_max);
+        let want: Vec<f32> = prior.iter().zip(&term).map(|(p, v)| p + v).collect();
+
+        let d_x = gpu.upload(&x).map_err(e)?;
+        let d_zero = gpu.upload(&vec![0u32; T_MAX]).map_err(e)?;
+        let d_gates = gpu.upload(&gates).map_err(e)?;
+        let mut g = gm::ExpertGrouping::new(gpu, T_MAX, 1).map_err(e)?;
+        let mut act = gpu.alloc_zeros::<f32>(T_MAX * i).map_err(e)?;
+        let mut y = gpu.alloc_zeros::<f32>(T_MAX * h).map_err(e)?;
+        let (tc_gu, tc_down) = gm::grouped_tensor_core_paths(gpu, &layout);
+        for tokens in 1..=T_MAX {
+            let n = tokens * h;
+            for path in ["GEMV", "grouped SIMT", "grouped default"] {
+                gpu.fill_f32(&mut act, f32::NAN).map_err(e)?;
+                gpu.fill_f32(&mut y, f32::NAN).map_err(e)?;
+                let mut out = gpu.upload(&prior[..n]).map_err(e)?;
+                if path == "GEMV" {
+                    gm::expert_gate_up_gemv(gpu, &d_x, &d_zero, &table, &layout, tokens, 1, &mut act).map_err(e)?;
+                    gm::expert_down_gemv(gpu, &act, &d_zero, &d_gates, &table, &layout, tokens, 1, &mut out, true)
+                        .map_err(e)?;
+                } else {
+                    gm::group_by_expert_into(gpu, &d_zero, tokens, 1, &mut g).map_err(e)?;
+                    if path == "grouped SIMT" {
+                        gm::expert_gate_up_grouped_simple(gpu, &d_x, &g, &table, &layout, &mut act).map_err(e)?;
+                        gm::expert_down_grouped_simple(gpu, &act, &g, &table, &layout, &mut y).map_err(e)?;
+                    } else {
+                        gm::expert_gate_up_grouped(gpu, &d_x, &g, &table, &layout, &mut act).map_err(e)?;
+                        gm::expert_down_grouped(gpu, &act, &g, &table, &layout, &mut y).map_err(e)?;
+                    }
+                    gm::moe_combine(gpu, &y, &g, &d_gates, h, &mut out, true).map_err(e)?;
+                }
+                let got = download(gpu, &out)?;
+                let tol = if path == "grouped default" && (tc_gu || tc_down) { BF16_TOL } else { F32_TOL };
+                let what = format!("shared expert H={h} I={i} T={tokens} {path}");
+                check_close(&what, &got, &want[..n], tol)?;
+                if tokens == T_MAX {
+                    if check_close("", &got, &prior[..n], 0.2).is_ok() {
+                        return Err(format!("{what}: the result is the prior: the expert's term is missing"));
+                    }
+                    if check_close("", &got, &term[..n], 0.2).is_ok() {
+                        return Err(format!("{what}: the result is the expert's term: the prior was overwritten"));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Decode end to end against `moe::forward` (the CPU pipeline): router
@@ -440,78 +544,98 @@ fn group_by_expert_matches_cpu(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// the default (tensor-core on sm_80+) grouped kernels.
 fn grouped_matches_cpu_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
     for &(h, i, n_exp, k) in &[(2048usize, 768usize, 16usize, 8usize), (2048, 512, 24, 10)] {
-        let host = HostExperts::random(h as u64 * 3 + i as u64, h, i, n_exp);
-        let dev = upload_experts(gpu, &host)?;
-        for &tokens in &[1usize, 17, 300] {
-            let seed = (tokens * 13 + i) as u64;
-            let routing = skewed_routing(seed, tokens, n_exp, k, 0.15);
-            let x = rand_f32(seed + 1, tokens * h, 1.0);
-            // CPU: moe::forward after the router matmul.
-            let groups = moe::group_by_expert(&routing);
-            let xg = moe::gather(&x, h, &groups);
-            let work: Vec<ExpertRows<'_>> =
-                groups.iter().map(|g| ExpertRows { weights: host.view(g.expert), rows: g.tokens.len() }).collect();
-            let mut yg = vec![0.0f32; xg.len()];
-            expert_ffn(&work, &xg, &mut yg);
-            let mut want = vec![0.0f32; tokens * h];
-            moe::combine(&groups, &yg, h, &mut want);
-            let prior = rand_f32(seed + 2, tokens * h, 1.0);
+        check_grouped(gpu, h, i, n_exp, k, &[1, 17, 300])?;
+    }
+    Ok(())
+}
 
-            // What a path that ignored the down global scale would give (down is
-            // linear: each expert's rows divided by its g_down).
-            let no_gdown: Vec<f32> = {
-                let mut yy = yg.clone();
-                let mut rows = yy.chunks_exact_mut(h);
-                for g in &groups {
-                    let g_down = host.mats[g.expert][2].global_scale;
-                    for row in rows.by_ref().take(g.tokens.len()) {
-                        row.iter_mut().for_each(|v| *v /= g_down);
-                    }
+/// The prefill pipeline at every SMALL_SHAPES size (hidden and intermediate
+/// any multiples of 16) with the fixtures' k = 2 of 8 experts, T in {1, 9,
+/// 17, 300}, SIMT and default entry points (the default runs a matrix on
+/// tensor cores only when the dimension it reduces over is a multiple of 32).
+fn grouped_any_multiple_of_16(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for &(h, i) in SMALL_SHAPES {
+        check_grouped(gpu, h, i, 8, 2, &[1, 9, 17, 300])?;
+    }
+    Ok(())
+}
+
+/// group -> gate/up -> down -> combine (overwrite into a poisoned out, and
+/// accumulate onto a prior) against the CPU forward for each token count, by
+/// the SIMT and the default entry points; act and y are poisoned first.
+fn check_grouped(gpu: &Gpu, h: usize, i: usize, n_exp: usize, k: usize, token_counts: &[usize]) -> Result<(), String> {
+    let host = HostExperts::random(h as u64 * 3 + i as u64, h, i, n_exp);
+    let dev = upload_experts(gpu, &host)?;
+    for &tokens in token_counts {
+        let seed = (tokens * 13 + i) as u64;
+        let routing = skewed_routing(seed, tokens, n_exp, k, 0.15);
+        let x = rand_f32(seed + 1, tokens * h, 1.0);
+        // CPU: moe::forward after the router matmul.
+        let groups = moe::group_by_expert(&routing);
+        let xg = moe::gather(&x, h, &groups);
+        let work: Vec<ExpertRows<'_>> =
+            groups.iter().map(|g| ExpertRows { weights: host.view(g.expert), rows: g.tokens.len() }).collect();
+        let mut yg = vec![0.0f32; xg.len()];
+        expert_ffn(&work, &xg, &mut yg);
+        let mut want = vec![0.0f32; tokens * h];
+        moe::combine(&groups, &yg, h, &mut want);
+        let prior = rand_f32(seed + 2, tokens * h, 1.0);
+
+        // What a path that ignored the down global scale would give (down is
+        // linear: each expert's rows divided by its g_down).
+        let no_gdown: Vec<f32> = {
+            let mut yy = yg.clone();
+            let mut rows = yy.chunks_exact_mut(h);
+            for g in &groups {
+                let g_down = host.mats[g.expert][2].global_scale;
+                for row in rows.by_ref().take(g.tokens.len()) {
+                    row.iter_mut().for_each(|v| *v /= g_down);
                 }
-                let mut w = vec![0.0f32; tokens * h];
-                moe::combine(&groups, &yy, h, &mut w);
-                w
-            };
-            let d_x = gpu.upload(&x).map_err(e)?;
-            let d_ids = gpu.upload(&ids_u32(&routing)).map_err(e)?;
-            let d_w = gpu.upload(&routing.weights).map_err(e)?;
-            let g = gm::group_by_expert(gpu, &d_ids, tokens, k, n_exp).map_err(e)?;
-            let n = tokens * k;
-            let tc = gm::grouped_uses_tensor_cores(gpu);
-            for simple in [true, false] {
-                let what = format!(
-                    "H={h} I={i} E={n_exp} k={k} T={tokens} {}",
-                    if simple {
-                        "SIMT"
-                    } else if tc {
-                        "tensor cores"
-                    } else {
-                        "default (SIMT)"
-                    }
-                );
-                let mut act = poisoned(gpu, n * i)?;
-                let mut y = poisoned(gpu, n * h)?;
-                if simple {
-                    gm::expert_gate_up_grouped_simple(gpu, &d_x, &g, &dev.table, &dev.layout, &mut act).map_err(e)?;
-                    gm::expert_down_grouped_simple(gpu, &act, &g, &dev.table, &dev.layout, &mut y).map_err(e)?;
-                } else {
-                    gm::expert_gate_up_grouped(gpu, &d_x, &g, &dev.table, &dev.layout, &mut act).map_err(e)?;
-                    gm::expert_down_grouped(gpu, &act, &g, &dev.table, &dev.layout, &mut y).map_err(e)?;
-                }
-                let mut out = poisoned(gpu, tokens * h)?;
-                gm::moe_combine(gpu, &y, &g, &d_w, h, &mut out, false).map_err(e)?;
-                let tol = if simple || !tc { F32_TOL } else { BF16_TOL };
-                let got = download(gpu, &out)?;
-                check_close(&what, &got, &want, tol)?;
-                // The down scale of each expert must reach the output.
-                if check_close("", &got, &no_gdown, 0.5).is_ok() {
-                    return Err(format!("{what}: out matches the result with g_down = 1: the down scale is ignored"));
-                }
-                let mut acc = gpu.upload(&prior).map_err(e)?;
-                gm::moe_combine(gpu, &y, &g, &d_w, h, &mut acc, true).map_err(e)?;
-                let want_acc: Vec<f32> = prior.iter().zip(&want).map(|(p, w)| p + w).collect();
-                check_close(&format!("{what} (accumulate)"), &download(gpu, &acc)?, &want_acc, tol)?;
             }
+            let mut w = vec![0.0f32; tokens * h];
+            moe::combine(&groups, &yy, h, &mut w);
+            w
+        };
+        let d_x = gpu.upload(&x).map_err(e)?;
+        let d_ids = gpu.upload(&ids_u32(&routing)).map_err(e)?;
+        let d_w = gpu.upload(&routing.weights).map_err(e)?;
+        let g = gm::group_by_expert(gpu, &d_ids, tokens, k, n_exp).map_err(e)?;
+        let n = tokens * k;
+        let (tc_gu, tc_down) = gm::grouped_tensor_core_paths(gpu, &dev.layout);
+        let tc = tc_gu || tc_down;
+        for simple in [true, false] {
+            let path = |tc: bool| if tc { "tensor cores" } else { "SIMT" };
+            let what = if simple {
+                format!("H={h} I={i} E={n_exp} k={k} T={tokens} SIMT")
+            } else {
+                format!(
+                    "H={h} I={i} E={n_exp} k={k} T={tokens} default (gate/up {}, down {})",
+                    path(tc_gu),
+                    path(tc_down)
+                )
+            };
+            let mut act = poisoned(gpu, n * i)?;
+            let mut y = poisoned(gpu, n * h)?;
+            if simple {
+                gm::expert_gate_up_grouped_simple(gpu, &d_x, &g, &dev.table, &dev.layout, &mut act).map_err(e)?;
+                gm::expert_down_grouped_simple(gpu, &act, &g, &dev.table, &dev.layout, &mut y).map_err(e)?;
+            } else {
+                gm::expert_gate_up_grouped(gpu, &d_x, &g, &dev.table, &dev.layout, &mut act).map_err(e)?;
+                gm::expert_down_grouped(gpu, &act, &g, &dev.table, &dev.layout, &mut y).map_err(e)?;
+            }
+            let mut out = poisoned(gpu, tokens * h)?;
+            gm::moe_combine(gpu, &y, &g, &d_w, h, &mut out, false).map_err(e)?;
+            let tol = if simple || !tc { F32_TOL } else { BF16_TOL };
+            let got = download(gpu, &out)?;
+            check_close(&what, &got, &want, tol)?;
+            // The down scale of each expert must reach the output.
+            if check_close("", &got, &no_gdown, 0.5).is_ok() {
+                return Err(format!("{what}: out matches the result with g_down = 1: the down scale is ignored"));
+            }
+            let mut acc = gpu.upload(&prior).map_err(e)?;
+            gm::moe_combine(gpu, &y, &g, &d_w, h, &mut acc, true).map_err(e)?;
+            let want_acc: Vec<f32> = prior.iter().zip(&want).map(|(p, w)| p + w).collect();
+            check_close(&format!("{what} (accumulate)"), &download(gpu, &acc)?, &want_acc, tol)?;
         }
     }
     Ok(())

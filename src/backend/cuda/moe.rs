@@ -17,6 +17,15 @@
 //! table's length makes the rows that use it NaN (never a wild read).
 //! Wrappers check lengths and shapes and return `Error::InvalidArgument`
 //! before launching; everything is queued on `gpu.stream()`.
+//!
+//! Shapes: hidden and intermediate are any positive multiples of 16 (the
+//! NVFP4 block). The fast kernels read 32-element chunks (16 code bytes, two
+//! scales) of the dimension they reduce over (H for gate/up, I for down);
+//! when that dimension is not a multiple of 32 (its code rows are then only
+//! 8-byte aligned) the wrapper launches the generic `*16` kernel instead,
+//! which reads one 16-element block (8 code bytes, one scale) at a time. The
+//! grouped entry points then use the SIMT generic kernel for that matrix,
+//! also on tensor-core devices (f32 throughout).
 
 use super::{CudaSlice, DeviceRepr, Gpu, LaunchConfig, PushKernelArg};
 use crate::error::{Error, Result};
@@ -84,14 +93,16 @@ impl From<&ExpertLayout> for BlobLayout {
 }
 
 impl BlobLayout {
-    /// The kernels read codes 16 bytes and scales 2 bytes at a time, 32
-    /// elements per step: both dimensions must be multiples of 32 and every
-    /// section 16-byte aligned.
+    /// Both dimensions must be positive multiples of 16 (one E4M3 scale per
+    /// 16 elements) and every section 16-byte aligned (the pack aligns them
+    /// to 256): code rows of a dimension that is a multiple of 32 are then
+    /// 16-byte aligned (the fast kernels), of any other multiple of 16 8-byte
+    /// aligned (the generic kernels).
     fn check(&self) -> Result<(usize, usize)> {
         let (h, i) = (self.hidden as usize, self.intermediate as usize);
-        if h == 0 || i == 0 || h % 32 != 0 || i % 32 != 0 || h > i32::MAX as usize / 8 || i > i32::MAX as usize / 8 {
+        if h == 0 || i == 0 || h % 16 != 0 || i % 16 != 0 || h > i32::MAX as usize / 8 || i > i32::MAX as usize / 8 {
             return Err(invalid(format!(
-                "expert layout: hidden {h} and intermediate {i} must be positive multiples of 32"
+                "expert layout: hidden {h} and intermediate {i} must be positive multiples of 16"
             )));
         }
         let sections = [
@@ -108,6 +119,12 @@ impl BlobLayout {
         }
         Ok((h, i))
     }
+}
+
+/// Whether the fast kernels (32-element chunks, 16-byte code loads) can
+/// reduce over `cols`; otherwise the generic `*16` kernels run.
+fn fast_cols(cols: usize) -> bool {
+    cols % 32 == 0
 }
 
 fn invalid(msg: String) -> Error {
@@ -214,7 +231,8 @@ pub fn expert_gate_up_gemv(
     if tokens == 0 {
         return Ok(());
     }
-    let f = gpu.function("moe_gate_up_gemv")?;
+    // Same grid, block and arguments for both kernels.
+    let f = gpu.function(if fast_cols(h) { "moe_gate_up_gemv" } else { "moe_gate_up_gemv16" })?;
     let smem = h * 4;
     allow_smem(&f, smem)?;
     let cfg = LaunchConfig {
@@ -225,7 +243,7 @@ pub fn expert_gate_up_gemv(
     let k = top_k as i32;
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(x).arg(ids).arg(table).arg(&table_len).arg(layout).arg(&k).arg(act);
-    // SAFETY: moe_gate_up_gemv(const float* x [T, H], const unsigned* ids [T*k],
+    // SAFETY: moe_gate_up_gemv / moe_gate_up_gemv16(const float* x [T, H], const unsigned* ids [T*k],
     // const u64* table [table_len], int table_len, MoeBlobLayout, int k, float* act [T*k, I]);
     // lengths checked above; ids past the table give NaN rows.
     unsafe { b.launch(cfg) }?;
@@ -260,20 +278,22 @@ pub fn expert_down_gemv(
     if tokens == 0 {
         return Ok(());
     }
-    let f = gpu.function("moe_down_gemv")?;
+    let fast = fast_cols(i);
+    let f = gpu.function(if fast { "moe_down_gemv" } else { "moe_down_gemv16" })?;
     let smem = top_k * i * 4;
     allow_smem(&f, smem)?;
     let cfg = LaunchConfig {
         grid_dim: (tokens as u32, h.div_ceil(DOWN_WARPS * DOWN_ROWS) as u32, 1),
-        // Two warps per row group: one for each half of the experts.
-        block_dim: ((2 * DOWN_WARPS * 32) as u32, 1, 1),
+        // Fast: two warps per row group, one for each half of the experts;
+        // generic: one warp per row group, all experts in order.
+        block_dim: (((if fast { 2 } else { 1 }) * DOWN_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     let (k, acc) = (top_k as i32, accumulate as i32);
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(act).arg(ids).arg(weights).arg(table).arg(&table_len).arg(layout).arg(&k).arg(out).arg(&acc);
-    // SAFETY: moe_down_gemv(const float* act [T*k, I], const unsigned* ids, const float* weights [T*k],
-    // const u64* table, int table_len, MoeBlobLayout, int k, float* out [T, H], int accumulate).
+    // SAFETY: moe_down_gemv / moe_down_gemv16(const float* act [T*k, I], const unsigned* ids,
+    // const float* weights [T*k], const u64* table, int table_len, MoeBlobLayout, int k, float* out [T, H], int accumulate).
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
@@ -400,14 +420,25 @@ fn check_grouped(what: &str, g: &ExpertGrouping, table: &CudaSlice<u64>) -> Resu
     i32_of("table length", table.len())
 }
 
-/// Whether the grouped GEMMs run on tensor cores on this device (sm_80+).
+/// Whether the grouped GEMMs run on tensor cores on this device (sm_80+)
+/// for layouts whose dimensions are multiples of 32.
 pub fn grouped_uses_tensor_cores(gpu: &Gpu) -> bool {
     gpu.compute_capability().0 >= 8
 }
 
+/// Whether `expert_gate_up_grouped` and `expert_down_grouped` run on tensor
+/// cores for `layout` on this device: sm_80+ and the dimension the matrix
+/// reduces over (H for gate/up, I for down) a multiple of 32; otherwise the
+/// SIMT kernels (f32) run. Returns (gate/up, down).
+pub fn grouped_tensor_core_paths(gpu: &Gpu, layout: &BlobLayout) -> (bool, bool) {
+    let tc = grouped_uses_tensor_cores(gpu);
+    (tc && fast_cols(layout.hidden as usize), tc && fast_cols(layout.intermediate as usize))
+}
+
 /// `act[s] = silu(gate_e . x_t) * (up_e . x_t)` for every slot `s` of the
 /// grouping (`t = rows[s] / k`, `e` its expert): the rows of each expert as
-/// one GEMM. `x [T, H]`, `act [T * k, I]` in slot order.
+/// one GEMM (tensor cores when `grouped_tensor_core_paths(..).0`, else the
+/// SIMT kernel). `x [T, H]`, `act [T * k, I]` in slot order.
 pub fn expert_gate_up_grouped(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
@@ -416,7 +447,7 @@ pub fn expert_gate_up_grouped(
     layout: &BlobLayout,
     act: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    if !grouped_uses_tensor_cores(gpu) {
+    if !grouped_tensor_core_paths(gpu, layout).0 {
         return expert_gate_up_grouped_simple(gpu, x, g, table, layout, act);
     }
     let (h, i) = layout.check()?;
@@ -443,7 +474,8 @@ pub fn expert_gate_up_grouped(
     Ok(())
 }
 
-/// `y[s] = down_e . act[s]` for every slot (`y [T * k, H]` in slot order).
+/// `y[s] = down_e . act[s]` for every slot (`y [T * k, H]` in slot order);
+/// tensor cores when `grouped_tensor_core_paths(..).1`, else the SIMT kernel.
 pub fn expert_down_grouped(
     gpu: &Gpu,
     act: &CudaSlice<f32>,
@@ -452,7 +484,7 @@ pub fn expert_down_grouped(
     layout: &BlobLayout,
     y: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    if !grouped_uses_tensor_cores(gpu) {
+    if !grouped_tensor_core_paths(gpu, layout).1 {
         return expert_down_grouped_simple(gpu, act, g, table, layout, y);
     }
     let (h, i) = layout.check()?;
@@ -495,7 +527,7 @@ pub fn expert_gate_up_grouped_simple(
     if n == 0 {
         return Ok(());
     }
-    let f = gpu.function("moe_gate_up_grouped_simple")?;
+    let f = gpu.function(if fast_cols(h) { "moe_gate_up_grouped_simple" } else { "moe_gate_up_grouped16" })?;
     let smem = h * 4;
     allow_smem(&f, smem)?;
     let cfg = LaunchConfig {
@@ -507,7 +539,7 @@ pub fn expert_gate_up_grouped_simple(
     let mut b = gpu.stream().launch_builder(&f);
     let filled = g.offsets.slice(g.num_experts..);
     b.arg(x).arg(&g.rows).arg(&g.slot_expert).arg(&filled).arg(table).arg(&table_len).arg(layout).arg(&k).arg(act);
-    // SAFETY: moe_gate_up_grouped_simple(const float* x [T, H], const unsigned* rows [n],
+    // SAFETY: moe_gate_up_grouped_simple / moe_gate_up_grouped16(const float* x [T, H], const unsigned* rows [n],
     // const unsigned* slot_expert [n], const unsigned* filled (&offsets[E]), const u64* table,
     // int table_len, MoeBlobLayout, int k, float* act [n, I]).
     unsafe { b.launch(cfg) }?;
@@ -531,7 +563,7 @@ pub fn expert_down_grouped_simple(
     if n == 0 {
         return Ok(());
     }
-    let f = gpu.function("moe_down_grouped_simple")?;
+    let f = gpu.function(if fast_cols(i) { "moe_down_grouped_simple" } else { "moe_down_grouped16" })?;
     let smem = i * 4;
     allow_smem(&f, smem)?;
     let cfg = LaunchConfig {
@@ -542,14 +574,15 @@ pub fn expert_down_grouped_simple(
     let mut b = gpu.stream().launch_builder(&f);
     let filled = g.offsets.slice(g.num_experts..);
     b.arg(act).arg(&g.slot_expert).arg(&filled).arg(table).arg(&table_len).arg(layout).arg(y);
-    // SAFETY: moe_down_grouped_simple(const float* act [n, I], const unsigned* slot_expert [n],
+    // SAFETY: moe_down_grouped_simple / moe_down_grouped16(const float* act [n, I], const unsigned* slot_expert [n],
     // const unsigned* filled (&offsets[E]), const u64* table, int table_len, MoeBlobLayout, float* y [n, H]).
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
 
 /// `out[t] (+)= sum_j weights[t*k + j] * y[slot_of(t*k + j)]`, j in order.
-/// `y [T * k, H]` in slot order, `out [T, H]`; H a multiple of 4.
+/// `y [T * k, H]` in slot order, `out [T, H]`; H a multiple of 4 (so every
+/// row is 16-byte aligned for the float4 loads; any multiple of 16 is).
 pub fn moe_combine(
     gpu: &Gpu,
     y: &CudaSlice<f32>,
