@@ -392,9 +392,9 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, cons
 // P are single bf16 (~3 significant digits).
 //
 // Shared memory (bytes), mirrored by the Rust wrapper (mma_smem_bytes):
-//   q_hi, q_lo [64][HD + 8] bf16 (q_lo only with SPLIT), k_s [BK][HD + 8] bf16,
-//   vt_s [HD][BK + 8] bf16 (V transposed), k/v scales [BK] f32 each.
-// The +8 pads make the 32-bit fragment loads conflict-free.
+//   q_hi, q_lo [64][HD + 8] bf16 (q_lo only with SPLIT), k_s, v_s [BK][HD + 8]
+//   bf16, k/v scales [BK] f32 each. Fragments come through ldmatrix (V with
+//   .trans); the +8 pads make its 8-row reads conflict-free.
 
 #define ATTN_MMA_WARPS 4
 #define ATTN_MMA_THREADS (ATTN_MMA_WARPS * 32)
@@ -403,8 +403,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, cons
 template <int HD>
 struct AttnMmaTile {
     static constexpr int BK = HD == 256 ? 32 : 64;
-    static constexpr int QS = HD + 8;  // bf16 row stride of q/k tiles
-    static constexpr int VS = BK + 8;  // bf16 row stride of the transposed V tile
+    static constexpr int QS = HD + 8;  // bf16 row stride of the q/k/v tiles
 };
 
 template <int HD, bool SPLIT>
@@ -412,7 +411,7 @@ struct AttnMmaSmem {
     using T = AttnMmaTile<HD>;
     static constexpr int kQ = ATTN_MMA_BQ * T::QS * 2;  // bytes of one q part
     static constexpr int kK = T::BK * T::QS * 2;
-    static constexpr int kV = HD * T::VS * 2;
+    static constexpr int kV = T::BK * T::QS * 2;
     static constexpr int kBytes = kQ * (SPLIT ? 2 : 1) + kK + kV + 2 * T::BK * 4;
 };
 
@@ -443,6 +442,23 @@ static __device__ __forceinline__ void attn_mma_bf16(float* c, const uint32_t* a
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
+}
+
+// Four 8x8 bf16 matrices: lanes 8i..8i+7 give the row addresses of matrix i;
+// lane t receives, from each matrix, row t/4, columns 2(t%4) and 2(t%4)+1.
+static __device__ __forceinline__ void attn_ldmatrix_x4(uint32_t* r, const __nv_bfloat16* p) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// The same, transposed: lane t receives rows 2(t%4) and 2(t%4)+1 of column t/4.
+static __device__ __forceinline__ void attn_ldmatrix_x4_trans(uint32_t* r, const __nv_bfloat16* p) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
 }
 
 // Cache values of one 16-byte vector as bf16 (int8: exact integers; bf16: as is).
@@ -476,7 +492,7 @@ static __device__ __forceinline__ void attn_mma(const float* __restrict__ q, con
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     using T = AttnMmaTile<HD>;
     using S = AttnMmaSmem<HD, SPLIT>;
-    constexpr int BK = T::BK, QS = T::QS, VS = T::VS;
+    constexpr int BK = T::BK, QS = T::QS;
     constexpr int EPV = 16 / (int)sizeof(KV);  // cache values per 16-byte vector
     constexpr int VR = HD / EPV;               // vectors per cache row
     constexpr int NB = BK / 8;                 // score n-blocks per warp
@@ -487,8 +503,8 @@ static __device__ __forceinline__ void attn_mma(const float* __restrict__ q, con
     __nv_bfloat16* q_hi = reinterpret_cast<__nv_bfloat16*>(base);
     __nv_bfloat16* q_lo = reinterpret_cast<__nv_bfloat16*>(base + S::kQ);  // only with SPLIT
     __nv_bfloat16* k_s = reinterpret_cast<__nv_bfloat16*>(base + S::kQ * (SPLIT ? 2 : 1));
-    __nv_bfloat16* vt_s = k_s + BK * QS;
-    float* ksc = reinterpret_cast<float*>(vt_s + HD * VS);
+    __nv_bfloat16* v_s = k_s + BK * QS;
+    float* ksc = reinterpret_cast<float*>(v_s + BK * QS);
     float* vsc = ksc + BK;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -534,8 +550,8 @@ static __device__ __forceinline__ void attn_mma(const float* __restrict__ q, con
 
     for (int k0 = kbeg; k0 < kstop; k0 += BK) {
         __syncthreads();  // previous tile consumed (and the Q tile written)
-        // Stage K (row-major) and V (transposed) as bf16 plus their scales;
-        // consecutive threads take consecutive keys (conflict-free stores).
+        // Stage K and V as bf16 plus their scales; consecutive threads take
+        // consecutive keys (conflict-free 16-byte stores).
         for (int i = tid; i < BK * VR; i += ATTN_MMA_THREADS) {
             const int j = i % BK, c = i / BK;
             const int kg = k0 + j;
@@ -553,10 +569,10 @@ static __device__ __forceinline__ void attn_mma(const float* __restrict__ q, con
                 for (int e = 0; e < EPV; ++e) kb[e] = vb[e] = __float2bfloat16_rn(0.0f);
             }
 #pragma unroll
-            for (int e = 0; e < EPV; e += 8)
+            for (int e = 0; e < EPV; e += 8) {
                 *reinterpret_cast<uint4*>(k_s + j * QS + c * EPV + e) = *reinterpret_cast<const uint4*>(kb + e);
-#pragma unroll
-            for (int e = 0; e < EPV; ++e) vt_s[(c * EPV + e) * VS + j] = vb[e];
+                *reinterpret_cast<uint4*>(v_s + j * QS + c * EPV + e) = *reinterpret_cast<const uint4*>(vb + e);
+            }
             if (c == 0) {
                 ksc[j] = kscale;
                 vsc[j] = vscale;
@@ -568,26 +584,25 @@ static __device__ __forceinline__ void attn_mma(const float* __restrict__ q, con
         float s[NB][4];
 #pragma unroll
         for (int n = 0; n < NB; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        // ldmatrix row addresses: A (Q): matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
+        // in a0..a3 order; B (K, a pair of key n-blocks): (keys of n | n+1) x (cols 0-7 | 8-15).
+        const int qrow = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, qcol = (lane >> 4) * 8;
+        const int krow = (lane & 7) + (lane >> 4) * 8, kcol = ((lane >> 3) & 1) * 8;
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
-            const int col = kk * 16 + 2 * tig;
             uint32_t ah[4], al[4];
-            ah[0] = attn_ld32(q_hi + r0 * QS + col);
-            ah[1] = attn_ld32(q_hi + r1 * QS + col);
-            ah[2] = attn_ld32(q_hi + r0 * QS + col + 8);
-            ah[3] = attn_ld32(q_hi + r1 * QS + col + 8);
-            if (SPLIT) {
-                al[0] = attn_ld32(q_lo + r0 * QS + col);
-                al[1] = attn_ld32(q_lo + r1 * QS + col);
-                al[2] = attn_ld32(q_lo + r0 * QS + col + 8);
-                al[3] = attn_ld32(q_lo + r1 * QS + col + 8);
-            }
+            attn_ldmatrix_x4(ah, q_hi + qrow * QS + kk * 16 + qcol);
+            if (SPLIT) attn_ldmatrix_x4(al, q_lo + qrow * QS + kk * 16 + qcol);
 #pragma unroll
-            for (int n = 0; n < NB; ++n) {
-                const __nv_bfloat16* krow = k_s + (n * 8 + g) * QS + col;
-                const uint32_t b0 = attn_ld32(krow), b1 = attn_ld32(krow + 8);
-                attn_mma_bf16(s[n], ah, b0, b1);
-                if (SPLIT) attn_mma_bf16(s[n], al, b0, b1);
+            for (int n = 0; n < NB; n += 2) {
+                uint32_t b[4];  // b0, b1 of n-block n, then of n + 1
+                attn_ldmatrix_x4(b, k_s + (n * 8 + krow) * QS + kk * 16 + kcol);
+                attn_mma_bf16(s[n], ah, b[0], b[1]);
+                attn_mma_bf16(s[n + 1], ah, b[2], b[3]);
+                if (SPLIT) {
+                    attn_mma_bf16(s[n], al, b[0], b[1]);
+                    attn_mma_bf16(s[n + 1], al, b[2], b[3]);
+                }
             }
         }
 
@@ -653,12 +668,18 @@ static __device__ __forceinline__ void attn_mma(const float* __restrict__ q, con
                 ah[2] = attn_pack_bf16(s[nb][0] * vb0, s[nb][1] * vb1);
                 ah[3] = attn_pack_bf16(s[nb][2] * vb0, s[nb][3] * vb1);
             }
+            // B (V, transposed on load; a pair of d n-blocks): (keys 0-7 | 8-15) x (d of n | n+1).
+            const __nv_bfloat16* vrow = v_s + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * QS + (lane >> 4) * 8;
 #pragma unroll
-            for (int n = 0; n < ND; ++n) {
-                const __nv_bfloat16* vrow = vt_s + (n * 8 + g) * VS + kk * 16 + 2 * tig;
-                const uint32_t b0 = attn_ld32(vrow), b1 = attn_ld32(vrow + 8);
-                attn_mma_bf16(o[n], ah, b0, b1);
-                if (SPLIT) attn_mma_bf16(o[n], al, b0, b1);
+            for (int n = 0; n < ND; n += 2) {
+                uint32_t b[4];  // b0, b1 of d n-block n, then of n + 1
+                attn_ldmatrix_x4_trans(b, vrow + n * 8);
+                attn_mma_bf16(o[n], ah, b[0], b[1]);
+                attn_mma_bf16(o[n + 1], ah, b[2], b[3]);
+                if (SPLIT) {
+                    attn_mma_bf16(o[n], al, b[0], b[1]);
+                    attn_mma_bf16(o[n + 1], al, b[2], b[3]);
+                }
             }
         }
     }
@@ -752,15 +773,6 @@ struct AttnDecShape {
     static constexpr int kBytes = 2 * kQ + (ATTN_DEC_WARPS * kWarp > kMerge ? ATTN_DEC_WARPS * kWarp : kMerge);
 };
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-// Four 8x8 bf16 matrices, transposed: lanes 8i..8i+7 give the row addresses of matrix i.
-static __device__ __forceinline__ void attn_ldmatrix_x4_trans(uint32_t* r, const __nv_bfloat16* p) {
-    const unsigned addr = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-#endif
 
 // grid: (splits, kv_heads, 1); block: ATTN_DEC_THREADS; rows * (heads /
 // kv_heads) <= NQB * 8. Same arguments and outputs as attn_simt.

@@ -255,7 +255,7 @@ fn mma_tile(head_dim: usize) -> usize {
 fn mma_smem_bytes(head_dim: usize, split: bool) -> usize {
     let bk = mma_tile(head_dim);
     let q_part = MMA_BQ * (head_dim + 8) * 2;
-    q_part * if split { 2 } else { 1 } + bk * (head_dim + 8) * 2 + head_dim * (bk + 8) * 2 + 2 * bk * 4
+    q_part * if split { 2 } else { 1 } + 2 * bk * (head_dim + 8) * 2 + 2 * bk * 4
 }
 
 /// Keys per warp tile of attn_dec_hd{HD}_*: mirrors AttnDecShape in attention.cu.
