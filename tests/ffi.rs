@@ -415,10 +415,17 @@ fn paths_and_devices_are_checked() {
     };
     ok(with_devices(&[c"cpu".as_ptr(), ptr::null()]));
     ok(with_devices(&[ptr::null()]));
-    // Without the feature: no CUDA support; with it: the cause (tests/no_device.rs).
-    let no_cuda_why = if cfg!(feature = "cuda") { "no CUDA device: " } else { "feature cuda" };
-    expect_err(with_devices(&[c"cuda:0".as_ptr(), ptr::null()]), STRATA_ERR_NO_CUDA, no_cuda_why);
-    expect_err(with_devices(&[c"cuda".as_ptr(), ptr::null()]), STRATA_ERR_NO_CUDA, "CUDA");
+    // Without the feature: no CUDA support; with it and no device: the cause
+    // (tests/no_device.rs). A machine with a device loads (tests/gpu.rs).
+    #[cfg(feature = "cuda")]
+    let device_here = strata::backend::cuda::device_count().is_ok();
+    #[cfg(not(feature = "cuda"))]
+    let device_here = false;
+    if !device_here {
+        let no_cuda_why = if cfg!(feature = "cuda") { "no CUDA device: " } else { "feature cuda" };
+        expect_err(with_devices(&[c"cuda:0".as_ptr(), ptr::null()]), STRATA_ERR_NO_CUDA, no_cuda_why);
+        expect_err(with_devices(&[c"cuda".as_ptr(), ptr::null()]), STRATA_ERR_NO_CUDA, "CUDA");
+    }
     expect_err(with_devices(&[c"tpu".as_ptr(), ptr::null()]), STRATA_ERR_INVALID_ARGUMENT, "\"tpu\"");
     expect_err(with_devices(&[c"cuda:x".as_ptr(), ptr::null()]), STRATA_ERR_INVALID_ARGUMENT, "cuda:x");
     expect_err(

@@ -12,6 +12,10 @@ use strata::pack::synth::{self, SynthOptions};
 
 #[test]
 fn a_cuda_device_through_the_c_api_is_no_cuda_with_the_cause() {
+    #[cfg(feature = "cuda")]
+    if strata::backend::cuda::device_count().is_ok() {
+        return; // a machine with a device: the engine runs there (tests/gpu.rs)
+    }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pack");
     let config = synth::preset(Arch::Qwen3Moe, "tiny").unwrap();
@@ -40,10 +44,8 @@ fn a_cuda_device_through_the_c_api_is_no_cuda_with_the_cause() {
         if !cuda::driver_library_present() {
             assert!(msg.contains("the CUDA driver library (libcuda.so.1) was not found"), "{msg}");
         }
-        match cuda::device_count() {
-            Err(err) => assert_eq!(msg, format!("strata_engine_load: {err}")),
-            Ok(_) => assert!(msg.contains("not wired yet"), "{msg}"),
-        }
+        let err = cuda::device_count().unwrap_err();
+        assert_eq!(msg, format!("strata_engine_load: {err}"));
     }
 }
 
