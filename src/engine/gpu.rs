@@ -273,15 +273,13 @@ impl GpuModel {
             };
             let mut out = Vec::new();
             if rows > 0 {
-                let mut xs = gpu.alloc_zeros::<f32>(rows * h)?;
-                gpu.stream().memcpy_dtod(&s.x.slice((t - rows) * h..t * h), &mut xs)?;
-                let mut xn = gpu.alloc_zeros::<f32>(rows * h)?;
-                dense::rmsnorm(gpu, &xs, &self.final_norm, eps, &mut xn)?;
-                let mut lg = gpu.alloc_zeros::<f32>(rows * vocab)?;
                 let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-                dense::matmul(gpu, &xn, head, rows, vocab, h, &mut lg)?;
-                dense::first_nonfinite(gpu, &lg, vocab, &mut cache.flags, c.num_hidden_layers)?;
-                out = gpu.download(&lg)?;
+                let lg = LogitScratch::get(&mut s.head, gpu, rows, h, vocab)?;
+                gpu.stream().memcpy_dtod(&s.x.slice((t - rows) * h..t * h), &mut lg.rows)?;
+                dense::rmsnorm(gpu, &lg.rows, &self.final_norm, eps, &mut lg.normed)?;
+                dense::matmul_with_scratch(gpu, &lg.normed, head, rows, vocab, h, &mut lg.logits, &mut lg.bf)?;
+                dense::first_nonfinite(gpu, &lg.logits, vocab, &mut cache.flags, c.num_hidden_layers)?;
+                out = gpu.download(&lg.logits)?;
             }
             let flags = gpu.download(&cache.flags)?;
             for (slot, &flag) in flags.iter().enumerate() {
@@ -556,6 +554,40 @@ struct DeltaScratch {
     scratch: DeltaNetScratch,
 }
 
+/// The buffers of the final norm and head for `rows` rows.
+struct LogitScratch {
+    rows: CudaSlice<f32>,
+    normed: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    bf: CudaSlice<bf16>,
+}
+
+impl LogitScratch {
+    /// The one for `rows` rows in `kept`, made on first use.
+    fn get<'a>(
+        kept: &'a mut Vec<(usize, LogitScratch)>,
+        gpu: &Gpu,
+        rows: usize,
+        hidden: usize,
+        vocab: usize,
+    ) -> Result<&'a mut LogitScratch> {
+        let i = match kept.iter().position(|(r, _)| *r == rows) {
+            Some(i) => i,
+            None => {
+                let l = LogitScratch {
+                    rows: gpu.alloc_zeros(rows * hidden)?,
+                    normed: gpu.alloc_zeros(rows * hidden)?,
+                    logits: gpu.alloc_zeros(rows * vocab)?,
+                    bf: gpu.alloc_zeros(rows * hidden)?,
+                };
+                kept.push((rows, l));
+                kept.len() - 1
+            }
+        };
+        Ok(&mut kept[i].1)
+    }
+}
+
 /// Every intermediate buffer of a forward of `t` rows, sized exactly (the
 /// elementwise kernels take whole buffers). A session keeps the last one,
 /// so decode steps allocate nothing.
@@ -580,6 +612,8 @@ struct Scratch {
     dn: Option<DeltaScratch>,
     /// BF16 copy of a GEMM's input (cuBLAS path), as large as the widest.
     bf: CudaSlice<bf16>,
+    /// The head's buffers, by row count (1 or `t`), made on first use.
+    head: Vec<(usize, LogitScratch)>,
 }
 
 impl Scratch {
@@ -637,6 +671,7 @@ impl Scratch {
             shared,
             dn,
             bf: gpu.alloc_zeros(t * widest)?,
+            head: Vec::new(),
         })
     }
 }
@@ -789,7 +824,7 @@ impl DeviceCache {
     }
 
     /// A new cache of this one's kind holding a restored state.
-    pub(crate) fn from_state(
+    pub(crate) fn restored(
         &self,
         len: usize,
         layers: Vec<(Vec<f32>, Vec<f32>)>,

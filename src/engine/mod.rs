@@ -581,7 +581,7 @@ impl Engine {
                 ))),
             },
             #[cfg(feature = "cuda")]
-            Exec::Cuda(m) => Ok(Cache::Device(m.new_cache(kv_type)?)),
+            Exec::Cuda(m) => Ok(Cache::Device(Box::new(m.new_cache(kv_type)?))),
         }
     }
 

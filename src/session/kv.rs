@@ -164,35 +164,8 @@ impl KvCache {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn append_commit_truncate() {
-        let mut kv = KvCache::new(2, 3);
-        for l in 0..2 {
-            kv.append(l, &[1.0; 6], &[2.0; 6]);
-        }
-        kv.commit(2);
-        assert_eq!(kv.len(), 2);
-        // An uncommitted append to one layer is dropped by truncate.
-        kv.append(0, &[3.0; 3], &[4.0; 3]);
-        assert_eq!(kv.layer(0).0.len(), 9);
-        kv.truncate(2);
-        assert_eq!(kv.layer(0).0.len(), 6);
-        kv.truncate(1);
-        assert_eq!((kv.len(), kv.layer(1).1), (1, &[2.0; 3][..]));
-    }
-
-    #[test]
-    #[should_panic(expected = "did not append")]
-    fn commit_checks_every_layer() {
-        let mut kv = KvCache::new(2, 1);
-        kv.append(0, &[1.0], &[1.0]);
-        kv.commit(1);
-    }
-}
+/// Keys and values of one layer as f32, borrowed or downloaded.
+pub type KvRows<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>);
 
 /// A session's cache on the device that runs its engine: the host `KvCache`
 /// of the CPU backend, or the device cache of the CUDA backend. The session
@@ -204,7 +177,7 @@ mod tests {
 pub enum Cache {
     Host(KvCache),
     #[cfg(feature = "cuda")]
-    Device(crate::engine::gpu::DeviceCache),
+    Device(Box<crate::engine::gpu::DeviceCache>),
 }
 
 impl Cache {
@@ -290,7 +263,7 @@ impl Cache {
 
     /// Keys and values of `layer`, positions `0..len`, as f32 (the device
     /// cache dequantizes its int8 or bf16 rows).
-    pub fn layer_f32(&self, layer: usize) -> crate::error::Result<(Cow<'_, [f32]>, Cow<'_, [f32]>)> {
+    pub fn layer_f32(&self, layer: usize) -> crate::error::Result<KvRows<'_>> {
         match self {
             Cache::Host(kv) => {
                 let (k, v) = kv.layer(layer);
@@ -306,7 +279,7 @@ impl Cache {
 
     /// A cache of the same kind holding a restored session state (see
     /// `KvCache::from_state`).
-    pub fn from_state(
+    pub fn restored(
         &self,
         kv_dim: usize,
         len: usize,
@@ -317,7 +290,37 @@ impl Cache {
         match self {
             Cache::Host(_) => Ok(Cache::Host(KvCache::from_state(kv_dim, len, linear, layers, deltas))),
             #[cfg(feature = "cuda")]
-            Cache::Device(d) => Ok(Cache::Device(d.from_state(len, layers, deltas)?)),
+            Cache::Device(d) => Ok(Cache::Device(Box::new(d.restored(len, layers, deltas)?))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn append_commit_truncate() {
+        let mut kv = KvCache::new(2, 3);
+        for l in 0..2 {
+            kv.append(l, &[1.0; 6], &[2.0; 6]);
+        }
+        kv.commit(2);
+        assert_eq!(kv.len(), 2);
+        // An uncommitted append to one layer is dropped by truncate.
+        kv.append(0, &[3.0; 3], &[4.0; 3]);
+        assert_eq!(kv.layer(0).0.len(), 9);
+        kv.truncate(2);
+        assert_eq!(kv.layer(0).0.len(), 6);
+        kv.truncate(1);
+        assert_eq!((kv.len(), kv.layer(1).1), (1, &[2.0; 3][..]));
+    }
+
+    #[test]
+    #[should_panic(expected = "did not append")]
+    fn commit_checks_every_layer() {
+        let mut kv = KvCache::new(2, 1);
+        kv.append(0, &[1.0], &[1.0]);
+        kv.commit(1);
     }
 }

@@ -291,7 +291,7 @@ impl Session {
         };
         debug_assert_eq!(r.pos, body);
 
-        self.kv = self.kv.from_state(kv_dim, n, &linear, kv, &deltas)?;
+        self.kv = self.kv.restored(kv_dim, n, &linear, kv, &deltas)?;
         self.tokens = tokens;
         self.logits = logits;
         self.sampler = sampler;
