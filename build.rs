@@ -19,6 +19,9 @@ use std::process::Command;
 /// Compute capabilities the library ships machine code for.
 const ARCHS: &[&str] = &["75", "80", "86", "89", "90"];
 
+/// Compiled fatbins kept in <target>/strata-kernels (one per kernels/ state).
+const KERNEL_CACHE_ENTRIES: usize = 8;
+
 /// Text in a kernel source that means it needs the arch-specific sm_90a target.
 const SM90A_MARKERS: &[&str] = &["wgmma", "setmaxnreg", "__CUDA_ARCH_FEAT_SM90_ALL"];
 
@@ -60,25 +63,44 @@ fn main() {
     let archs = target_archs(needs_sm90a);
     let nvcc = find_nvcc(&manifest);
     let fatbin = out.join("strata_kernels.fatbin");
-    let mut cmd = Command::new(&nvcc);
-    cmd.arg("-fatbin").args(["-O3", "-std=c++17", "-Xptxas", "-v"]);
+    let mut flags: Vec<String> = ["-fatbin", "-O3", "-std=c++17", "-Xptxas", "-v"].map(String::from).to_vec();
     for a in &archs {
-        cmd.arg("-gencode").arg(format!("arch=compute_{a},code=sm_{a}"));
+        flags.push("-gencode".into());
+        flags.push(format!("arch=compute_{a},code=sm_{a}"));
     }
-    cmd.arg("-I").arg(&kernels_dir).arg("-o").arg(&fatbin).arg(&unity_path);
+    flags.push("-I".into());
+    flags.push(kernels_dir.display().to_string());
+    let mut cmd = Command::new(&nvcc);
+    cmd.args(&flags).arg("-o").arg(&fatbin).arg(&unity_path);
+
+    // check, clippy and test builds each have their own OUT_DIR; the same
+    // kernels, targets and nvcc are compiled once per target directory.
+    let cache = out
+        .ancestors()
+        .nth(4)
+        .map(|target| target.join("strata-kernels").join(format!("{:016x}", cache_key(&files, &flags, &nvcc))));
+    let cached = cache.as_ref().filter(|c| c.join("strata_kernels.fatbin").is_file() && c.join("ptxas.txt").is_file());
     let started = std::time::Instant::now();
-    let output = cmd.output().unwrap_or_else(|e| panic!("running {}: {e}", nvcc.display()));
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let report = format!("{stdout}{stderr}");
+    let (report, how) = if let Some(c) = cached {
+        fs::copy(c.join("strata_kernels.fatbin"), &fatbin).unwrap();
+        (fs::read_to_string(c.join("ptxas.txt")).unwrap(), format!("reused {}", c.display()))
+    } else {
+        let output = cmd.output().unwrap_or_else(|e| panic!("running {}: {e}", nvcc.display()));
+        let report = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        if !output.status.success() {
+            fs::write(out.join("ptxas.txt"), &report).unwrap();
+            panic!(
+                "nvcc failed ({}) compiling kernels/ for sm_{}:\n{report}\ncommand: {cmd:?}",
+                output.status,
+                archs.join(",sm_")
+            );
+        }
+        if let Some(c) = &cache {
+            store(c, &fatbin, &report);
+        }
+        (report, format!("compiled with {}", nvcc.display()))
+    };
     fs::write(out.join("ptxas.txt"), &report).unwrap();
-    if !output.status.success() {
-        panic!(
-            "nvcc failed ({}) compiling kernels/ for sm_{}:\n{report}\ncommand: {cmd:?}",
-            output.status,
-            archs.join(",sm_")
-        );
-    }
     let kernels = parse_ptxas(&report);
     let mut table = String::from("kernel\tarch\tregisters\tshared_bytes\tstack_bytes\tspill_stores\tspill_loads\n");
     for k in &kernels {
@@ -101,12 +123,52 @@ fn main() {
         println!("cargo:warning=nvcc: {line}");
     }
     eprintln!(
-        "compiled {} kernel file(s) for sm_{} with {} in {:.1} s",
+        "kernels: {} file(s) for sm_{}: {how} in {:.1} s",
         files.iter().filter(|f| f.extension().is_some_and(|e| e == "cu")).count(),
         archs.join(",sm_"),
-        nvcc.display(),
         started.elapsed().as_secs_f64()
     );
+}
+
+/// A hash of everything the fatbin depends on: every file of kernels/ (name
+/// and bytes), the nvcc flags, and the nvcc binary (path, size, mtime).
+fn cache_key(files: &[PathBuf], flags: &[String], nvcc: &Path) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for f in files {
+        f.file_name().hash(&mut h);
+        fs::read(f).unwrap_or_default().hash(&mut h);
+    }
+    flags.hash(&mut h);
+    nvcc.hash(&mut h);
+    if let Ok(meta) = fs::metadata(nvcc) {
+        meta.len().hash(&mut h);
+        meta.modified().ok().hash(&mut h);
+    }
+    h.finish()
+}
+
+/// Saves a compiled fatbin and its report under `dir`, atomically (another
+/// build may store the same key at the same time); failures only cost a
+/// recompile later.
+fn store(dir: &Path, fatbin: &Path, report: &str) {
+    let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+    let saved = fs::create_dir_all(&tmp)
+        .and_then(|_| fs::copy(fatbin, tmp.join("strata_kernels.fatbin")))
+        .and_then(|_| fs::write(tmp.join("ptxas.txt"), report))
+        .and_then(|_| fs::rename(&tmp, dir));
+    if saved.is_err() {
+        let _ = fs::remove_dir_all(&tmp);
+    }
+    // Every kernel edit makes a new entry: keep the newest few.
+    let Some(root) = dir.parent() else { return };
+    let Ok(entries) = fs::read_dir(root) else { return };
+    let mut entries: Vec<(std::time::SystemTime, PathBuf)> =
+        entries.filter_map(|e| e.ok()).filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path()))).collect();
+    entries.sort_by_key(|e| std::cmp::Reverse(e.0));
+    for (_, old) in entries.into_iter().skip(KERNEL_CACHE_ENTRIES) {
+        let _ = fs::remove_dir_all(old);
+    }
 }
 
 /// The gencode list: ARCHS, or those of STRATA_CUDA_ARCHS; "90" becomes
