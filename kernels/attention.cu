@@ -13,7 +13,7 @@
 //
 // Kernels:
 //   attn_kv_append_i8 / attn_kv_append_bf16: write T rows into the cache.
-//   attn_simt_hd{64,128,256}_{i8,bf16}_q{8,32,64}: tiled flash attention
+//   attn_simt_hd{16,32,64,128,256}_{i8,bf16}_q{8,32,64}: tiled flash attention
 //     (online softmax) on CUDA cores. One block = one kv head x a tile of up
 //     to MAXQ query vectors (row-major over (row, head of the group), so the
 //     heads of one GQA group share every K/V load) x one split of the key
@@ -344,6 +344,14 @@ static __device__ __forceinline__ void attn_simt(const float* __restrict__ q, co
     ATTN_SIMT_INSTANCE(HD, i8, int8_t, MAXQ)          \
     ATTN_SIMT_INSTANCE(HD, bf16, __nv_bfloat16, MAXQ)
 
+// head_dim 16 and 32 (the tiny test models): SIMT only, the tensor-core
+// kernels are built for 64, 128 and 256 (the wrapper's Auto picks SIMT).
+ATTN_SIMT_INSTANCES(16, 8)
+ATTN_SIMT_INSTANCES(16, 32)
+ATTN_SIMT_INSTANCES(16, 64)
+ATTN_SIMT_INSTANCES(32, 8)
+ATTN_SIMT_INSTANCES(32, 32)
+ATTN_SIMT_INSTANCES(32, 64)
 ATTN_SIMT_INSTANCES(64, 8)
 ATTN_SIMT_INSTANCES(64, 32)
 ATTN_SIMT_INSTANCES(64, 64)

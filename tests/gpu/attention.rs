@@ -7,11 +7,12 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 use strata::backend::cpu::ops;
 use strata::backend::cuda::attention::{
-    attention, attention_with, kv_append, kv_read_f32, quantize_int8_block, AttnConfig, AttnKernel, AttnPrecision,
-    DeviceKv, KvDtype,
+    attention, attention_with, attention_with_scratch, kv_append, kv_read_f32, quantize_int8_block, AttnConfig,
+    AttnKernel, AttnPrecision, AttnScratch, DeviceKv, KvDtype,
 };
 use strata::backend::cuda::{CudaSlice, Gpu};
 use strata::backend::AttentionShape;
@@ -35,12 +36,19 @@ pub const TESTS: &[GpuTest] = &[
     ("attention_int8_error_vs_f32", int8_error_vs_f32),
     ("attention_deterministic", deterministic),
     ("attention_rejects_bad_arguments", rejects_bad_arguments),
+    ("attention_small_head_dims_int8", small_head_dims_int8),
+    ("attention_small_head_dims_bf16", small_head_dims_bf16),
+    ("attention_scratch_reuse", scratch_reuse),
     ("attention_timing", timing),
 ];
 
 /// Shapes (heads, kv_heads, head_dim): Qwen3-30B-A3B, Qwen3-Next, a small
 /// MHA one, and an odd group count.
 const SHAPES: [(usize, usize, usize); 4] = [(32, 4, 128), (16, 2, 256), (4, 4, 64), (12, 3, 64)];
+
+/// The tiny fixture models' shapes: head_dim 32 and 16 (SIMT kernels only;
+/// `Auto` picks SIMT for them).
+const SMALL_SHAPES: [(usize, usize, usize); 3] = [(4, 2, 32), (6, 1, 16), (6, 2, 16)];
 
 fn shape_of((heads, kv_heads, head_dim): (usize, usize, usize)) -> AttentionShape {
     AttentionShape { heads, kv_heads, head_dim }
@@ -61,7 +69,8 @@ fn filled_cache(
     let mut kv = DeviceKv::new(gpu, dtype, capacity, shape.kv_heads, shape.head_dim).map_err(e)?;
     let k = rand_f32(seed, len * kv_dim, 1.0);
     let v = rand_f32(seed + 1, len * kv_dim, 1.0);
-    let first = len / 2 + len % 3;
+    // Split point of the two appends; min: len / 2 + len % 3 exceeds len for len = 2.
+    let first = (len / 2 + len % 3).min(len);
     for (start, rows) in [(0, first), (first, len - first)] {
         if rows == 0 {
             continue;
@@ -98,7 +107,9 @@ fn exact(what: &str, got: &[f32], want: &[f32]) -> Result<(), String> {
 /// Append rows in two calls (and some rows with special content: all zero,
 /// one outlier), read the cache back, compare bit for bit with the host model.
 fn kv_append_roundtrip(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
-    for &(kv_heads, head_dim, len) in &[(4usize, 128usize, 37usize), (2, 256, 9), (3, 64, 130), (1, 64, 1)] {
+    let cases =
+        [(4usize, 128usize, 37usize), (2, 256, 9), (3, 64, 130), (1, 64, 1), (2, 32, 41), (1, 16, 23), (2, 16, 2)];
+    for &(kv_heads, head_dim, len) in &cases {
         let shape = AttentionShape { heads: kv_heads, kv_heads, head_dim };
         let kv_dim = shape.kv_dim();
         let mut kv = DeviceKv::new(gpu, dtype, len + 5, kv_heads, head_dim).map_err(e)?;
@@ -209,7 +220,18 @@ fn check_cases(
     config: AttnConfig,
     tol: fn(usize) -> f32,
 ) -> Result<(), String> {
-    for (si, &sh) in SHAPES.iter().enumerate() {
+    check_shapes(gpu, dtype, &SHAPES, cases, config, tol)
+}
+
+fn check_shapes(
+    gpu: &Arc<Gpu>,
+    dtype: KvDtype,
+    shapes: &[(usize, usize, usize)],
+    cases: &[(usize, usize)],
+    config: AttnConfig,
+    tol: fn(usize) -> f32,
+) -> Result<(), String> {
+    for (si, &sh) in shapes.iter().enumerate() {
         let shape = shape_of(sh);
         for (ci, &(start_pos, rows)) in cases.iter().enumerate() {
             let seed = 1000 + (si * 100 + ci) as u64;
@@ -343,6 +365,62 @@ fn int8_error_vs_f32(gpu: &Arc<Gpu>) -> Result<(), String> {
     Ok(())
 }
 
+/// head_dim 32 and 16 (the fixture models): decode (T = 1, 3) and prefill
+/// (T = 17, 150) from an empty cache and after 40 positions, plus a long
+/// context (split key ranges), through `Auto` (which runs SIMT for these head
+/// dims: tolerance mma_tol, in case a tensor-core path ever takes them) and
+/// the SIMT kernel forced (tight_tol: f32 throughout).
+fn small_head_dims(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
+    let mut cases = Vec::new();
+    for start_pos in [0usize, 40] {
+        for rows in [1usize, 3, 17, 150] {
+            cases.push((start_pos, rows));
+        }
+    }
+    cases.extend([(1000, 1), (5000, 3)]);
+    check_shapes(gpu, dtype, &SMALL_SHAPES, &cases, AUTO, mma_tol)?;
+    check_shapes(gpu, dtype, &SMALL_SHAPES, &cases, SIMT, tight_tol)
+}
+
+fn small_head_dims_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
+    small_head_dims(gpu, KvDtype::Int8)
+}
+
+fn small_head_dims_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
+    small_head_dims(gpu, KvDtype::Bf16)
+}
+
+/// One AttnScratch reused across launches of different sizes (decode at
+/// growing contexts, a prefill that makes it grow, decode again) gives the
+/// same bits as `attention` with its own buffers, and a decode-sized scratch
+/// does not grow at 40K context (the split count bound of AttnScratch::new).
+fn scratch_reuse(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for (si, &sh) in [(32usize, 4usize, 128usize), (4, 2, 32), (6, 1, 16)].iter().enumerate() {
+        let shape = shape_of(sh);
+        let mut scratch = AttnScratch::new(gpu, shape, 1).map_err(e)?;
+        let decode_bytes = scratch.bytes();
+        let steps = [(40000usize, 1usize), (1, 1), (1000, 1), (300, 17), (500, 200), (40000, 1)];
+        let len = 40001;
+        let (kv, ..) = filled_cache(gpu, KvDtype::Int8, shape, len, len, 700 + si as u64)?;
+        for (ci, &(start_pos, rows)) in steps.iter().enumerate() {
+            let qd = gpu.upload(&rand_f32(800 + ci as u64, rows * shape.q_dim(), 2.0)).map_err(e)?;
+            let mut want = poisoned(gpu, rows * shape.q_dim())?;
+            attention(gpu, &qd, &kv, shape, start_pos, rows, &mut want).map_err(e)?;
+            let mut got = poisoned(gpu, rows * shape.q_dim())?;
+            attention_with_scratch(gpu, &qd, &kv, shape, start_pos, rows, &mut got, AUTO, &mut scratch).map_err(e)?;
+            let what = format!("{sh:?} start_pos {start_pos} rows {rows} with a reused scratch");
+            exact(&what, &gpu.download(&got).map_err(e)?, &gpu.download(&want).map_err(e)?)?;
+            if rows == 1 && ci < 3 && scratch.bytes() != decode_bytes {
+                return Err(format!(
+                    "{what}: a decode-sized scratch grew from {decode_bytes} to {} bytes",
+                    scratch.bytes()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The same launch twice gives the same bits (split partials merge in a fixed order).
 fn deterministic(gpu: &Arc<Gpu>) -> Result<(), String> {
     for &(start_pos, rows) in &[(40000usize, 1usize), (500, 200), (40000, 17)] {
@@ -393,6 +471,17 @@ fn rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
     if DeviceKv::new(gpu, KvDtype::Bf16, 16, 2, 96).is_ok() {
         failures.push("a cache of head_dim 96");
     }
+    // The tensor-core kernels are not built for head_dim 32: forcing them is refused.
+    let small = shape_of((4, 2, 32));
+    let kv32 = DeviceKv::new(gpu, KvDtype::Int8, 16, 2, 32).map_err(e)?;
+    let mma = AttnConfig { kernel: AttnKernel::Mma, precision: AttnPrecision::F32 };
+    let has_tc = gpu.compute_capability().0 >= 8;
+    if has_tc && attention_with(gpu, &q, &kv32, small, 0, 1, &mut out, mma).is_ok() {
+        failures.push("the tensor-core prefill kernel at head_dim 32");
+    }
+    if has_tc && attention_with(gpu, &q, &kv32, small, 0, 1, &mut out, dec).is_ok() {
+        failures.push("the tensor-core decode kernel at head_dim 32");
+    }
     if failures.is_empty() {
         Ok(())
     } else {
@@ -403,8 +492,10 @@ fn rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// Median seconds of `reps` launches of `work`, timed with CUDA events.
 fn median_seconds(gpu: &Arc<Gpu>, reps: usize, mut work: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
     let ctx = gpu.context();
-    let start = ctx.new_event(None).map_err(e)?;
-    let end = ctx.new_event(None).map_err(e)?;
+    // Timing events: new_event(None) means CU_EVENT_DISABLE_TIMING, whose
+    // elapsed_ms fails with CUDA_ERROR_INVALID_HANDLE.
+    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
+    let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
     work()?;
     gpu.sync().map_err(e)?;
     let mut times = Vec::with_capacity(reps);

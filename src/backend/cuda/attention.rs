@@ -52,15 +52,18 @@ pub struct DeviceKv {
     pub v_scale: CudaSlice<f32>,
 }
 
-/// head_dim values the kernels are built for.
-const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// head_dim values the kernels are built for (SIMT: all of them).
+const HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
+/// head_dim values the tensor-core kernels (attn_mma_*, attn_dec_*) are built for;
+/// `AttnKernel::Auto` runs the SIMT kernel for the others.
+const TC_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
 impl DeviceKv {
     /// A zeroed cache of `capacity` positions.
     pub fn new(gpu: &Gpu, dtype: KvDtype, capacity: usize, kv_heads: usize, head_dim: usize) -> Result<DeviceKv> {
         if capacity == 0 || kv_heads == 0 || !HEAD_DIMS.contains(&head_dim) {
             return Err(Error::InvalidArgument(format!(
-                "DeviceKv: capacity {capacity}, kv_heads {kv_heads}, head_dim {head_dim} (head_dim must be 64, 128 or 256)"
+                "DeviceKv: capacity {capacity}, kv_heads {kv_heads}, head_dim {head_dim} (head_dim must be 16, 32, 64, 128 or 256)"
             )));
         }
         if capacity > i32::MAX as usize / 2 {
@@ -320,14 +323,17 @@ pub fn plan_splits(kend: usize, base_blocks: usize, sm_count: usize, tile: usize
 pub enum AttnKernel {
     /// On compute capability 8.0 and later: the tensor-core decode kernel
     /// for up to DEC_MAX_QUERIES query vectors per kv head (rows x heads per
-    /// kv head), the tensor-core prefill kernel above that; SIMT before 8.0.
+    /// kv head), the tensor-core prefill kernel above that; SIMT before 8.0
+    /// and for head_dim 16 and 32 (the tensor-core kernels take 64, 128, 256).
     #[default]
     Auto,
     /// The f32 CUDA-core kernel (any device).
     Simt,
-    /// The tensor-core prefill kernel, 64 query vectors per block (compute capability 8.0 and later).
+    /// The tensor-core prefill kernel, 64 query vectors per block (compute capability 8.0 and later,
+    /// head_dim 64, 128 or 256).
     Mma,
-    /// The tensor-core decode kernel (compute capability 8.0 and later, at most DEC_MAX_QUERIES query vectors per kv head).
+    /// The tensor-core decode kernel (compute capability 8.0 and later, head_dim 64, 128 or 256, at
+    /// most DEC_MAX_QUERIES query vectors per kv head).
     Decode,
 }
 
@@ -346,6 +352,53 @@ pub enum AttnPrecision {
 pub struct AttnConfig {
     pub kernel: AttnKernel,
     pub precision: AttnPrecision,
+}
+
+/// Reusable split-partial buffers of `attention_with_scratch` (flash-decoding
+/// partials: `[splits, rows * heads, head_dim]` accumulators and
+/// `[splits, rows * heads, 2]` (max, sum)). They grow when a launch needs
+/// more and are never shrunk, so once sized, a call allocates nothing. Use a
+/// scratch on the stream of the `Gpu` it was made on (launches on one stream
+/// are ordered, so one scratch serves every layer in turn).
+pub struct AttnScratch {
+    part_acc: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+}
+
+impl AttnScratch {
+    /// A scratch sized for any launch of up to `max_rows` rows of `shape` on
+    /// this device, whatever the context length (the split count is at most
+    /// BLOCKS_PER_SM * sm_count / kv_heads, rounded up). `max_rows` 1 (decode)
+    /// costs about `4 * sm_count / kv_heads * heads * head_dim * 4` bytes;
+    /// 0 makes an empty one that grows on first use.
+    pub fn new(gpu: &Gpu, shape: AttentionShape, max_rows: usize) -> Result<AttnScratch> {
+        let most_splits = (BLOCKS_PER_SM * (gpu.sm_count() as usize).max(1)).div_ceil(shape.kv_heads.max(1));
+        let n_queries = max_rows * shape.heads;
+        let (acc, ml) = (most_splits * n_queries * shape.head_dim, most_splits * n_queries * 2);
+        Ok(AttnScratch { part_acc: Self::alloc(gpu, acc.max(1))?, part_ml: Self::alloc(gpu, ml.max(2))? })
+    }
+
+    fn alloc(gpu: &Gpu, n: usize) -> Result<CudaSlice<f32>> {
+        // SAFETY: uninitialized device memory; a split kernel writes every
+        // partial the combine then reads (all n_queries rows of every split).
+        Ok(unsafe { gpu.stream().alloc::<f32>(n) }?)
+    }
+
+    /// Grows the buffers to at least `acc` / `ml` floats.
+    fn reserve(&mut self, gpu: &Gpu, acc: usize, ml: usize) -> Result<()> {
+        if self.part_acc.len() < acc {
+            self.part_acc = Self::alloc(gpu, acc)?;
+        }
+        if self.part_ml.len() < ml {
+            self.part_ml = Self::alloc(gpu, ml)?;
+        }
+        Ok(())
+    }
+
+    /// Device bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.part_acc.len() + self.part_ml.len())
+    }
 }
 
 /// Causal grouped-query attention of `rows` query rows (`q`: f32
@@ -377,6 +430,25 @@ pub fn attention_with(
     out: &mut CudaSlice<f32>,
     config: AttnConfig,
 ) -> Result<()> {
+    let mut scratch = AttnScratch::new(gpu, shape, 0)?;
+    attention_with_scratch(gpu, q, kv, shape, start_pos, rows, out, config, &mut scratch)
+}
+
+/// `attention_with` taking its split partials from `scratch` (grown if this
+/// launch needs more): with a scratch from `AttnScratch::new(gpu, shape, 1)`,
+/// a decode step (one row) allocates nothing.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_with_scratch(
+    gpu: &Gpu,
+    q: &CudaSlice<f32>,
+    kv: &DeviceKv,
+    shape: AttentionShape,
+    start_pos: usize,
+    rows: usize,
+    out: &mut CudaSlice<f32>,
+    config: AttnConfig,
+    scratch: &mut AttnScratch,
+) -> Result<()> {
     let AttentionShape { heads, kv_heads, head_dim } = shape;
     if kv_heads != kv.kv_heads || head_dim != kv.head_dim || kv_heads == 0 || heads == 0 || heads % kv_heads != 0 {
         return Err(Error::InvalidArgument(format!(
@@ -405,12 +477,18 @@ pub fn attention_with(
     let group = heads / kv_heads;
     let nq_total = rows * group;
     let has_mma = gpu.compute_capability().0 >= 8;
+    let tc_head_dim = TC_HEAD_DIMS.contains(&head_dim);
     let kernel = match config.kernel {
-        AttnKernel::Auto if !has_mma => AttnKernel::Simt,
+        AttnKernel::Auto if !has_mma || !tc_head_dim => AttnKernel::Simt,
         AttnKernel::Auto if nq_total <= DEC_MAX_QUERIES => AttnKernel::Decode,
         AttnKernel::Auto => AttnKernel::Mma,
         AttnKernel::Mma | AttnKernel::Decode if !has_mma => {
             return Err(Error::InvalidArgument("attention: the tensor-core kernels need compute capability 8.0".into()))
+        }
+        AttnKernel::Mma | AttnKernel::Decode if !tc_head_dim => {
+            return Err(Error::InvalidArgument(format!(
+                "attention: the tensor-core kernels take head_dim 64, 128 or 256, not {head_dim}"
+            )))
         }
         AttnKernel::Decode if nq_total > DEC_MAX_QUERIES => {
             return Err(Error::InvalidArgument(format!(
@@ -469,29 +547,21 @@ pub fn attention_with(
         i32_arg("chunk", plan.chunk)?,
     );
     let n_queries = rows * heads;
-    // Partials only when the key range is split.
-    let (mut part_acc, mut part_ml) = if plan.splits > 1 {
-        // SAFETY: uninitialized device memory; the split kernel writes every
-        // element the combine reads (all n_queries rows of every split).
-        unsafe {
-            (
-                gpu.stream().alloc::<f32>(plan.splits * n_queries * head_dim)?,
-                gpu.stream().alloc::<f32>(plan.splits * n_queries * 2)?,
-            )
-        }
-    } else {
-        (gpu.alloc_zeros::<f32>(1)?, gpu.alloc_zeros::<f32>(2)?)
-    };
+    // Partials only when the key range is split (else the kernel never touches them).
+    if plan.splits > 1 {
+        scratch.reserve(gpu, plan.splits * n_queries * head_dim, plan.splits * n_queries * 2)?;
+    }
+    let AttnScratch { part_acc, part_ml } = scratch;
     {
         let mut b = gpu.stream().launch_builder(&f);
         b.arg(q).arg(&kv.k).arg(&kv.v).arg(&kv.k_scale).arg(&kv.v_scale).arg(&mut *out);
-        b.arg(&mut part_acc).arg(&mut part_ml).arg(&h).arg(&kvh).arg(&sp).arg(&nr).arg(&chunk).arg(&scale);
+        b.arg(&mut *part_acc).arg(&mut *part_ml).arg(&h).arg(&kvh).arg(&sp).arg(&nr).arg(&chunk).arg(&scale);
         // SAFETY: attn_simt_* / attn_mma_* / attn_dec_* (q, kc, vc, ks, vs, out, part_acc, part_ml, heads, kv_heads,
         // start_pos, rows, chunk, scale): read q[0..rows*heads*HD] (checked), cache positions
         // 0..start_pos+rows (<= capacity, checked) of kv heads < kv_heads (= the cache's, checked) and
         // write out[0..rows*heads*HD] (one split) or part_acc[splits*rows*heads*HD] and
-        // part_ml[splits*rows*heads*2] (allocated above); grid (splits, kv_heads, qtiles) with
-        // qtiles*bq >= rows*group (attn_dec: qtiles = 1, rows*group <= 8*NQB) and splits*chunk >=
+        // part_ml[splits*rows*heads*2] (the scratch holds at least that, reserved above);
+        // grid (splits, kv_heads, qtiles) with qtiles*bq >= rows*group (attn_dec: qtiles = 1, rows*group <= 8*NQB) and splits*chunk >=
         // start_pos+rows; dynamic shared memory as the kernel's AttnSimtSmem / AttnMmaSmem /
         // AttnDecShape; the mma and dec kernels only on compute capability >= 8.0.
         unsafe { b.launch(cfg) }?;
@@ -505,7 +575,7 @@ pub fn attention_with(
         };
         let (s, nqi, hd) = (i32_arg("splits", plan.splits)?, i32_arg("queries", n_queries)?, head_dim as i32);
         let mut b = gpu.stream().launch_builder(&f);
-        b.arg(&part_acc).arg(&part_ml).arg(&mut *out).arg(&s).arg(&nqi).arg(&hd);
+        b.arg(&*part_acc).arg(&*part_ml).arg(&mut *out).arg(&s).arg(&nqi).arg(&hd);
         // SAFETY: attn_combine(part_acc, part_ml, out, splits, n_queries, head_dim) reads the partials the
         // split kernel wrote and writes out[0..n_queries*head_dim] (checked above).
         unsafe { b.launch(cfg) }?;
@@ -524,6 +594,25 @@ mod tests {
             assert!(p.splits >= 1 && p.chunk % SIMT_TK == 0);
             assert!(p.splits * p.chunk >= kend, "{kend} {p:?}");
             assert!((p.splits - 1) * p.chunk < kend, "empty last split: {kend} {p:?}");
+        }
+    }
+
+    /// AttnScratch::new's bound: at most BLOCKS_PER_SM * sm_count / kv_heads
+    /// (rounded up) splits, whatever the context length and query tiles.
+    #[test]
+    fn splits_bounded_for_scratch() {
+        for sms in [1usize, 46, 132] {
+            for kv_heads in [1usize, 2, 3, 4, 8] {
+                let most = (BLOCKS_PER_SM * sms).div_ceil(kv_heads);
+                for qtiles in [1usize, 2, 7] {
+                    for kend in [1usize, 31, 32, 33, 1000, 4097, 40001, 262144] {
+                        for tile in [SIMT_TK, 64, 128] {
+                            let p = plan_splits(kend, kv_heads * qtiles, sms, tile);
+                            assert!(p.splits <= most, "{kend} {kv_heads} {qtiles} {sms} {tile}: {p:?} > {most}");
+                        }
+                    }
+                }
+            }
         }
     }
 
