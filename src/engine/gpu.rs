@@ -47,6 +47,14 @@ use crate::session::KvType;
 /// speculative verify); above, the grouped kernels (prefill).
 const MOE_GEMV_MAX_ROWS: usize = 8;
 
+/// `STRATA_TRACE_FORWARD=1`: each forward prints how long queueing its
+/// layers took on the host and how long the whole forward took, which
+/// tells a host-bound step (launch overhead) from a device-bound one.
+fn trace_forward() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("STRATA_TRACE_FORWARD").is_ok_and(|v| v == "1"))
+}
+
 /// First capacity of a session's device KV, in positions.
 const KV_INITIAL_CAPACITY: usize = 256;
 
@@ -246,6 +254,7 @@ impl GpuModel {
         let start = cache.len;
         let eps = c.rms_norm_eps as f32;
         let mut s = cache.take_scratch(t)?;
+        let started = std::time::Instant::now();
         let r = (|| -> Result<Vec<f32>> {
             dense::reset_flags(gpu, &mut cache.flags)?;
             gpu.stream().memcpy_htod(tokens, &mut s.tokens)?;
@@ -272,6 +281,7 @@ impl GpuModel {
                 Logits::All => (t, start),
             };
             let mut out = Vec::new();
+            let queued = started.elapsed();
             if rows > 0 {
                 let head = self.lm_head.as_ref().unwrap_or(&self.embed);
                 let lg = LogitScratch::get(&mut s.head, gpu, rows, h, vocab)?;
@@ -282,6 +292,13 @@ impl GpuModel {
                 out = gpu.download(&lg.logits)?;
             }
             let flags = gpu.download(&cache.flags)?;
+            if trace_forward() {
+                eprintln!(
+                    "strata: forward of {t} rows: layers queued in {:.3} ms, done in {:.3} ms",
+                    queued.as_secs_f64() * 1e3,
+                    started.elapsed().as_secs_f64() * 1e3
+                );
+            }
             for (slot, &flag) in flags.iter().enumerate() {
                 let width = if slot < c.num_hidden_layers { h } else { vocab };
                 if let Some((row, _)) = dense::nonfinite_row(flag, width) {
