@@ -3,7 +3,9 @@
 //! per test, then `gpu suite: N passed, M failed`. Without a device it says
 //! so and passes, unless STRATA_REQUIRE_GPU=1.
 //!
-//! `cargo test --release --features cuda --test gpu [NAME_FILTER...]`
+//! `cargo test --release --features cuda,test-hooks --test gpu [NAME_FILTER...]`
+//! (`STRATA_GPU_SKIP=timing,...` skips tests whose name contains any of
+//! those; the compute-sanitizer pass skips the timing tests).
 
 use std::panic::{self, AssertUnwindSafe};
 use std::process::ExitCode;
@@ -33,6 +35,11 @@ use gpu::common::GpuTest;
 
 fn main() -> ExitCode {
     let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    // STRATA_GPU_SKIP=timing,foo: skip tests whose name contains any of these
+    // (the compute-sanitizer pass skips the timing tests).
+    let skips: Vec<String> = std::env::var("STRATA_GPU_SKIP")
+        .map(|v| v.split(',').filter(|s| !s.is_empty()).map(str::to_string).collect())
+        .unwrap_or_default();
     let gpu = match Gpu::open(0) {
         Ok(gpu) => gpu,
         Err(e) => {
@@ -57,7 +64,9 @@ fn main() -> ExitCode {
     ];
     let (mut passed, mut failed) = (0, 0);
     for &(name, test) in suites.iter().flat_map(|s| s.iter()) {
-        if !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+        if (!filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())))
+            || skips.iter().any(|s| name.contains(s.as_str()))
+        {
             continue;
         }
         let started = Instant::now();
