@@ -28,7 +28,7 @@ use std::sync::Arc;
 use half::bf16;
 
 use super::{deltanet_shape, linear_layers, Engine, Logits};
-use crate::backend::cuda::attention::{self, DeviceKv, KvDtype};
+use crate::backend::cuda::attention::{self, AttnConfig, AttnScratch, DeviceKv, KvDtype};
 use crate::backend::cuda::deltanet::{
     deltanet_core_with, DeltaNetDeviceWeights, DeltaNetScratch, DeltaRuleForm, DeviceDeltaState,
 };
@@ -338,7 +338,17 @@ impl GpuModel {
         dense::rmsnorm_rope(gpu, &s.k, k_norm, eps, shape.kv_heads, start, &self.rope, &mut s.kn)?;
         let kv = cache.kv[l].as_mut().expect("an attention layer has KV");
         attention::kv_append(gpu, kv, &s.kn, &s.v, start, t)?;
-        attention::attention(gpu, &s.qn, kv, shape, start, t, &mut s.attn)?;
+        attention::attention_with_scratch(
+            gpu,
+            &s.qn,
+            kv,
+            shape,
+            start,
+            t,
+            &mut s.attn,
+            AttnConfig::default(),
+            &mut s.attn_split,
+        )?;
         if c.has_attention_gate() {
             dense::output_gate(gpu, &mut s.attn, &s.gate)?;
         }
@@ -621,6 +631,8 @@ struct Scratch {
     qn: CudaSlice<f32>,
     kn: CudaSlice<f32>,
     attn: CudaSlice<f32>,
+    /// The split partials of the attention kernels.
+    attn_split: AttnScratch,
     router: CudaSlice<f32>,
     ids: CudaSlice<u32>,
     weights: CudaSlice<f32>,
@@ -681,6 +693,11 @@ impl Scratch {
             qn: z(t * qd)?,
             kn: z(t * kvd)?,
             attn: z(t * qd)?,
+            attn_split: AttnScratch::new(
+                gpu,
+                AttentionShape { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim },
+                t,
+            )?,
             router: z(t * e)?,
             ids: gpu.alloc_zeros(t * k)?,
             weights: z(t * k)?,
