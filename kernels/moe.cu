@@ -67,21 +67,36 @@ static __device__ __forceinline__ float2 moe_e2m1x2_scaled(uint32_t t) {
     return __half22float2(v);
 }
 
+// The 8 E2M1 codes of w as four f16x2 pairs p[k] = (nibble k, nibble k + 4),
+// each value * 2^-14 (bit for bit moe_e2m1x2_scaled(w >> 4k)). An f16 whose
+// low byte is 0 is its high byte: sign at bit 7, magnitude bits at 1..3. So
+// E holds that byte for the low nibble of each byte of w (elements 0, 2, 4,
+// 6), O for the high nibble (1, 3, 5, 7), and each pair is two bytes of E or
+// O moved to bytes 1 and 3: 11 integer ops for 8 codes.
+static __device__ __forceinline__ void moe_e2m1x8(uint32_t w, float2 (&p)[4]) {
+    const uint32_t E = ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u);
+    const uint32_t O = ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);
+    const uint32_t h[4] = {__byte_perm(E, 0u, 0x2404), __byte_perm(O, 0u, 0x2404), E & 0xFF00FF00u, O & 0xFF00FF00u};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        __half2 v;
+        memcpy(&v, &h[k], 4);
+        p[k] = __half22float2(v);
+    }
+}
+
 // acc + sum_{i<8} e2m1(nibble i of w) * 2^-14 * x_i, with x_0..3 in a, x_4..7 in b.
 static __device__ __forceinline__ float moe_dot8(uint32_t w, float4 a, float4 b, float acc) {
-    float2 f;
-    f = moe_e2m1x2_scaled(w);
-    acc = fmaf(f.x, a.x, acc);
-    acc = fmaf(f.y, b.x, acc);
-    f = moe_e2m1x2_scaled(w >> 4);
-    acc = fmaf(f.x, a.y, acc);
-    acc = fmaf(f.y, b.y, acc);
-    f = moe_e2m1x2_scaled(w >> 8);
-    acc = fmaf(f.x, a.z, acc);
-    acc = fmaf(f.y, b.z, acc);
-    f = moe_e2m1x2_scaled(w >> 12);
-    acc = fmaf(f.x, a.w, acc);
-    acc = fmaf(f.y, b.w, acc);
+    float2 f[4];
+    moe_e2m1x8(w, f);
+    acc = fmaf(f[0].x, a.x, acc);
+    acc = fmaf(f[0].y, b.x, acc);
+    acc = fmaf(f[1].x, a.y, acc);
+    acc = fmaf(f[1].y, b.y, acc);
+    acc = fmaf(f[2].x, a.z, acc);
+    acc = fmaf(f[2].y, b.z, acc);
+    acc = fmaf(f[3].x, a.w, acc);
+    acc = fmaf(f[3].y, b.w, acc);
     return acc;
 }
 
@@ -98,6 +113,22 @@ static __device__ __forceinline__ float moe_chunk_dot(uint4 c, uint32_t s, const
     return acc;
 }
 
+// moe_chunk_dot with the chunk's x read from the staged (chunk transposed)
+// row as it is used (2 float4 per code word): for a chunk whose x is used once.
+static __device__ __forceinline__ float moe_chunk_dot_s(uint4 c, uint32_t s, const float4* xs, int nchunk, int ci,
+                                                       float acc) {
+    float p0 = moe_dot8(c.x, xs[0 * nchunk + ci], xs[1 * nchunk + ci], 0.0f);
+    p0 = moe_dot8(c.y, xs[2 * nchunk + ci], xs[3 * nchunk + ci], p0);
+    float p1 = moe_dot8(c.z, xs[4 * nchunk + ci], xs[5 * nchunk + ci], 0.0f);
+    p1 = moe_dot8(c.w, xs[6 * nchunk + ci], xs[7 * nchunk + ci], p1);
+    acc = fmaf(p0, moe_e4m3_to_f32(s & 0xFFu), acc);
+    acc = fmaf(p1, moe_e4m3_to_f32((s >> 8) & 0xFFu), acc);
+    return acc;
+}
+
+static __device__ __forceinline__ uint32_t moe_u4_word(uint4 v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
 static __device__ __forceinline__ uint4 moe_ld_codes(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 static __device__ __forceinline__ uint32_t moe_ld_scales2(const uint8_t* p) {
     return (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p));
@@ -114,6 +145,32 @@ static __device__ __forceinline__ void moe_stage_row(float4* dst, const float* s
     const int nchunk = n >> 5;
     const float4* s4 = reinterpret_cast<const float4*>(src);
     for (int f = threadIdx.x; f < (n >> 2); f += blockDim.x) dst[(f & 7) * nchunk + (f >> 3)] = s4[f];
+}
+
+// moe_stage_row for `rows` consecutive rows of n floats each (n % 32 == 0):
+// row j goes to dst + j * n / 4, each chunk transposed. Flat over all rows,
+// U float4 loads issued per thread before their stores (the serial
+// load -> store chain of one float4 per round costs an L2 latency a round).
+template <int U>
+static __device__ __forceinline__ void moe_stage_rows(float4* dst, const float* src, int n, int rows) {
+    const int nchunk = n >> 5, n4 = n >> 2, total = n4 * rows, step = blockDim.x;
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+    for (int f0 = threadIdx.x; f0 < total; f0 += U * step) {
+        float4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int f = f0 + u * step;
+            if (f < total) v[u] = __ldg(s4 + f);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int f = f0 + u * step;
+            if (f < total) {
+                const int j = f / n4, ff = f - j * n4;
+                dst[j * n4 + (ff & 7) * nchunk + (ff >> 3)] = v[u];
+            }
+        }
+    }
 }
 
 static __device__ __forceinline__ void moe_load_xq(const float4* xs, int nchunk, int c, float4 (&xq)[8]) {
@@ -274,23 +331,92 @@ static __device__ __forceinline__ void moe_gate_up_rows(const float4* xs, const 
 
 // grid (T * k, ceil(I / (8 warps * 2 rows))), block 256, dynamic smem H * 4.
 // act[a] for assignment a = t * k + j, expert ids[a], blob table[ids[a]].
-extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32)
+// Latency first: the expert's first step of code and scale loads (8 x 16
+// bytes a lane) is issued before x is staged, so the HBM reads overlap the
+// staging and the barrier; three blocks per SM (<= 85 registers) put the
+// T = 1, I = 768 grid (384 blocks) in one wave on 132 SMs.
+extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 3)
     moe_gate_up_gemv(const float* __restrict__ x, const uint32_t* __restrict__ ids, const uint64_t* __restrict__ table,
                      int table_len, MoeBlobLayout L, int top_k, float* __restrict__ act) {
     extern __shared__ float4 moe_gu_xs[];
     const int a = blockIdx.x, t = a / top_k;
-    const int H = (int)L.hidden, I = (int)L.intermediate;
-    const uint32_t e = ids[a];
+    const int H = (int)L.hidden, I = (int)L.intermediate, nchunk = H >> 5, lane = threadIdx.x & 31;
+    const uint32_t e = __ldg(ids + a);
     float* act_row = act + (size_t)a * I;
     const int row0 = (blockIdx.y * MOE_GU_WARPS + (threadIdx.x >> 5)) * MOE_GEMV_ROWS;
     if (e >= (uint32_t)table_len) {  // a bad expert id: a visible NaN, never a wild read
-        if ((threadIdx.x & 31) < MOE_GEMV_ROWS && row0 + (threadIdx.x & 31) < I) act_row[row0 + (threadIdx.x & 31)] = __int_as_float(0x7fc00000);
+        if (lane < MOE_GEMV_ROWS && row0 + lane < I) act_row[row0 + lane] = __int_as_float(0x7fc00000);
         return;
     }
-    moe_stage_row(moe_gu_xs, x + (size_t)t * H, H);
+    const uint8_t* blob = reinterpret_cast<const uint8_t*>(__ldg(table + e));
+    const size_t code_row = (size_t)H >> 1, scale_row = (size_t)H >> 4;
+    // The warp's rows are row0, row0 + 1 (I is even); a row0 past I (none in
+    // the wrapper's grid: I % 16 == 0) reads rows I - 2, I - 1 and writes
+    // nothing, and every warp stays for the barrier.
+    const size_t rbase = (size_t)min(row0, I - MOE_GEMV_ROWS);
+    const uint8_t* bc = blob + rbase * code_row;
+    const uint8_t* bs = blob + rbase * scale_row;
+    uint4 cg[MOE_GEMV_ROWS][2], cu[MOE_GEMV_ROWS][2];
+    uint32_t sg[MOE_GEMV_ROWS][2], su[MOE_GEMV_ROWS][2];
+    // Chunks c0 and c0 + 32 of every row and matrix (zeros past the row).
+    auto load = [&](int c0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int c = c0 + 32 * h;
+#pragma unroll
+            for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
+                if (c < nchunk) {
+                    cg[r][h] = moe_ld_codes(bc + L.gate_codes + r * code_row + 16 * c);
+                    cu[r][h] = moe_ld_codes(bc + L.up_codes + r * code_row + 16 * c);
+                    sg[r][h] = moe_ld_scales2(bs + L.gate_scales + r * scale_row + 2 * c);
+                    su[r][h] = moe_ld_scales2(bs + L.up_scales + r * scale_row + 2 * c);
+                } else {
+                    cg[r][h] = cu[r][h] = make_uint4(0, 0, 0, 0);
+                    sg[r][h] = su[r][h] = 0;
+                }
+            }
+        }
+    };
+    load(lane);
+    const float gg = moe_tail(blob, L, 0) * 16384.0f, gu = moe_tail(blob, L, 1) * 16384.0f;
+    moe_stage_rows<2>(moe_gu_xs, x + (size_t)t * H, H, 1);
     __syncthreads();
-    if (row0 >= I) return;
-    moe_gate_up_rows(moe_gu_xs, reinterpret_cast<const uint8_t*>(table[e]), L, row0, act_row);
+    float ag[MOE_GEMV_ROWS] = {}, au[MOE_GEMV_ROWS] = {};
+    for (int c0 = lane;;) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int c = c0 + 32 * h;
+            if (c < nchunk) {
+                // moe_chunk_dot for the 2 rows x 2 matrices, x read two float4 at a time.
+                float pg[MOE_GEMV_ROWS][2] = {}, pu[MOE_GEMV_ROWS][2] = {};
+#pragma unroll
+                for (int wi = 0; wi < 4; ++wi) {
+                    const float4 xa = moe_gu_xs[(2 * wi) * nchunk + c], xb = moe_gu_xs[(2 * wi + 1) * nchunk + c];
+#pragma unroll
+                    for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
+                        pg[r][wi >> 1] = moe_dot8(moe_u4_word(cg[r][h], wi), xa, xb, pg[r][wi >> 1]);
+                        pu[r][wi >> 1] = moe_dot8(moe_u4_word(cu[r][h], wi), xa, xb, pu[r][wi >> 1]);
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
+                    ag[r] = fmaf(pg[r][0], moe_e4m3_to_f32(sg[r][h] & 0xFFu), ag[r]);
+                    ag[r] = fmaf(pg[r][1], moe_e4m3_to_f32((sg[r][h] >> 8) & 0xFFu), ag[r]);
+                    au[r] = fmaf(pu[r][0], moe_e4m3_to_f32(su[r][h] & 0xFFu), au[r]);
+                    au[r] = fmaf(pu[r][1], moe_e4m3_to_f32((su[r][h] >> 8) & 0xFFu), au[r]);
+                }
+            }
+        }
+        c0 += 64;
+        if (c0 - lane >= nchunk) break;  // the same trip count in every lane
+        load(c0);
+    }
+#pragma unroll
+    for (int r = 0; r < MOE_GEMV_ROWS; ++r) {
+        const float g = moe_warp_sum(ag[r]) * gg;
+        const float u = moe_warp_sum(au[r]) * gu;
+        if (lane == 0 && row0 + r < I) act_row[row0 + r] = moe_silu(g) * u;
+    }
 }
 
 // The down GEMV gives each output row to 8 lanes (MOE_DOWN_LANES): a down
@@ -358,49 +484,118 @@ static __device__ __forceinline__ float moe_down_row(const float4* acts, const u
     return acc;
 }
 
-// grid (T, ceil(H / 16)), block 256 (8 warps), dynamic smem k * I * 4.
-// out[t] (+)= sum_j weights[t*k+j] * down_{ids[t*k+j]} act[t*k+j].
-// Warps 0-3 own 16 rows (4 each) with the expert groups j = 0-3, 8-11, ...;
-// warps 4-7 the same rows with j = 4-7, 12-15: every load of a token's down
-// rows is in flight in one round. The halves are added in a fixed order.
-extern "C" __global__ void __launch_bounds__(MOE_DOWN_WARPS * 2 * 32, 2)
+// Down GEMV of the decode path (I % 32 == 0). grid (T, ceil(H / 8)), block
+// 512 (16 warps), dynamic smem k * I * 4 (the token's k act rows, chunk
+// transposed). out[t] (+)= sum_j weights[t*k+j] * down_{ids[t*k+j]} act[t*k+j].
+// A block owns 8 output rows: warp w takes the rows 4 (w % 2) .. + 4 (8
+// lanes a row, as moe_down_row) and the experts j = w / 2 and w / 2 + 8, so
+// the k experts of a row are spread over the warps and a lane has at most
+// 2 experts x 3 chunks (16-byte loads) in flight per round; for T = 1,
+// H = 2048 the grid is 256 blocks, two per SM (<= 64 registers): one wave
+// with ~32 warps per SM. The blob addresses and the first round of code
+// loads are issued before the act rows are staged. Each warp leaves its
+// per-expert partial (w_j g_j down_j . act_j for its 4 rows) in red[j]; after
+// the barrier 8 threads add red[0..k) in j order (fixed order: deterministic).
+#define MOE_DN_RW 2   // row warps per block (4 rows each)
+#define MOE_DN_JW 8   // expert warps per row warp
+#define MOE_DN_ROWS (MOE_DN_RW * MOE_DOWN_ROWS_PER_WARP)
+#define MOE_DN_EXP ((MOE_MAX_TOP_K + MOE_DN_JW - 1) / MOE_DN_JW)
+extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
     moe_down_gemv(const float* __restrict__ act, const uint32_t* __restrict__ ids, const float* __restrict__ weights,
                   const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k, float* __restrict__ out,
                   int accumulate) {
     extern __shared__ float4 moe_down_acts[];
-    __shared__ const uint8_t* blobs[MOE_MAX_TOP_K];
-    __shared__ float coef[MOE_MAX_TOP_K];
-    __shared__ float upper[MOE_DOWN_WARPS * MOE_DOWN_ROWS_PER_WARP];
-    __shared__ int bad;
-    const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate;
-    if (threadIdx.x == 0) bad = 0;
-    __syncthreads();
-    if (threadIdx.x < top_k) {
-        const int a = t * top_k + threadIdx.x;
-        const uint32_t e = ids[a];
-        if (e < (uint32_t)table_len) {
-            const uint8_t* b = reinterpret_cast<const uint8_t*>(table[e]);
-            blobs[threadIdx.x] = b;
-            coef[threadIdx.x] = weights[a] * moe_tail(b, L, 2) * 16384.0f;
-        } else {
-            blobs[threadIdx.x] = nullptr;
-            coef[threadIdx.x] = 0.0f;
-            bad = 1;
+    __shared__ float red[MOE_MAX_TOP_K][MOE_DN_ROWS];
+    __shared__ float coefs[MOE_MAX_TOP_K];
+    const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate, nchunk = I >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane & (MOE_DOWN_LANES - 1);
+    const int rw = warp % MOE_DN_RW, jw = warp / MOE_DN_RW;
+    const int local = rw * MOE_DOWN_ROWS_PER_WARP + lane / MOE_DOWN_LANES;
+    const int row = blockIdx.y * MOE_DN_ROWS + local;
+    // 32-bit row offsets (registers): the wrapper checks H * I / 2 < 2^32.
+    const uint32_t rrow = (uint32_t)min(row, H - 1);
+    const uint32_t code_off = rrow * ((uint32_t)I >> 1), scale_off = rrow * ((uint32_t)I >> 4);
+
+    // This warp's experts: j = jw + q * MOE_DN_JW (q < MOE_DN_EXP), the same
+    // in all lanes; blob nullptr: no expert (j >= k) or a bad expert id.
+    const uint8_t* bq[MOE_DN_EXP];
+#pragma unroll
+    for (int q = 0; q < MOE_DN_EXP; ++q) {
+        const int j = jw + q * MOE_DN_JW;
+        bq[q] = nullptr;
+        if (j < top_k) {
+            const uint32_t e = __ldg(ids + t * top_k + j);
+            if (e < (uint32_t)table_len) bq[q] = reinterpret_cast<const uint8_t*>(__ldg(table + e));
         }
     }
-    for (int j = 0; j < top_k; ++j) moe_stage_row(moe_down_acts + (size_t)j * (I >> 2), act + ((size_t)t * top_k + j) * I, I);
+    uint4 cd[MOE_DN_EXP][MOE_DOWN_CHUNKS];
+    uint32_t sd[MOE_DN_EXP][MOE_DOWN_CHUNKS];
+    // Chunks cb, cb + 8, cb + 16 of each of this warp's experts (zeros past the row).
+    auto load = [&](int cb) {
+#pragma unroll
+        for (int q = 0; q < MOE_DN_EXP; ++q) {
+#pragma unroll
+            for (int u = 0; u < MOE_DOWN_CHUNKS; ++u) {
+                const int c = cb + u * MOE_DOWN_LANES;
+                if (bq[q] != nullptr && c < nchunk) {
+                    cd[q][u] = moe_ld_codes(bq[q] + L.down_codes + code_off + 16 * c);
+                    sd[q][u] = moe_ld_scales2(bq[q] + L.down_scales + scale_off + 2 * c);
+                } else {
+                    cd[q][u] = make_uint4(0, 0, 0, 0);
+                    sd[q][u] = 0;
+                }
+            }
+        }
+    };
+    load(sub);
+    // coefs[j] = w_j * g_down_j * 2^14, NaN for a bad expert id (a visible
+    // NaN row, never a wild read); written by lane 0 of the row-0 warps.
+    if (rw == 0 && lane == 0) {
+#pragma unroll
+        for (int q = 0; q < MOE_DN_EXP; ++q) {
+            const int j = jw + q * MOE_DN_JW;
+            if (j < top_k)
+                coefs[j] = bq[q] != nullptr ? __ldg(weights + t * top_k + j) * moe_tail(bq[q], L, 2) * 16384.0f
+                                            : __int_as_float(0x7fc00000);
+        }
+    }
+    moe_stage_rows<3>(moe_down_acts, act + (size_t)t * top_k * I, I, top_k);
     __syncthreads();
-    const int warp = threadIdx.x >> 5, half = warp / MOE_DOWN_WARPS, rw = warp % MOE_DOWN_WARPS;
-    const int lane = threadIdx.x & 31, local = rw * MOE_DOWN_ROWS_PER_WARP + lane / MOE_DOWN_LANES;
-    const int row0 = (blockIdx.y * MOE_DOWN_WARPS + rw) * MOE_DOWN_ROWS_PER_WARP, row = row0 + lane / MOE_DOWN_LANES;
-    float res = 0.0f;
-    if (row0 < H && !bad) res = moe_down_row(moe_down_acts, blobs, coef, top_k, L, row0, 4 * half, 8);
-    if (half == 1 && lane % MOE_DOWN_LANES == 0) upper[local] = res;
+
+    float part[MOE_DN_EXP] = {};
+    for (int cb = sub;;) {
+#pragma unroll
+        for (int q = 0; q < MOE_DN_EXP; ++q) {
+            if (bq[q] != nullptr) {
+                const float4* xs = moe_down_acts + (size_t)(jw + q * MOE_DN_JW) * (I >> 2);
+#pragma unroll
+                for (int u = 0; u < MOE_DOWN_CHUNKS; ++u) {
+                    const int c = cb + u * MOE_DOWN_LANES;
+                    if (c < nchunk) part[q] = moe_chunk_dot_s(cd[q][u], sd[q][u], xs, nchunk, c, part[q]);
+                }
+            }
+        }
+        cb += MOE_DOWN_LANES * MOE_DOWN_CHUNKS;
+        if (cb - sub >= nchunk) break;  // the same trip count in every lane
+        load(cb);
+    }
+#pragma unroll
+    for (int q = 0; q < MOE_DN_EXP; ++q) {
+        float v = part[q];
+#pragma unroll
+        for (int o = MOE_DOWN_LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        const int j = jw + q * MOE_DN_JW;
+        if (j < top_k && sub == 0) red[j][local] = v;
+    }
     __syncthreads();
-    if (half == 0 && lane % MOE_DOWN_LANES == 0 && row < H) {
-        float* orow = out + (size_t)t * H;
-        const float v = res + upper[local];
-        orow[row] = bad ? __int_as_float(0x7fc00000) : accumulate ? orow[row] + v : v;
+    if (threadIdx.x < MOE_DN_ROWS) {
+        const int orow = blockIdx.y * MOE_DN_ROWS + threadIdx.x;
+        if (orow < H) {
+            float v = 0.0f;
+            for (int j = 0; j < top_k; ++j) v = fmaf(coefs[j], red[j][threadIdx.x], v);
+            float* o = out + (size_t)t * H + orow;
+            *o = accumulate ? *o + v : v;
+        }
     }
 }
 

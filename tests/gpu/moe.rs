@@ -34,6 +34,7 @@ pub const TESTS: &[GpuTest] = &[
     ("moe_route_topk_matches_moe_route", route_topk_matches_moe_route),
     ("moe_gemv_matches_expert_ffn_row", gemv_matches_expert_ffn_row),
     ("moe_gemv_shared_expert_accumulates", gemv_shared_expert_accumulates),
+    ("moe_gemv_bad_expert_id_gives_nan_rows", gemv_bad_expert_id_gives_nan_rows),
     ("moe_decode_pipeline_matches_moe_forward", decode_pipeline_matches_moe_forward),
     ("moe_group_by_expert_matches_cpu", group_by_expert_matches_cpu),
     ("moe_grouped_matches_cpu_forward", grouped_matches_cpu_forward),
@@ -219,9 +220,64 @@ fn route_topk_matches_moe_route(gpu: &Arc<Gpu>) -> Result<(), String> {
 
 /// The decode GEMVs against expert_ffn_row for T in {1, 3} and three shapes,
 /// with overwrite and accumulate, and a check that the down scale matters.
+/// The model sizes (k = 8 of I = 768, k = 10 of I = 512) at T = 1 and 3, and
+/// the largest k (16: the fast down GEMV's second expert slot in every warp,
+/// 48 KB of staged act rows) at T = 1 and 8.
 fn gemv_matches_expert_ffn_row(gpu: &Arc<Gpu>) -> Result<(), String> {
     for &(h, i, n_exp, k) in &[(64usize, 32usize, 12usize, 10usize), (2048, 768, 10, 8), (2048, 512, 12, 10)] {
         check_gemv(gpu, h, i, n_exp, k, &[1, 3])?;
+    }
+    check_gemv(gpu, 2048, 768, 20, 16, &[1, 8])?;
+    check_gemv(gpu, 256, 64, 17, 16, &[2, 5])?;
+    Ok(())
+}
+
+/// An expert id at or past the table's length (a corrupt routing) makes the
+/// act rows of that assignment and the out row of its token NaN, and leaves
+/// the other tokens right: never a wild read, never a silent zero. T = 3,
+/// k = 10 (the bad ids at j = 2 of token 0 and j = 9 of token 2: both expert
+/// slots of the fast down GEMV's warps), fast and generic kernels.
+fn gemv_bad_expert_id_gives_nan_rows(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for &(h, i) in &[(2048usize, 512usize), (64, 32), (48, 16)] {
+        let (n_exp, k, tokens) = (12usize, 10usize, 3usize);
+        let host = HostExperts::random(70 + i as u64, h, i, n_exp);
+        let dev = upload_experts(gpu, &host)?;
+        let x = rand_f32(71, tokens * h, 1.0);
+        let mut ids = random_ids(72, tokens, k, n_exp);
+        ids[2] = n_exp as u32 + 5;
+        ids[2 * k + 9] = u32::MAX;
+        let weights: Vec<f32> = rand_f32(73, tokens * k, 1.0).iter().map(|v| 0.05 + v.abs()).collect();
+        let d_x = gpu.upload(&x).map_err(e)?;
+        let d_ids = gpu.upload(&ids).map_err(e)?;
+        let d_w = gpu.upload(&weights).map_err(e)?;
+        let mut act = poisoned(gpu, tokens * k * i)?;
+        gm::expert_gate_up_gemv(gpu, &d_x, &d_ids, &dev.table, &dev.layout, tokens, k, &mut act).map_err(e)?;
+        let mut out = gpu.upload(&rand_f32(74, tokens * h, 1.0)).map_err(e)?;
+        gm::expert_down_gemv(gpu, &act, &d_ids, &d_w, &dev.table, &dev.layout, tokens, k, &mut out, false)
+            .map_err(e)?;
+        let got_act = download(gpu, &act)?;
+        let got = download(gpu, &out)?;
+        let what = format!("H={h} I={i} bad ids");
+        for a in [2usize, 2 * k + 9] {
+            if let Some(p) = got_act[a * i..(a + 1) * i].iter().position(|v| !v.is_nan()) {
+                return Err(format!("{what}: act[{a}][{p}] = {} is not NaN", got_act[a * i + p]));
+            }
+        }
+        for t in [0usize, 2] {
+            if let Some(p) = got[t * h..(t + 1) * h].iter().position(|v| !v.is_nan()) {
+                return Err(format!("{what}: out[{t}][{p}] = {} is not NaN", got[t * h + p]));
+            }
+        }
+        // Token 1 is untouched by the bad ids.
+        let mut want = vec![0.0f32; h];
+        let mut y = vec![0.0f32; h];
+        for j in 0..k {
+            expert_ffn_row(&host.view(ids[k + j] as usize), &x[h..2 * h], &mut y);
+            for (o, v) in want.iter_mut().zip(&y) {
+                *o += weights[k + j] * v;
+            }
+        }
+        check_close(&format!("{what}: out[1]"), &got[h..2 * h], &want, F32_TOL)?;
     }
     Ok(())
 }
@@ -717,12 +773,21 @@ fn random_blobs(gpu: &Gpu, layout: &ExpertLayout, n: usize) -> Result<(CudaSlice
     Ok((words, gpu.upload(&table).map_err(e)?))
 }
 
-/// Batch-1 decode at Qwen3-30B-A3B sizes: H=2048, I=768, k=8, E=128. A timed
-/// run is 16 layers' launches, each with 8 other experts (all 128 in turn:
-/// 340 MB of blobs against a 50 MB L2, so L2 does not serve them). Bytes per
-/// layer: k x 3 matrices x (H I / 2 codes + H I / 16 scales) = 21.2 MB.
+/// Batch-1 decode at the two models' routed-expert sizes: Qwen3-30B-A3B
+/// (H=2048, I=768, k=8, E=128) and Qwen3-Next-80B-A3B (H=2048, I=512, k=10,
+/// E=512). A timed run is 16 layers' launches, each with k other experts (all
+/// E in turn: 340 / 900 MB of blobs against a 50 MB L2, so L2 does not serve
+/// them). Bytes per layer: k x 3 matrices x (H I / 2 codes + H I / 16
+/// scales) = 21.2 / 17.7 MB. One line per shape: gate_up alone, down alone
+/// and both, each in us per layer and % of its floor (its bytes at 4.3 TB/s).
 fn decode_gemv_timing(gpu: &Arc<Gpu>) -> Result<(), String> {
-    let (h, i, k, n_exp) = (2048usize, 768usize, 8usize, 128usize);
+    for &(h, i, k, n_exp) in &[(2048usize, 768usize, 8usize, 128usize), (2048, 512, 10, 512)] {
+        decode_gemv_timing_shape(gpu, h, i, k, n_exp)?;
+    }
+    Ok(())
+}
+
+fn decode_gemv_timing_shape(gpu: &Gpu, h: usize, i: usize, k: usize, n_exp: usize) -> Result<(), String> {
     let layout = ExpertLayout::new(h as u64, i as u64);
     let (_blobs, table) = random_blobs(gpu, &layout, n_exp)?;
     let bl = BlobLayout::from(&layout);
@@ -731,7 +796,7 @@ fn decode_gemv_timing(gpu: &Arc<Gpu>) -> Result<(), String> {
     let id_sets: Vec<CudaSlice<u32>> = (0..n_exp / k)
         .map(|r| gpu.upload(&(0..k as u32).map(|j| (r * k) as u32 + j).collect::<Vec<_>>()).map_err(e))
         .collect::<Result<_, _>>()?;
-    let mut act = gpu.alloc_zeros::<f32>(k * i).map_err(e)?;
+    let mut act = gpu.upload(&rand_f32(3, k * i, 1.0)).map_err(e)?;
     let mut out = gpu.alloc_zeros::<f32>(h).map_err(e)?;
     let sets = id_sets.len();
     // 16 layers' worth of launches per timed run; per-layer time = run / 16.
@@ -739,6 +804,13 @@ fn decode_gemv_timing(gpu: &Arc<Gpu>) -> Result<(), String> {
         for l in 0..16 {
             let ids = &id_sets[(r * 16 + l) % sets];
             gm::expert_gate_up_gemv(gpu, &x, ids, &table, &bl, 1, k, &mut act).map_err(e)?;
+        }
+        Ok(())
+    })? / 16.0;
+    let t_down = median_seconds(gpu, 9, |r| {
+        for l in 0..16 {
+            let ids = &id_sets[(r * 16 + l) % sets];
+            gm::expert_down_gemv(gpu, &act, ids, &w, &table, &bl, 1, k, &mut out, false).map_err(e)?;
         }
         Ok(())
     })? / 16.0;
@@ -753,11 +825,15 @@ fn decode_gemv_timing(gpu: &Arc<Gpu>) -> Result<(), String> {
     let per_matrix = (h * i / 2 + h * i / 16) as f64;
     let bytes = k as f64 * 3.0 * per_matrix;
     let floor = bytes / HBM_BYTES_PER_S;
+    // % of the floor of `matrices` of the k experts' matrices read in `secs`.
+    let pct = |matrices: f64, secs: f64| 100.0 * k as f64 * matrices * per_matrix / HBM_BYTES_PER_S / secs;
     println!(
-        "     moe decode T=1 H={h} I={i} k={k} E={n_exp}: gate_up {:.2} us ({:.0} GB/s), gate_up+down {:.2} us/layer \
-         = {:.0} GB/s = {:.0}% of the floor ({:.2} us at {:.1} TB/s, {:.2} MB/token/layer)",
+        "     moe decode T=1 H={h} I={i} k={k} E={n_exp}: gate_up {:.2} us ({:.0}% of floor), down {:.2} us ({:.0}%), \
+         gate_up+down {:.2} us/layer = {:.0} GB/s = {:.0}% of the floor ({:.2} us at {:.1} TB/s, {:.2} MB/token/layer)",
         t_gu * 1e6,
-        2.0 * k as f64 * per_matrix / t_gu / 1e9,
+        pct(2.0, t_gu),
+        t_down * 1e6,
+        pct(1.0, t_down),
         t_all * 1e6,
         bytes / t_all / 1e9,
         100.0 * floor / t_all,

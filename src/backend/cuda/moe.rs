@@ -43,6 +43,14 @@ pub const TILE_M: usize = 64;
 const ROUTE_THREADS: u32 = 128;
 const GU_WARPS: usize = 8;
 const DOWN_WARPS: usize = 4;
+/// The fast down GEMV (`moe_down_gemv`): output rows per block (`MOE_DN_ROWS`)
+/// and threads per block (`MOE_DN_RW * MOE_DN_JW` warps).
+const DOWN_FAST_ROWS: usize = 8;
+const DOWN_FAST_THREADS: u32 = 512;
+/// Static shared memory the kernels may add to their dynamic shared memory
+/// (the fast down GEMV has 576 bytes); the dynamic limit is raised when both
+/// together could pass the default.
+const SMEM_STATIC_RESERVE: usize = 1024;
 /// Rows per warp of the gate/up GEMV (`MOE_GEMV_ROWS`) and of the down GEMV (`MOE_DOWN_ROWS_PER_WARP`).
 const GEMV_ROWS: usize = 2;
 const DOWN_ROWS: usize = 4;
@@ -150,9 +158,11 @@ fn check_top_k(tokens: usize, top_k: usize) -> Result<()> {
     Ok(())
 }
 
-/// Raises a kernel's dynamic shared memory limit when `bytes` exceeds the default.
+/// Raises a kernel's dynamic shared memory limit to `bytes` when `bytes` plus
+/// the kernel's static shared memory (at most `SMEM_STATIC_RESERVE`) could
+/// exceed the default.
 fn allow_smem(f: &super::CudaFunction, bytes: usize) -> Result<()> {
-    if bytes > SMEM_DEFAULT {
+    if bytes + SMEM_STATIC_RESERVE > SMEM_DEFAULT {
         f.set_attribute(
             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             i32_of("shared memory bytes", bytes)?,
@@ -279,15 +289,28 @@ pub fn expert_down_gemv(
         return Ok(());
     }
     let fast = fast_cols(i);
+    if fast && (h * i / 2) as u64 > u32::MAX as u64 {
+        // moe_down_gemv keeps row offsets in 32 bits.
+        return Err(invalid(format!("expert_down_gemv: hidden {h} x intermediate {i} is too large")));
+    }
     let f = gpu.function(if fast { "moe_down_gemv" } else { "moe_down_gemv16" })?;
     let smem = top_k * i * 4;
     allow_smem(&f, smem)?;
-    let cfg = LaunchConfig {
-        grid_dim: (tokens as u32, h.div_ceil(DOWN_WARPS * DOWN_ROWS) as u32, 1),
-        // Fast: two warps per row group, one for each half of the experts;
-        // generic: one warp per row group, all experts in order.
-        block_dim: (((if fast { 2 } else { 1 }) * DOWN_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: smem as u32,
+    let cfg = if fast {
+        // 8 output rows per block; 16 warps: 2 row groups x 8 expert warps
+        // (experts j and j + 8), per-expert partials added in j order.
+        LaunchConfig {
+            grid_dim: (tokens as u32, h.div_ceil(DOWN_FAST_ROWS) as u32, 1),
+            block_dim: (DOWN_FAST_THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        }
+    } else {
+        // One warp per row group (4 rows), all experts in order.
+        LaunchConfig {
+            grid_dim: (tokens as u32, h.div_ceil(DOWN_WARPS * DOWN_ROWS) as u32, 1),
+            block_dim: ((DOWN_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        }
     };
     let (k, acc) = (top_k as i32, accumulate as i32);
     let mut b = gpu.stream().launch_builder(&f);
