@@ -260,7 +260,9 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
 // each lane reads 16 code bytes (one 32-element chunk) per row and matrix,
 // two chunks per step (stride 32 chunks), so 2 rows x 2 matrices x 2 chunks
 // = 8 16-byte loads are in flight per lane. The activation row is staged in
-// shared memory once per block. down: see moe_down_row.
+// shared memory once per block. down: 8 lanes per output row (see
+// moe_down_row); the decode kernel moe_down_gemv spreads a row's experts over
+// 8 warps (see there), the SIMT grouped and generic kernels use moe_down_row.
 // ---------------------------------------------------------------------------
 
 #define MOE_GU_WARPS 8
@@ -422,8 +424,8 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 3)
 // The down GEMV gives each output row to 8 lanes (MOE_DOWN_LANES): a down
 // row has only I / 32 chunks (24 for I = 768, 16 for I = 512), so a whole
 // warp per row would leave lanes idle. A warp owns 4 rows (one per 8-lane
-// group); a lane reads up to 3 chunks of its row for each of 4 experts per
-// step: 12 16-byte loads in flight.
+// group); in moe_down_row a lane reads up to 3 chunks of its row for each of
+// 4 experts per step: 12 16-byte loads in flight.
 #define MOE_DOWN_LANES 8
 #define MOE_DOWN_ROWS_PER_WARP (32 / MOE_DOWN_LANES)
 #define MOE_DOWN_CHUNKS 3
