@@ -21,6 +21,17 @@
 //     (flash-decoding) it writes per-split partials (max, sum, acc) that
 //     attn_combine merges in split order (deterministic).
 //   attn_combine: merges split partials.
+//
+// Step pointer (CUDA-graph replay of a decode step): every kernel takes a
+// last argument `const int* step`. Null: the launch's own start_pos and
+// chunk (and for the split kernels: one output when gridDim.x == 1). Non-null:
+// start_pos = step[0], chunk = step[1] are read on the device; the grid keeps
+// a fixed split count, splits past the key range are empty and write neutral
+// partials (max -inf, sum 0, acc 0) that attn_combine skips, and when the
+// whole key range fits split 0 (start_pos + rows <= chunk) split 0 writes the
+// normalized output, the other blocks exit and attn_combine does nothing:
+// the same operations, in the same order, as the null-step launch with
+// ceil(kend / chunk) splits (bit-identical results).
 #include "common.cuh"
 
 #define ATTN_NEG_INF (-__int_as_float(0x7f800000))
@@ -31,7 +42,8 @@
 extern "C" __global__ void attn_kv_append_i8(const float* __restrict__ k, const float* __restrict__ v,
                                              int8_t* __restrict__ kc, int8_t* __restrict__ vc,
                                              float* __restrict__ ks, float* __restrict__ vs, int start_pos,
-                                             int rows, int kv_heads, int head_dim) {
+                                             int rows, int kv_heads, int head_dim, const int* __restrict__ step) {
+    if (step != nullptr) start_pos = step[0];
     const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (warp >= (long long)rows * kv_heads * 2) return;
@@ -57,7 +69,8 @@ extern "C" __global__ void attn_kv_append_i8(const float* __restrict__ k, const 
 // Elementwise: row t of k/v -> position start_pos + t (rows are contiguous).
 extern "C" __global__ void attn_kv_append_bf16(const float* __restrict__ k, const float* __restrict__ v,
                                                __nv_bfloat16* __restrict__ kc, __nv_bfloat16* __restrict__ vc,
-                                               int start_pos, int rows, int kv_dim) {
+                                               int start_pos, int rows, int kv_dim, const int* __restrict__ step) {
+    if (step != nullptr) start_pos = step[0];
     const size_t n = (size_t)rows * (size_t)kv_dim;
     const size_t base = (size_t)start_pos * (size_t)kv_dim;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -140,7 +153,8 @@ static __device__ __forceinline__ void attn_simt(const float* __restrict__ q, co
                                                  const KV* __restrict__ vc, const float* __restrict__ ks,
                                                  const float* __restrict__ vs, float* __restrict__ out,
                                                  float* __restrict__ part_acc, float* __restrict__ part_ml, int heads,
-                                                 int kv_heads, int start_pos, int rows, int chunk, float scale) {
+                                                 int kv_heads, int start_pos, int rows, int chunk, float scale,
+                                                const int* __restrict__ step) {
     constexpr int TK = ATTN_SIMT_TK;
     constexpr int NW = ATTN_SIMT_THREADS / 32;
     static_assert(MAXQ % NW == 0, "MAXQ must be a multiple of the warp count");
@@ -151,6 +165,13 @@ static __device__ __forceinline__ void attn_simt(const float* __restrict__ q, co
     constexpr int EPV = 16 / (int)sizeof(KV);  // cache values per 16-byte vector
     constexpr int VR = HD / EPV;               // vectors per cache row
     using S = AttnSimtSmem<HD, MAXQ>;
+    if (step != nullptr) {
+        start_pos = step[0];
+        chunk = step[1];
+    }
+    // One normalized output from split 0, or partials of every split (see the file comment).
+    const bool single = step != nullptr ? start_pos + rows <= chunk : gridDim.x == 1;
+    if (single && blockIdx.x != 0) return;  // (step only) empty splits of a one-split range
 
     extern __shared__ float4 attn_smem4[];
     float* smem = reinterpret_cast<float*>(attn_smem4);
@@ -292,7 +313,6 @@ static __device__ __forceinline__ void attn_simt(const float* __restrict__ q, co
     }
 
     // Results: the normalized output (one split) or this split's partials.
-    const bool single = gridDim.x == 1;
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < QW; ++i) {
@@ -335,9 +355,9 @@ static __device__ __forceinline__ void attn_simt(const float* __restrict__ q, co
         const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,                          \
         const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                        \
         float* __restrict__ part_acc, float* __restrict__ part_ml, int heads, int kv_heads, int start_pos, int rows, \
-        int chunk, float scale) {                                                                                   \
+        int chunk, float scale, const int* __restrict__ step) {                                                     \
         attn_simt<HD, KV, MAXQ>(q, kc, vc, ks, vs, out, part_acc, part_ml, heads, kv_heads, start_pos, rows, chunk, \
-                                scale);                                                                             \
+                                scale, step);                                                                       \
     }
 
 #define ATTN_SIMT_INSTANCES(HD, MAXQ)                 \
@@ -364,9 +384,13 @@ ATTN_SIMT_INSTANCES(256, 32)
 // --------------------------------------------------------------- combine --
 
 // grid: rows * heads (one query vector each); block: min(head_dim, 256)
-// threads. Merges the splits' (max, sum, acc) in split order.
+// threads. Merges the splits' (max, sum, acc) in split order. rows: query
+// rows of the launch (only read with a step pointer).
 extern "C" __global__ void attn_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                        float* __restrict__ out, int splits, int n_queries, int head_dim) {
+                                        float* __restrict__ out, int splits, int n_queries, int head_dim, int rows,
+                                        const int* __restrict__ step) {
+    // (step) the whole key range fitted split 0, which wrote the output itself.
+    if (step != nullptr && step[0] + rows <= step[1]) return;
     const size_t qidx = blockIdx.x;
     float mx = ATTN_NEG_INF;
     for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part_ml[((size_t)s * n_queries + qidx) * 2]);
@@ -496,10 +520,18 @@ static __device__ __forceinline__ void attn_mma(const float* __restrict__ q, con
                                                 const KV* __restrict__ vc, const float* __restrict__ ks,
                                                 const float* __restrict__ vs, float* __restrict__ out,
                                                 float* __restrict__ part_acc, float* __restrict__ part_ml, int heads,
-                                                int kv_heads, int start_pos, int rows, int chunk, float scale) {
+                                                int kv_heads, int start_pos, int rows, int chunk, float scale,
+                                                const int* __restrict__ step) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     using T = AttnMmaTile<HD>;
     using S = AttnMmaSmem<HD, SPLIT>;
+    if (step != nullptr) {
+        start_pos = step[0];
+        chunk = step[1];
+    }
+    // One normalized output from split 0, or partials of every split (see the file comment).
+    const bool single = step != nullptr ? start_pos + rows <= chunk : gridDim.x == 1;
+    if (single && blockIdx.x != 0) return;  // (step only) empty splits of a one-split range
     constexpr int BK = T::BK, QS = T::QS;
     constexpr int EPV = 16 / (int)sizeof(KV);  // cache values per 16-byte vector
     constexpr int VR = HD / EPV;               // vectors per cache row
@@ -698,7 +730,6 @@ static __device__ __forceinline__ void attn_mma(const float* __restrict__ q, con
         l0 += __shfl_xor_sync(0xffffffffu, l0, o2);
         l1 += __shfl_xor_sync(0xffffffffu, l1, o2);
     }
-    const bool single = gridDim.x == 1;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = half ? r1 : r0;
@@ -735,9 +766,9 @@ static __device__ __forceinline__ void attn_mma(const float* __restrict__ q, con
         const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,                          \
         const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                        \
         float* __restrict__ part_acc, float* __restrict__ part_ml, int heads, int kv_heads, int start_pos, int rows, \
-        int chunk, float scale) {                                                                                   \
+        int chunk, float scale, const int* __restrict__ step) {                                                     \
         attn_mma<HD, KV, SPLIT>(q, kc, vc, ks, vs, out, part_acc, part_ml, heads, kv_heads, start_pos, rows, chunk,  \
-                                scale);                                                                             \
+                                scale, step);                                                                       \
     }
 
 #define ATTN_MMA_INSTANCES(HD)                               \
@@ -789,9 +820,17 @@ static __device__ __forceinline__ void attn_dec(const float* __restrict__ q, con
                                                 const KV* __restrict__ vc, const float* __restrict__ ks,
                                                 const float* __restrict__ vs, float* __restrict__ out,
                                                 float* __restrict__ part_acc, float* __restrict__ part_ml, int heads,
-                                                int kv_heads, int start_pos, int rows, int chunk, float scale) {
+                                                int kv_heads, int start_pos, int rows, int chunk, float scale,
+                                                const int* __restrict__ step) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     using D = AttnDecShape<HD, NQB>;
+    if (step != nullptr) {
+        start_pos = step[0];
+        chunk = step[1];
+    }
+    // One normalized output from split 0, or partials of every split (see the file comment).
+    const bool single = step != nullptr ? start_pos + rows <= chunk : gridDim.x == 1;
+    if (single && blockIdx.x != 0) return;  // (step only) empty splits of a one-split range
     constexpr int NQ = D::NQ, BKW = D::BKW, KS = D::KS, PS = D::PS;
     constexpr int EPV = 16 / (int)sizeof(KV);  // cache values per 16-byte vector
     constexpr int VR = HD / EPV;               // vectors per cache row
@@ -1049,7 +1088,6 @@ static __device__ __forceinline__ void attn_dec(const float* __restrict__ q, con
         }
     }
     __syncthreads();
-    const bool single = gridDim.x == 1;
     for (int i = tid; i < nq * HD; i += ATTN_DEC_THREADS) {
         const int qi = i / HD, d = i % HD;
         float mx = ATTN_NEG_INF;
@@ -1090,9 +1128,9 @@ static __device__ __forceinline__ void attn_dec(const float* __restrict__ q, con
         const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,                          \
         const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                        \
         float* __restrict__ part_acc, float* __restrict__ part_ml, int heads, int kv_heads, int start_pos, int rows, \
-        int chunk, float scale) {                                                                                   \
+        int chunk, float scale, const int* __restrict__ step) {                                                     \
         attn_dec<HD, KV, NQB>(q, kc, vc, ks, vs, out, part_acc, part_ml, heads, kv_heads, start_pos, rows, chunk,    \
-                              scale);                                                                               \
+                              scale, step);                                                                         \
     }
 
 #define ATTN_DEC_INSTANCES(HD)                           \

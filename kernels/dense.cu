@@ -261,11 +261,14 @@ extern "C" __global__ void dense_rope(float* __restrict__ x, const float* __rest
 // The per-head q/k norm and RoPE in one pass (decode: one launch instead of
 // two): out = rope(rmsnorm(x)) for x [T, heads, head_dim], the same
 // arithmetic as dense_rmsnorm_warp followed by dense_rope. One warp per head
-// row, DENSE_GEMV_WARPS rows per block.
+// row, DENSE_GEMV_WARPS rows per block. step: null, or start_pos read from
+// step[0] (see attn_* in attention.cu).
 extern "C" __global__ void dense_rmsnorm_rope(const float* __restrict__ x, const float* __restrict__ w,
                                               float* __restrict__ out, int rows, int heads, int head_dim, float eps,
                                               const float* __restrict__ inv_freq, int half,
-                                              unsigned long long start_pos, float attention_factor) {
+                                              unsigned long long start_pos, float attention_factor,
+                                              const int* __restrict__ step) {
+    if (step != nullptr) start_pos = (unsigned long long)step[0];  // (CUDA-graph replay) start_pos on the device
     const int lane = threadIdx.x & 31;
     const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;

@@ -11,8 +11,9 @@ use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 use strata::backend::cpu::ops;
 use strata::backend::cuda::attention::{
-    attention, attention_with, attention_with_scratch, kv_append, kv_read_f32, quantize_int8_block, AttnConfig,
-    AttnKernel, AttnPrecision, AttnScratch, DeviceKv, KvDtype,
+    attention, attention_at, attention_with, attention_with_scratch, kv_append, kv_append_at, kv_read_f32,
+    quantize_int8_block, step_chunk, step_plan, AttnConfig, AttnKernel, AttnPrecision, AttnScratch, DeviceKv, KvDtype,
+    StepPlan, StepPos,
 };
 use strata::backend::cuda::{CudaSlice, Gpu};
 use strata::backend::AttentionShape;
@@ -39,6 +40,9 @@ pub const TESTS: &[GpuTest] = &[
     ("attention_small_head_dims_int8", small_head_dims_int8),
     ("attention_small_head_dims_bf16", small_head_dims_bf16),
     ("attention_scratch_reuse", scratch_reuse),
+    ("attention_step_pointer_int8", step_pointer_int8),
+    ("attention_step_pointer_bf16", step_pointer_bf16),
+    ("attention_step_graph_replay", step_graph_replay),
     ("attention_timing", timing),
 ];
 
@@ -560,6 +564,166 @@ fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
             secs * 1e3,
             tfs / 7.9
         );
+    }
+    Ok(())
+}
+
+/// Decode positions of the step-pointer tests: split ranges from one split (0, 1, 2) through tile edges (63..65)
+/// to many splits (4095, 40000).
+const STEP_POSITIONS: [usize; 9] = [0, 1, 2, 63, 64, 65, 500, 4095, 40000];
+const STEP_SHAPES: [(usize, usize, usize); 4] = [(32, 4, 128), (16, 2, 256), (4, 2, 32), (6, 1, 16)];
+const STEP_CAPACITY: usize = 40001;
+
+/// The raw cache contents (K, V bytes and, for Int8, the K/V scales) of `pos`.
+fn cache_row(gpu: &Arc<Gpu>, kv: &DeviceKv, pos: usize) -> Result<Vec<u8>, String> {
+    let kv_dim = kv.kv_heads * kv.head_dim;
+    let vb = kv.dtype.value_bytes();
+    let stream = gpu.stream();
+    let range = pos * kv_dim * vb..(pos + 1) * kv_dim * vb;
+    let mut out = stream.clone_dtoh(&kv.k.slice(range.clone())).map_err(e)?;
+    out.extend(stream.clone_dtoh(&kv.v.slice(range)).map_err(e)?);
+    if kv.dtype == KvDtype::Int8 {
+        let sr = pos * kv.kv_heads..(pos + 1) * kv.kv_heads;
+        for sc in [&kv.k_scale, &kv.v_scale] {
+            let x = stream.clone_dtoh(&sc.slice(sr.clone())).map_err(e)?;
+            out.extend(x.iter().flat_map(|f| f.to_le_bytes()));
+        }
+    }
+    gpu.sync().map_err(e)?;
+    Ok(out)
+}
+
+fn all_finite(what: &str, x: &[f32]) -> Result<(), String> {
+    match x.iter().position(|v| !v.is_finite()) {
+        Some(i) => Err(format!("{what}: [{i}] = {} (not finite)", x[i])),
+        None => Ok(()),
+    }
+}
+
+/// A captured decode step's attention (`kv_append_at` + `attention_at` with ONE StepPos set per step and ONE
+/// StepPlan, fixed grid) against the plain `kv_append` + `attention` at the same start_pos, on two caches filled
+/// alike: the appended row and the output must be the same bits. (step_chunk gives plan_splits's chunk, so the
+/// non-empty splits cover the same ranges; the extra splits are empty and their neutral partials change nothing
+/// in the combine; a range within split 0 is written by split 0 as the one-split launch does.)
+fn step_pointer(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
+    for (si, &sh) in STEP_SHAPES.iter().enumerate() {
+        let shape = shape_of(sh);
+        let seed = 900 + si as u64 * 10;
+        let (mut kv_plain, ..) = filled_cache(gpu, dtype, shape, STEP_CAPACITY, STEP_CAPACITY, seed)?;
+        let (mut kv_step, ..) = filled_cache(gpu, dtype, shape, STEP_CAPACITY, STEP_CAPACITY, seed)?;
+        let plan: StepPlan = step_plan(gpu, shape, 1, dtype).map_err(e)?;
+        if plan.splits < 2 || plan.tile == 0 {
+            return Err(format!("{sh:?}: step plan {plan:?} (want a split launch)"));
+        }
+        let mut pos = StepPos::new(gpu).map_err(e)?;
+        let mut scratch_plain = AttnScratch::new(gpu, shape, 1).map_err(e)?;
+        let mut scratch_step = AttnScratch::new(gpu, shape, 1).map_err(e)?;
+        let qn = shape.q_dim();
+        let mut out_step = poisoned(gpu, qn)?;
+        for (pi, &sp) in STEP_POSITIONS.iter().enumerate() {
+            let what = format!("{dtype:?} {sh:?} start_pos {sp} plan {plan:?}");
+            let chunk = step_chunk(&plan, sp + 1);
+            if chunk % plan.tile != 0 || chunk * plan.splits < sp + 1 {
+                return Err(format!("{what}: chunk {chunk} does not cover the keys"));
+            }
+            let sd = seed + 100 + pi as u64;
+            let kd = gpu.upload(&rand_f32(sd, shape.kv_dim(), 1.0)).map_err(e)?;
+            let vd = gpu.upload(&rand_f32(sd + 1, shape.kv_dim(), 1.0)).map_err(e)?;
+            let qd = gpu.upload(&rand_f32(sd + 2, qn, 2.0)).map_err(e)?;
+            kv_append(gpu, &mut kv_plain, &kd, &vd, sp, 1).map_err(e)?;
+            let mut want = poisoned(gpu, qn)?;
+            attention_with_scratch(gpu, &qd, &kv_plain, shape, sp, 1, &mut want, AUTO, &mut scratch_plain)
+                .map_err(e)?;
+
+            pos.set(gpu, sp, chunk).map_err(e)?;
+            kv_append_at(gpu, &mut kv_step, &kd, &vd, &pos, 1).map_err(e)?;
+            gpu.fill_f32(&mut out_step, f32::NAN).map_err(e)?;
+            attention_at(gpu, &qd, &kv_step, shape, 1, &mut out_step, &plan, &pos, &mut scratch_step).map_err(e)?;
+
+            let (got_row, want_row) = (cache_row(gpu, &kv_step, sp)?, cache_row(gpu, &kv_plain, sp)?);
+            if got_row != want_row {
+                return Err(format!("{what}: kv_append_at row differs from kv_append"));
+            }
+            let (got, want) = (gpu.download(&out_step).map_err(e)?, gpu.download(&want).map_err(e)?);
+            all_finite(&what, &want)?;
+            exact(&what, &got, &want)?;
+        }
+        // The whole caches agree (nothing written elsewhere).
+        let (ka, va) = kv_read_f32(gpu, &kv_step, STEP_CAPACITY).map_err(e)?;
+        let (kb, vb) = kv_read_f32(gpu, &kv_plain, STEP_CAPACITY).map_err(e)?;
+        exact(&format!("{dtype:?} {sh:?} whole K cache"), &ka, &kb)?;
+        exact(&format!("{dtype:?} {sh:?} whole V cache"), &va, &vb)?;
+    }
+    Ok(())
+}
+
+fn step_pointer_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
+    step_pointer(gpu, KvDtype::Int8)
+}
+
+fn step_pointer_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
+    step_pointer(gpu, KvDtype::Bf16)
+}
+
+/// kv_append_at + attention_at captured once into a CUDA graph and replayed for 5 steps (StepPos::set between
+/// replays) give the same cache rows and outputs as the plain path at each start_pos.
+fn step_graph_replay(gpu: &Arc<Gpu>) -> Result<(), String> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    for (si, &(sh, dtype)) in
+        [((32usize, 4usize, 128usize), KvDtype::Int8), ((16, 2, 256), KvDtype::Bf16), ((4, 2, 32), KvDtype::Int8)]
+            .iter()
+            .enumerate()
+    {
+        let shape = shape_of(sh);
+        let capacity = 5000;
+        let seed = 950 + si as u64 * 10;
+        let (mut kv_plain, ..) = filled_cache(gpu, dtype, shape, capacity, capacity, seed)?;
+        let (mut kv_step, ..) = filled_cache(gpu, dtype, shape, capacity, capacity, seed)?;
+        let plan = step_plan(gpu, shape, 1, dtype).map_err(e)?;
+        let mut pos = StepPos::new(gpu).map_err(e)?;
+        let mut scratch_plain = AttnScratch::new(gpu, shape, 1).map_err(e)?;
+        let mut scratch_step = AttnScratch::new(gpu, shape, 1).map_err(e)?;
+        let qn = shape.q_dim();
+        // Inputs the graph reads (rewritten in place before each replay) and its output.
+        let mut kd = gpu.upload(&rand_f32(seed, shape.kv_dim(), 1.0)).map_err(e)?;
+        let mut vd = gpu.upload(&rand_f32(seed + 1, shape.kv_dim(), 1.0)).map_err(e)?;
+        let mut qd = gpu.upload(&rand_f32(seed + 2, qn, 2.0)).map_err(e)?;
+        let mut out_step = poisoned(gpu, qn)?;
+        // Capture (the first position's values are set so a warm-up run would be valid; capture runs nothing).
+        pos.set(gpu, 0, step_chunk(&plan, 1)).map_err(e)?;
+        gpu.sync().map_err(e)?;
+        let stream = gpu.stream().clone();
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(e)?;
+        let captured = kv_append_at(gpu, &mut kv_step, &kd, &vd, &pos, 1)
+            .and_then(|_| attention_at(gpu, &qd, &kv_step, shape, 1, &mut out_step, &plan, &pos, &mut scratch_step));
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(e)?;
+        captured.map_err(e)?;
+        let graph = graph.ok_or_else(|| format!("{sh:?}: the capture gave no graph"))?;
+        for (step, &sp) in [3usize, 64, 65, 1999, 4990].iter().enumerate() {
+            let what = format!("graph replay {dtype:?} {sh:?} step {step} start_pos {sp}");
+            let sd = seed + 100 + step as u64;
+            let (k, v, q) =
+                (rand_f32(sd, shape.kv_dim(), 1.0), rand_f32(sd + 1, shape.kv_dim(), 1.0), rand_f32(sd + 2, qn, 2.0));
+            stream.memcpy_htod(&k, &mut kd).map_err(e)?;
+            stream.memcpy_htod(&v, &mut vd).map_err(e)?;
+            stream.memcpy_htod(&q, &mut qd).map_err(e)?;
+            gpu.fill_f32(&mut out_step, f32::NAN).map_err(e)?;
+            pos.set(gpu, sp, step_chunk(&plan, sp + 1)).map_err(e)?;
+            graph.launch().map_err(e)?;
+            let got = gpu.download(&out_step).map_err(e)?;
+
+            kv_append(gpu, &mut kv_plain, &kd, &vd, sp, 1).map_err(e)?;
+            let mut want = poisoned(gpu, qn)?;
+            attention_with_scratch(gpu, &qd, &kv_plain, shape, sp, 1, &mut want, AUTO, &mut scratch_plain)
+                .map_err(e)?;
+            let want = gpu.download(&want).map_err(e)?;
+            if cache_row(gpu, &kv_step, sp)? != cache_row(gpu, &kv_plain, sp)? {
+                return Err(format!("{what}: appended row differs from kv_append"));
+            }
+            all_finite(&what, &want)?;
+            exact(&what, &got, &want)?;
+        }
+        drop(graph);
     }
     Ok(())
 }

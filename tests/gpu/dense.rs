@@ -37,6 +37,7 @@ pub const TESTS: &[GpuTest] = &[
     ("dense_add_rmsnorm_fused", add_rmsnorm_fused),
     ("dense_rope_full_partial_yarn", rope_full_partial_yarn),
     ("dense_rmsnorm_rope_fused", rmsnorm_rope_fused),
+    ("dense_rmsnorm_rope_step_pointer", rmsnorm_rope_step_pointer),
     ("dense_elementwise_ops", elementwise_ops),
     ("dense_split_q_gate_layout", split_q_gate_layout),
     ("dense_embed_gathers_rows", embed_gathers_rows),
@@ -369,6 +370,53 @@ fn rmsnorm_rope_fused(gpu: &Arc<Gpu>) -> Result<(), String> {
             ops::rmsnorm(&x, &w, 1e-6, &mut want);
             ops::rope(&mut want, heads, hd, start, &rope);
             check_close(&what, &gpu.download(&out).map_err(e)?, &want, 1e-5)?;
+        }
+    }
+    Ok(())
+}
+
+/// rmsnorm_rope_at (start_pos read from a StepPos on the device, one StepPos set per step) gives the same bits as
+/// rmsnorm_rope at that start_pos (the same kernel, the same position), for the decode positions of a captured
+/// step (T = 1) and T = 2.
+fn rmsnorm_rope_step_pointer(gpu: &Arc<Gpu>) -> Result<(), String> {
+    use strata::backend::cuda::attention::StepPos;
+    let yarn = Some(RopeScaling {
+        factor: 4.0,
+        original_max_position_embeddings: 32768,
+        attention_factor: None,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+    });
+    let cases = [
+        (rope_config(128, 1.0, 1e6, yarn.clone()), 32),
+        (rope_config(128, 1.0, 1e6, None), 4),
+        (rope_config(256, 0.25, 1e7, yarn), 16),
+        (rope_config(256, 0.25, 1e7, None), 2),
+        (rope_config(32, 1.0, 1e4, None), 4),
+        (rope_config(16, 0.5, 1e4, None), 6),
+    ];
+    let mut pos = StepPos::new(gpu).map_err(e)?;
+    for (ci, (cfg, heads)) in cases.into_iter().enumerate() {
+        let rope = Rope::new(&cfg);
+        let table = RopeTable::new(gpu, &rope).map_err(e)?;
+        let hd = cfg.head_dim;
+        let w: Vec<f32> = rand_f32(hd as u64 + 3, hd, 0.3).iter().map(|v| 1.0 + v).collect();
+        let wd = gpu.upload(&w).map_err(e)?;
+        for t in [1usize, 2] {
+            for (pi, &start) in [0usize, 1, 2, 63, 64, 65, 500, 4095, 40000].iter().enumerate() {
+                let what = format!("rmsnorm_rope_at hd={hd} heads={heads} T={t} start={start}");
+                let x = rand_f32(5000 + (ci * 100 + pi * 3 + t) as u64, t * heads * hd, 3.0);
+                let xd = gpu.upload(&x).map_err(e)?;
+                let mut want = poisoned(gpu, x.len())?;
+                dense::rmsnorm_rope(gpu, &xd, &wd, 1e-6, heads, start, &table, &mut want).map_err(e)?;
+                pos.set(gpu, start, 32).map_err(e)?;
+                let mut got = poisoned(gpu, x.len())?;
+                dense::rmsnorm_rope_at(gpu, &xd, &wd, 1e-6, heads, &pos, &table, &mut got).map_err(e)?;
+                let (got, want) = (gpu.download(&got).map_err(e)?, gpu.download(&want).map_err(e)?);
+                if let Some(i) = got.iter().zip(&want).position(|(g, w)| g.to_bits() != w.to_bits() || !w.is_finite()) {
+                    return Err(format!("{what}: [{i}] = {} want {} (bit-exact)", got[i], want[i]));
+                }
+            }
         }
     }
     Ok(())

@@ -490,6 +490,38 @@ pub fn rmsnorm_rope(
     table: &RopeTable,
     out: &mut CudaSlice<f32>,
 ) -> Result<()> {
+    rmsnorm_rope_launch(gpu, x, w, eps, heads, start_pos as u64, None, table, out)
+}
+
+/// `rmsnorm_rope` with start_pos read from `pos.buf[0]` on the device (a captured decode step): checks only the
+/// shapes; no allocation, synchronization or host copy.
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_rope_at(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    eps: f32,
+    heads: usize,
+    pos: &crate::backend::cuda::attention::StepPos,
+    table: &RopeTable,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
+    need("rmsnorm_rope_at: step", pos.buf.len(), 1)?;
+    rmsnorm_rope_launch(gpu, x, w, eps, heads, 0, Some(&pos.buf), table, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rmsnorm_rope_launch(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    eps: f32,
+    heads: usize,
+    start64: u64,
+    step: Option<&CudaSlice<i32>>,
+    table: &RopeTable,
+    out: &mut CudaSlice<f32>,
+) -> Result<()> {
     let head_dim = w.len();
     let (rows, rows_i, hd_i) = check_norm("rmsnorm_rope", x.len(), head_dim, out.len())?;
     if heads == 0 || rows % heads != 0 {
@@ -502,13 +534,14 @@ pub fn rmsnorm_rope(
         return Ok(());
     }
     let heads_i = check_i32("rmsnorm_rope: heads", heads)?;
-    let (half_i, start64) = ((table.rotary_dim / 2) as i32, start_pos as u64);
+    let half_i = (table.rotary_dim / 2) as i32;
     let f = gpu.function("dense_rmsnorm_rope")?;
     let cfg = LaunchConfig {
         grid_dim: (rows.div_ceil(GEMV_WARPS) as u32, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
+    let null_step = 0u64;
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(x)
         .arg(w)
@@ -521,9 +554,13 @@ pub fn rmsnorm_rope(
         .arg(&half_i)
         .arg(&start64)
         .arg(&table.attention_factor);
+    match step {
+        Some(s) => b.arg(s),
+        None => b.arg(&null_step),
+    };
     // SAFETY: dense_rmsnorm_rope(const float* x, const float* w, float* out, int rows, int heads, int head_dim,
-    // float eps, const float* inv_freq [half], int half, u64 start_pos, float attention_factor); x and out hold
-    // rows*head_dim, w head_dim (checked), 2*half <= head_dim.
+    // float eps, const float* inv_freq [half], int half, u64 start_pos, float attention_factor, const int* step);
+    // x and out hold rows*head_dim, w head_dim (checked), 2*half <= head_dim; step null or a StepPos's ints.
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
