@@ -10,7 +10,7 @@
 // Pipeline (src/backend/cuda/deltanet.rs drives it):
 //   dn_conv_silu (+ dn_conv_state)  split + depthwise causal conv + SiLU -> qkv [T, conv_dim]
 //   decode / token loop:  dn_rule_recurrent_r{16,32}   gates + l2norm + delta rule -> core [T, Hv*dv]
-//   chunked prefill:      dn_qk_l2norm, dn_chunk_prep, dn_chunk_state_r{16,32}     -> core
+//   chunked prefill:      dn_qk_l2norm, dn_chunk_prep, dn_chunk_state_r{16,32}     -> core (WY form)
 //   dn_gated_rmsnorm      core, z -> out [T, Hv*dv]
 #include "common.cuh"
 
@@ -264,16 +264,21 @@ extern "C" __global__ void __launch_bounds__(256) dn_gated_rmsnorm(
 }
 
 // ---------------------------------------------------------------------------
-// Chunked form (gated_delta_rule_chunked, chunk 64). Three steps:
+// Chunked form (gated_delta_rule_chunked, chunk 64), in the WY/UT formulation. With, per
+// chunk and value head, c the cumulative log decay, Tm = (I + A)^-1 (A_ij = beta_i k_i.k_j
+// e^(c_i-c_j), j < i), attn_ij = q_i.k_j e^(c_i-c_j) (j <= i) and P = attn Tm:
+//   W  = Tm (beta e^c k)            U  = Tm (beta v)                 (the CPU's W, U)
+//   Q' = e^c q - P (beta e^c k)     O0 = P (beta v)
+// the chunk's output and state update are
+//   V' = U - W S      o = O0 + Q' S      S = e^(c_n) S + (e^(c_n - c) k)^T V'
+// (o = e^c q S + attn V' = e^c q S + P (beta v) - P (beta e^c k) S). Everything but the
+// three products with S is independent of the state, so it runs in parallel over chunks:
 //  dn_qk_l2norm:   q, k of qkv in place: k = l2norm(k), q = l2norm(q) * scale (dk^-0.5).
-//  dn_chunk_prep:  per (chunk, value head), everything that does not depend on the state:
-//                  c (cumulative g), beta, Tm = (I + A)^-1 with A_ij = beta_i k_i.k_j e^(c_i-c_j)
-//                  (j < i), attn_ij = q_i.k_j e^(c_i-c_j) (j <= i); zero elsewhere.
-//  dn_chunk_state: per (value head, 32 columns), sequential over chunks, state in shared memory:
-//                  R  = beta v - (beta e^c k) S          V' = Tm R     (= U - W S of the CPU)
-//                  o  = e^c (q S) + attn V'
-//                  S  = e^(c_n) S + (e^(c_n - c) k)^T V'
-// Rows past the end of the last chunk are zero (k = q = v = beta = 0), which adds exact zeros.
+//  dn_chunk_prep:  per (chunk, value head): c, Tm, attn, P, then W, Q', U and O0 (O0 straight
+//                  into the output, which dn_chunk_state adds Q' S to).
+//  dn_chunk_state: per (value head, 16 columns), sequential over chunks, the state slice in
+//                  shared memory: two fused passes over S (V' and o), one update.
+// Rows past the end of the last chunk are zero (k = W = Q' = U = 0), which adds exact zeros.
 
 // One warp per (token, key head, q|k) row of dk.
 extern "C" __global__ void __launch_bounds__(256) dn_qk_l2norm(float* __restrict__ qkv, int T, int Hk, int dk,
@@ -291,26 +296,35 @@ extern "C" __global__ void __launch_bounds__(256) dn_qk_l2norm(float* __restrict
     for (int e = lane; e < dk; e += 32) x[e] = (x[e] * inv) * scale;
 }
 
-// Grid (chunk, value head), 256 threads. Dynamic shared memory: ks [64][dk+1],
-// qs [64][max(dk+1, 65)] (q, then X = Tm at stride 65), am [64][65], cum[64], beta[64].
-// Outputs: cum_out, beta_out [Hv, T]; tm, attn [Hv, nchunks, 64, 64].
+// Grid (chunk, value head), 256 threads. Dynamic shared memory:
+//   kv [64][max(dk, dv) + 1]: k (scaled in place to beta e^c k), then beta v at stride dv+1
+//   qs [64][max(dk + 1, 65)]: q, then X = Tm at stride 65
+//   am [64][65]: A, then P = attn Tm
+//   pa [64][65]: attn
+//   cum [64], bet [64]
+// Outputs: cum_out [Hv, T]; w_out, qp_out [Hv, T, dk4] (dk4 = dk rounded up to 4, the
+// padding columns zero); u_out [Hv, T, dv]; o [T, Hv*dv] (O0).
 extern "C" __global__ void __launch_bounds__(256) dn_chunk_prep(
     const float* __restrict__ qkv, const float* __restrict__ mixed_ba, const float* __restrict__ a_log,
-    const float* __restrict__ dt_bias, float* __restrict__ cum_out, float* __restrict__ beta_out,
-    float* __restrict__ tm, float* __restrict__ attn, int T, int Hk, int Hv, int dk, int dv) {
+    const float* __restrict__ dt_bias, float* __restrict__ cum_out, float* __restrict__ w_out,
+    float* __restrict__ qp_out, float* __restrict__ u_out, float* __restrict__ o, int T, int Hk, int Hv, int dk,
+    int dv) {
     extern __shared__ float dn_prep_smem[];
-    const int ld = dk + 1;
+    const int ld = dk + 1, lv = dv + 1;
+    const int MLD = DN_CHUNK + 1;
     float* ks = dn_prep_smem;
-    float* qs = ks + DN_CHUNK * ld;
-    float* am = qs + DN_CHUNK * max(ld, DN_CHUNK + 1);
-    float* cum = am + DN_CHUNK * (DN_CHUNK + 1);
+    float* qs = ks + DN_CHUNK * max(ld, lv);
+    float* am = qs + DN_CHUNK * max(ld, MLD);
+    float* pa = am + DN_CHUNK * MLD;
+    float* cum = pa + DN_CHUNK * MLD;
     float* bet = cum + DN_CHUNK;
-    const int ch = blockIdx.x, h = blockIdx.y, nch = gridDim.x;
+    const int ch = blockIdx.x, h = blockIdx.y;
     const int tid = threadIdx.x;
     const int t0 = ch * DN_CHUNK;
     const int n = min(DN_CHUNK, T - t0);
     const int group = Hv / Hk, kh = h / group;
-    const int kd = Hk * dk, cd = 2 * kd + Hv * dv;
+    const int kd = Hk * dk, vd = Hv * dv, cd = 2 * kd + vd;
+    const int dk4 = (dk + 3) & ~3;
 
     if (tid < DN_CHUNK) {
         float beta = 0.0f, g = 0.0f;
@@ -334,12 +348,7 @@ extern "C" __global__ void __launch_bounds__(256) dn_chunk_prep(
         }
     }
     __syncthreads();
-    if (tid < n) {
-        cum_out[(size_t)h * T + t0 + tid] = cum[tid];
-        beta_out[(size_t)h * T + t0 + tid] = bet[tid];
-    }
-    float* attn_blk = attn + ((size_t)h * nch + ch) * DN_CHUNK * DN_CHUNK;
-    float* tm_blk = tm + ((size_t)h * nch + ch) * DN_CHUNK * DN_CHUNK;
+    if (tid < n) cum_out[(size_t)h * T + t0 + tid] = cum[tid];
     // Entry (i, j): a warp shares i (broadcast reads of row i) and spans 32 j (rows j
     // at stride dk+1: no bank conflicts).
     for (int e = tid; e < DN_CHUNK * DN_CHUNK; e += blockDim.x) {
@@ -358,8 +367,8 @@ extern "C" __global__ void __launch_bounds__(256) dn_chunk_prep(
             a = j < i ? (bet[i] * dkk) * d : 0.0f;
             p = dqk * d;
         }
-        am[i * (DN_CHUNK + 1) + j] = a;
-        attn_blk[e] = p;
+        am[i * MLD + j] = a;
+        pa[i * MLD + j] = p;
     }
     __syncthreads();
     // Tm = (I + A)^-1 by forward substitution, one column c per thread:
@@ -372,181 +381,220 @@ extern "C" __global__ void __launch_bounds__(256) dn_chunk_prep(
             if (i >= c) {
                 // Four partial sums: the chain of dependent multiply-adds is 4x shorter.
                 float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
-                const float* ai = am + i * (DN_CHUNK + 1);
+                const float* ai = am + i * MLD;
                 int l = c;
                 for (; l + 3 < i; l += 4) {
-                    p0 += ai[l] * xs[l * (DN_CHUNK + 1) + c];
-                    p1 += ai[l + 1] * xs[(l + 1) * (DN_CHUNK + 1) + c];
-                    p2 += ai[l + 2] * xs[(l + 2) * (DN_CHUNK + 1) + c];
-                    p3 += ai[l + 3] * xs[(l + 3) * (DN_CHUNK + 1) + c];
+                    p0 += ai[l] * xs[l * MLD + c];
+                    p1 += ai[l + 1] * xs[(l + 1) * MLD + c];
+                    p2 += ai[l + 2] * xs[(l + 2) * MLD + c];
+                    p3 += ai[l + 3] * xs[(l + 3) * MLD + c];
                 }
-                for (; l < i; ++l) p0 += ai[l] * xs[l * (DN_CHUNK + 1) + c];
+                for (; l < i; ++l) p0 += ai[l] * xs[l * MLD + c];
                 x = (i == c ? 1.0f : 0.0f) - ((p0 + p1) + (p2 + p3));
             }
-            xs[i * (DN_CHUNK + 1) + c] = x;
-            tm_blk[i * DN_CHUNK + c] = x;
+            xs[i * MLD + c] = x;
         }
+    }
+    __syncthreads();
+    // P = attn X (lower triangular with its diagonal) over A in am; k scaled to beta e^c k.
+    for (int e = tid; e < DN_CHUNK * DN_CHUNK; e += blockDim.x) {
+        const int i = e / DN_CHUNK, j = e % DN_CHUNK;
+        float p = 0.0f;
+        for (int l = j; l <= i; ++l) p += pa[i * MLD + l] * xs[l * MLD + j];
+        am[i * MLD + j] = p;
+    }
+    for (int idx = tid; idx < DN_CHUNK * dk; idx += blockDim.x) {
+        const int i = idx / dk, r = idx % dk;
+        ks[i * ld + r] *= bet[i] * expf(cum[i]);
+    }
+    __syncthreads();
+    // W = X kt, Q' = e^c q - P kt: a warp spans consecutive r of one or two rows i
+    // (broadcast reads of X, P; kt rows conflict-free). Padding columns r >= dk: zeros.
+    for (int e = tid; e < DN_CHUNK * dk4; e += blockDim.x) {
+        const int i = e / dk4, r = e % dk4;
+        if (i >= n) break;  // e only grows
+        float ws = 0.0f, ps = 0.0f, qv = 0.0f;
+        if (r < dk) {
+            for (int l = 0; l <= i; ++l) {
+                const float kv = ks[l * ld + r];
+                ws += xs[i * MLD + l] * kv;
+                ps += am[i * MLD + l] * kv;
+            }
+            qv = expf(cum[i]) * qkv[(size_t)(t0 + i) * cd + kh * dk + r] - ps;
+        }
+        const size_t at = ((size_t)h * T + t0 + i) * dk4 + r;
+        w_out[at] = ws;
+        qp_out[at] = qv;
+    }
+    __syncthreads();  // every read of kt is done
+    for (int idx = tid; idx < DN_CHUNK * dv; idx += blockDim.x) {
+        const int i = idx / dv, jj = idx % dv;
+        ks[i * lv + jj] = i < n ? bet[i] * qkv[(size_t)(t0 + i) * cd + 2 * kd + h * dv + jj] : 0.0f;
+    }
+    __syncthreads();
+    // U = X (beta v), O0 = P (beta v).
+    for (int e = tid; e < DN_CHUNK * dv; e += blockDim.x) {
+        const int i = e / dv, jj = e % dv;
+        if (i >= n) break;
+        float us = 0.0f, os = 0.0f;
+        for (int l = 0; l <= i; ++l) {
+            const float bv = ks[l * lv + jj];
+            us += xs[i * MLD + l] * bv;
+            os += am[i * MLD + l] * bv;
+        }
+        u_out[((size_t)h * T + t0 + i) * dv + jj] = us;
+        o[(size_t)(t0 + i) * vd + h * dv + jj] = os;
     }
 }
 
-// Grid (value head, ceil(dv/32)), 256 threads; thread (warp w, lane) owns column
-// j0+lane and chunk rows i = w + 8m (m < 8) / state rows r = w + 8m (m < MAXR).
-// Dynamic shared memory: ss [dk][32] (the state slice), buf [64][dk+1] (k or q),
-// mat [64][65] (Tm or attn), rs [64][33] (R then V'), ec, kdec, bet [64].
-template <int MAXR>
+// Value columns per block of dn_chunk_state.
+#define DN_SCOLS 16
+
+// Grid (value head, ceil(dv/16)), 256 threads, MAXDK = 128 or 256 (>= dk). Thread
+// (grp = tid / 16, c = tid % 16) owns column j0+c: chunk rows i = grp + 16m (m < 4) in
+// the passes over S, state rows r = grp*RPT + x (x < RPT = MAXDK/16) in the update.
+// Dynamic shared memory: ss [MAXDK][16] (the state slice, rows >= dk zero),
+// wb [64][MAXDK+4] (W, then e^(c_n - c) k), qb [64][MAXDK+4] (Q'), vb [64][16] (V'), kdec [64].
+template <int MAXDK>
 static __device__ __forceinline__ void dn_chunk_state_body(
-    const float* __restrict__ qkv, const float* __restrict__ cum_in, const float* __restrict__ beta_in,
-    const float* __restrict__ tm, const float* __restrict__ attn, float* __restrict__ state, float* __restrict__ o,
-    int T, int Hk, int Hv, int dk, int dv) {
-    extern __shared__ float dn_state_smem[];
-    const int ld = dk + 1;
-    const int MLD = DN_CHUNK + 1;
-    float* ss = dn_state_smem;
-    float* buf = ss + dk * DN_COLS;
-    float* mat = buf + DN_CHUNK * ld;
-    float* rs = mat + DN_CHUNK * MLD;
-    float* ec = rs + DN_CHUNK * (DN_COLS + 1);
-    float* kdec = ec + DN_CHUNK;
-    float* bet = kdec + DN_CHUNK;
+    const float* __restrict__ qkv, const float* __restrict__ cum_in, const float* __restrict__ w_in,
+    const float* __restrict__ qp_in, const float* __restrict__ u_in, float* __restrict__ state,
+    float* __restrict__ o, int T, int Hk, int Hv, int dk, int dv) {
+    constexpr int LDW = MAXDK + 4;  // float4 rows; rows i, i+1 four banks apart
+    constexpr int RPT = MAXDK / 16;
+    constexpr int SC = DN_SCOLS;
+    extern __shared__ float4 dn_state_smem4[];
+    float* ss = reinterpret_cast<float*>(dn_state_smem4);
+    float* wb = ss + MAXDK * SC;
+    float* qb = wb + DN_CHUNK * LDW;
+    float* vb = qb + DN_CHUNK * LDW;
+    float* kdec = vb + DN_CHUNK * SC;
     const int h = blockIdx.x;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int j = blockIdx.y * DN_COLS + lane;
+    const int tid = threadIdx.x;
+    const int c = tid % SC, grp = tid / SC;
+    const int j = blockIdx.y * SC + c;
     const bool jok = j < dv;
     const int group = Hv / Hk, kh = h / group;
     const int kd = Hk * dk, vd = Hv * dv, cd = 2 * kd + vd;
+    const int dk4 = (dk + 3) & ~3;
     const int nch = (T + DN_CHUNK - 1) / DN_CHUNK;
     float* S = state + (size_t)h * dk * dv;
 
-    for (int idx = tid; idx < dk * DN_COLS; idx += blockDim.x) {
-        const int r = idx / DN_COLS, c = idx % DN_COLS;
-        const int jj = blockIdx.y * DN_COLS + c;
-        ss[idx] = jj < dv ? S[(size_t)r * dv + jj] : 0.0f;
+    for (int idx = tid; idx < MAXDK * SC; idx += blockDim.x) {
+        const int r = idx / SC, cc = idx % SC;
+        const int jj = blockIdx.y * SC + cc;
+        ss[idx] = (r < dk && jj < dv) ? S[(size_t)r * dv + jj] : 0.0f;
     }
 
     for (int ch = 0; ch < nch; ++ch) {
         const int t0 = ch * DN_CHUNK;
         const int n = min(DN_CHUNK, T - t0);
-        const float* tm_blk = tm + ((size_t)h * nch + ch) * DN_CHUNK * DN_CHUNK;
-        const float* attn_blk = attn + ((size_t)h * nch + ch) * DN_CHUNK * DN_CHUNK;
-        __syncthreads();  // the previous chunk is done with buf, mat, rs, ec, kdec, bet
+        const float* wblk = w_in + ((size_t)h * T + t0) * dk4;
+        const float* qblk = qp_in + ((size_t)h * T + t0) * dk4;
+        __syncthreads();  // the previous chunk is done with wb, vb, kdec and its ss update
         const float c_last = cum_in[(size_t)h * T + t0 + n - 1];
         if (tid < DN_CHUNK) {
             const bool ok = tid < n;
-            const float c = ok ? cum_in[(size_t)h * T + t0 + tid] : 0.0f;
-            ec[tid] = ok ? expf(c) : 0.0f;
-            kdec[tid] = ok ? expf(c_last - c) : 0.0f;
-            bet[tid] = ok ? beta_in[(size_t)h * T + t0 + tid] : 0.0f;
+            kdec[tid] = ok ? expf(c_last - cum_in[(size_t)h * T + t0 + tid]) : 0.0f;
         }
-        for (int idx = tid; idx < DN_CHUNK * dk; idx += blockDim.x) {
-            const int i = idx / dk, r = idx % dk;
-            buf[i * ld + r] = i < n ? qkv[(size_t)(t0 + i) * cd + kd + kh * dk + r] : 0.0f;
+        // W, Q' rows (global stride dk4, 16-byte aligned) as float4s; zeros past n and dk4.
+        for (int idx = tid; idx < DN_CHUNK * (MAXDK / 4); idx += blockDim.x) {
+            const int i = idx / (MAXDK / 4), r = (idx % (MAXDK / 4)) * 4;
+            float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
+            if (i < n && r < dk4) {
+                a = *reinterpret_cast<const float4*>(wblk + (size_t)i * dk4 + r);
+                b = *reinterpret_cast<const float4*>(qblk + (size_t)i * dk4 + r);
+            }
+            *reinterpret_cast<float4*>(wb + i * LDW + r) = a;
+            *reinterpret_cast<float4*>(qb + i * LDW + r) = b;
         }
-        for (int idx = tid; idx < DN_CHUNK * DN_CHUNK; idx += blockDim.x)
-            mat[(idx / DN_CHUNK) * MLD + idx % DN_CHUNK] = tm_blk[idx];
         __syncthreads();
 
-        // R_i = beta_i v_i - beta_i e^(c_i) (k_i S).
-        float acc[8];
+        // V'_i = U_i - W_i S and o_i = O0_i + Q'_i S, in one pass over S.
+        float av[4], ao[4];
 #pragma unroll
-        for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
-        for (int r = 0; r < dk; ++r) {
-            const float sv = ss[r * DN_COLS + lane];
+        for (int m = 0; m < 4; ++m) av[m] = ao[m] = 0.0f;
+        for (int r = 0; r < dk4; r += 4) {
+            const float s0 = ss[r * SC + c], s1 = ss[(r + 1) * SC + c];
+            const float s2 = ss[(r + 2) * SC + c], s3 = ss[(r + 3) * SC + c];
 #pragma unroll
-            for (int m = 0; m < 8; ++m) acc[m] += buf[(warp + 8 * m) * ld + r] * sv;
+            for (int m = 0; m < 4; ++m) {
+                const int i = grp + 16 * m;
+                const float4 w4 = *reinterpret_cast<const float4*>(wb + i * LDW + r);
+                const float4 q4 = *reinterpret_cast<const float4*>(qb + i * LDW + r);
+                av[m] = fmaf(w4.x, s0, av[m]);
+                ao[m] = fmaf(q4.x, s0, ao[m]);
+                av[m] = fmaf(w4.y, s1, av[m]);
+                ao[m] = fmaf(q4.y, s1, ao[m]);
+                av[m] = fmaf(w4.z, s2, av[m]);
+                ao[m] = fmaf(q4.z, s2, ao[m]);
+                av[m] = fmaf(w4.w, s3, av[m]);
+                ao[m] = fmaf(q4.w, s3, ao[m]);
+            }
         }
 #pragma unroll
-        for (int m = 0; m < 8; ++m) {
-            const int i = warp + 8 * m;
-            const float v = (i < n && jok) ? qkv[(size_t)(t0 + i) * cd + 2 * kd + h * dv + j] : 0.0f;
-            rs[i * (DN_COLS + 1) + lane] = bet[i] * v - (bet[i] * ec[i]) * acc[m];
+        for (int m = 0; m < 4; ++m) {
+            const int i = grp + 16 * m;
+            const bool ok = i < n && jok;
+            const float u = ok ? u_in[((size_t)h * T + t0 + i) * dv + j] : 0.0f;
+            vb[i * SC + c] = u - av[m];
+            if (ok) {
+                float* op = o + (size_t)(t0 + i) * vd + h * dv + j;
+                *op = *op + ao[m];
+            }
         }
-        __syncthreads();
-        // V' = Tm R. Tm is stored with its zeros above the diagonal, so the full
-        // sum over l is the triangular one, with 8 independent chains a thread.
-#pragma unroll
-        for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
-        for (int l = 0; l < DN_CHUNK; ++l) {
-            const float rv = rs[l * (DN_COLS + 1) + lane];
-#pragma unroll
-            for (int m = 0; m < 8; ++m) acc[m] += mat[(warp + 8 * m) * MLD + l] * rv;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int m = 0; m < 8; ++m) rs[(warp + 8 * m) * (DN_COLS + 1) + lane] = acc[m];
-        for (int idx = tid; idx < DN_CHUNK * dk; idx += blockDim.x) {
-            const int i = idx / dk, r = idx % dk;
-            buf[i * ld + r] = i < n ? qkv[(size_t)(t0 + i) * cd + kh * dk + r] : 0.0f;
-        }
-        for (int idx = tid; idx < DN_CHUNK * DN_CHUNK; idx += blockDim.x)
-            mat[(idx / DN_CHUNK) * MLD + idx % DN_CHUNK] = attn_blk[idx];
-        __syncthreads();
-
-        // o_i = e^(c_i) (q_i S) + sum_{l <= i} attn_il V'_l (attn zero above the diagonal).
-#pragma unroll
-        for (int m = 0; m < 8; ++m) acc[m] = 0.0f;
-        for (int r = 0; r < dk; ++r) {
-            const float sv = ss[r * DN_COLS + lane];
-#pragma unroll
-            for (int m = 0; m < 8; ++m) acc[m] += buf[(warp + 8 * m) * ld + r] * sv;
-        }
-        float po[8];
-#pragma unroll
-        for (int m = 0; m < 8; ++m) po[m] = 0.0f;
-        for (int l = 0; l < DN_CHUNK; ++l) {
-            const float rv = rs[l * (DN_COLS + 1) + lane];
-#pragma unroll
-            for (int m = 0; m < 8; ++m) po[m] += mat[(warp + 8 * m) * MLD + l] * rv;
-        }
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {
-            const int i = warp + 8 * m;
-            if (i < n && jok) o[(size_t)(t0 + i) * vd + h * dv + j] = ec[i] * acc[m] + po[m];
-        }
-        __syncthreads();  // every read of ss and buf (q) is done
-        for (int idx = tid; idx < DN_CHUNK * dk; idx += blockDim.x) {
-            const int i = idx / dk, r = idx % dk;
-            buf[i * ld + r] = i < n ? qkv[(size_t)(t0 + i) * cd + kd + kh * dk + r] : 0.0f;
+        __syncthreads();  // every read of wb (W) and ss is done
+        // e^(c_n - c_i) k_i into wb (zeros past n and dk).
+        for (int idx = tid; idx < DN_CHUNK * MAXDK; idx += blockDim.x) {
+            const int i = idx / MAXDK, r = idx % MAXDK;
+            wb[i * LDW + r] =
+                (i < n && r < dk) ? kdec[i] * qkv[(size_t)(t0 + i) * cd + kd + kh * dk + r] : 0.0f;
         }
         __syncthreads();
-        // S_r = e^(c_n) S_r + sum_i e^(c_n - c_i) k_ir V'_i (own entries only).
-        // Rows i >= n have kdec = 0 and zero k.
+        // S_r = e^(c_n) S_r + sum_i kd_ir V'_i (own entries only; rows >= dk stay zero).
         const float chunk_decay = expf(c_last);
-        float su[MAXR];
+        const int r0 = grp * RPT;
+        float su[RPT];
 #pragma unroll
-        for (int m = 0; m < MAXR; ++m) su[m] = 0.0f;
+        for (int x = 0; x < RPT; ++x) su[x] = 0.0f;
         for (int i = 0; i < n; ++i) {
-            const float kv = kdec[i] * rs[i * (DN_COLS + 1) + lane];
-            const float* ki = buf + i * ld;
+            const float vv = vb[i * SC + c];
+            const float* kr = wb + i * LDW + r0;
 #pragma unroll
-            for (int m = 0; m < MAXR; ++m)
-                if (warp + 8 * m < dk) su[m] += ki[warp + 8 * m] * kv;
+            for (int x = 0; x < RPT; x += 4) {
+                const float4 k4 = *reinterpret_cast<const float4*>(kr + x);
+                su[x] = fmaf(k4.x, vv, su[x]);
+                su[x + 1] = fmaf(k4.y, vv, su[x + 1]);
+                su[x + 2] = fmaf(k4.z, vv, su[x + 2]);
+                su[x + 3] = fmaf(k4.w, vv, su[x + 3]);
+            }
         }
 #pragma unroll
-        for (int m = 0; m < MAXR; ++m) {
-            const int r = warp + 8 * m;
-            if (r < dk) ss[r * DN_COLS + lane] = chunk_decay * ss[r * DN_COLS + lane] + su[m];
+        for (int x = 0; x < RPT; ++x) {
+            const int r = r0 + x;
+            if (r < dk) ss[r * SC + c] = chunk_decay * ss[r * SC + c] + su[x];
         }
     }
     __syncthreads();
-    for (int idx = tid; idx < dk * DN_COLS; idx += blockDim.x) {
-        const int r = idx / DN_COLS, c = idx % DN_COLS;
-        const int jj = blockIdx.y * DN_COLS + c;
-        if (jj < dv) S[(size_t)r * dv + jj] = ss[idx];
+    for (int idx = tid; idx < MAXDK * SC; idx += blockDim.x) {
+        const int r = idx / SC, cc = idx % SC;
+        const int jj = blockIdx.y * SC + cc;
+        if (r < dk && jj < dv) S[(size_t)r * dv + jj] = ss[idx];
     }
 }
 
 // dk <= 128.
 extern "C" __global__ void __launch_bounds__(DN_THREADS) dn_chunk_state_r16(
-    const float* __restrict__ qkv, const float* __restrict__ cum_in, const float* __restrict__ beta_in,
-    const float* __restrict__ tm, const float* __restrict__ attn, float* __restrict__ state, float* __restrict__ o,
-    int T, int Hk, int Hv, int dk, int dv) {
-    dn_chunk_state_body<16>(qkv, cum_in, beta_in, tm, attn, state, o, T, Hk, Hv, dk, dv);
+    const float* __restrict__ qkv, const float* __restrict__ cum_in, const float* __restrict__ w_in,
+    const float* __restrict__ qp_in, const float* __restrict__ u_in, float* __restrict__ state,
+    float* __restrict__ o, int T, int Hk, int Hv, int dk, int dv) {
+    dn_chunk_state_body<128>(qkv, cum_in, w_in, qp_in, u_in, state, o, T, Hk, Hv, dk, dv);
 }
 
 // dk <= 256.
 extern "C" __global__ void __launch_bounds__(DN_THREADS) dn_chunk_state_r32(
-    const float* __restrict__ qkv, const float* __restrict__ cum_in, const float* __restrict__ beta_in,
-    const float* __restrict__ tm, const float* __restrict__ attn, float* __restrict__ state, float* __restrict__ o,
-    int T, int Hk, int Hv, int dk, int dv) {
-    dn_chunk_state_body<32>(qkv, cum_in, beta_in, tm, attn, state, o, T, Hk, Hv, dk, dv);
+    const float* __restrict__ qkv, const float* __restrict__ cum_in, const float* __restrict__ w_in,
+    const float* __restrict__ qp_in, const float* __restrict__ u_in, float* __restrict__ state,
+    float* __restrict__ o, int T, int Hk, int Hv, int dk, int dv) {
+    dn_chunk_state_body<256>(qkv, cum_in, w_in, qp_in, u_in, state, o, T, Hk, Hv, dk, dv);
 }

@@ -31,8 +31,10 @@ use crate::error::{Error, Result};
 const MAX_CONV_KERNEL: usize = 8;
 /// Largest key head dim: 8 warps x 32 state rows a thread (`dn_*_r32`).
 const MAX_KEY_HEAD_DIM: usize = 256;
-/// Value columns per block of the rule kernels (`DN_COLS`).
+/// Value columns per block of the recurrent rule kernels (`DN_COLS`).
 const COLS_PER_BLOCK: usize = 32;
+/// Value columns per block of the chunked form's state kernels (`DN_SCOLS`).
+const STATE_COLS_PER_BLOCK: usize = 16;
 /// Threads of the rule kernels (`DN_THREADS`).
 const RULE_THREADS: u32 = 256;
 /// Tokens per block of `dn_conv_silu`.
@@ -91,21 +93,36 @@ fn rule_function(gpu: &Gpu, base: &str, dk: usize) -> Result<CudaFunction> {
     gpu.function(&format!("{base}_{}", if dk <= 128 { "r16" } else { "r32" }))
 }
 
-/// Dynamic shared memory of `dn_chunk_prep`: ks [64][dk+1], qs [64][max(dk+1, 65)], am [64][65], cum, beta.
+/// Dynamic shared memory of `dn_chunk_prep`: kv [64][max(dk, dv)+1], qs [64][max(dk+1, 65)],
+/// am, pa [64][65], cum, beta.
 fn prep_shared_bytes(s: DeltaNetShape) -> usize {
     let (c, ld) = (DELTA_RULE_CHUNK, s.key_head_dim + 1);
-    4 * (c * ld + c * ld.max(c + 1) + c * (c + 1) + 2 * c)
+    4 * (c * ld.max(s.value_head_dim + 1) + c * ld.max(c + 1) + 2 * c * (c + 1) + 2 * c)
 }
 
-/// Dynamic shared memory of `dn_chunk_state_*`: the state slice [dk][32], buf [64][dk+1],
-/// mat [64][65], rs [64][33], ec, kdec, beta.
+/// The state rows a `dn_chunk_state_*` block is built for (`MAXDK`): 128 (r16) or 256 (r32).
+fn state_max_dk(s: DeltaNetShape) -> usize {
+    if s.key_head_dim <= 128 {
+        128
+    } else {
+        256
+    }
+}
+
+/// Dynamic shared memory of `dn_chunk_state_*`: the state slice [MAXDK][16], wb and qb
+/// [64][MAXDK+4], vb [64][16], kdec [64] (dk 128: 80 KB, two blocks an SM).
 fn state_shared_bytes(s: DeltaNetShape) -> usize {
-    let (c, ld) = (DELTA_RULE_CHUNK, s.key_head_dim + 1);
-    4 * (s.key_head_dim * COLS_PER_BLOCK + c * ld + c * (c + 1) + c * (COLS_PER_BLOCK + 1) + 3 * c)
+    let (c, m, sc) = (DELTA_RULE_CHUNK, state_max_dk(s), STATE_COLS_PER_BLOCK);
+    4 * (m * sc + 2 * c * (m + 4) + c * sc + c)
+}
+
+/// Row stride of the chunked form's W and Q' scratch: dk rounded up to 4 (float4 rows).
+fn padded_key_dim(s: DeltaNetShape) -> usize {
+    s.key_head_dim.next_multiple_of(4)
 }
 
 /// Whether this device gives a block the shared memory of the chunked form
-/// (dk 128: 83 KB; every CC >= 8.0 device does, sm_75's 64 KB does not).
+/// (dk = dv = 128: prep 99 KB, state 80 KB; every CC >= 8.0 device does, sm_75's 64 KB does not).
 pub fn chunked_form_fits(gpu: &Gpu, shape: DeltaNetShape) -> Result<bool> {
     let optin = gpu.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
     Ok(prep_shared_bytes(shape).max(state_shared_bytes(shape)) <= optin.max(0) as usize)
@@ -204,30 +221,31 @@ pub enum DeltaRuleForm {
     Chunked,
 }
 
-/// Scratch of the chunked form for up to `max_tokens` tokens: cum (the
-/// cumulative log decay within each chunk), beta `[Hv, T]`, and Tm =
-/// (I + A)^-1, attn `[Hv, ceil(T/64), 64, 64]` (`dn_chunk_prep`'s outputs).
+/// Scratch of the chunked form for up to `max_tokens` tokens
+/// (`dn_chunk_prep`'s outputs): cum (the cumulative log decay within each
+/// chunk) `[Hv, T]`, W = Tm (beta e^c k) and Q' = e^c q - attn Tm (beta e^c k)
+/// `[Hv, T, dk4]` (dk rounded up to 4), U = Tm (beta v) `[Hv, T, dv]`.
 pub struct DeltaRuleChunkScratch {
     shape: DeltaNetShape,
     max_tokens: usize,
     cum: CudaSlice<f32>,
-    beta: CudaSlice<f32>,
-    tm: CudaSlice<f32>,
-    attn: CudaSlice<f32>,
+    w: CudaSlice<f32>,
+    qp: CudaSlice<f32>,
+    u: CudaSlice<f32>,
 }
 
 impl DeltaRuleChunkScratch {
     pub fn new(gpu: &Gpu, shape: DeltaNetShape, max_tokens: usize) -> Result<Self> {
         check_shape(shape)?;
         let t = max_tokens.max(1);
-        let mat = shape.value_heads * t.div_ceil(DELTA_RULE_CHUNK) * DELTA_RULE_CHUNK * DELTA_RULE_CHUNK;
+        let wq = shape.value_heads * t * padded_key_dim(shape);
         Ok(DeltaRuleChunkScratch {
             shape,
             max_tokens: t,
             cum: gpu.alloc_zeros(t * shape.value_heads)?,
-            beta: gpu.alloc_zeros(t * shape.value_heads)?,
-            tm: gpu.alloc_zeros(mat)?,
-            attn: gpu.alloc_zeros(mat)?,
+            w: gpu.alloc_zeros(wq)?,
+            qp: gpu.alloc_zeros(wq)?,
+            u: gpu.alloc_zeros(t * shape.value_dim())?,
         })
     }
 }
@@ -236,8 +254,8 @@ impl DeltaRuleChunkScratch {
 /// shape: qkv `[T, conv_dim]` (the conv output; the chunked form l2-normalizes
 /// q, k in place), core `[T, Hv*dv]` (the rule's output before the norm) and
 /// the chunked form's `DeltaRuleChunkScratch`. About
-/// `T * (conv_dim + value_dim + 2*Hv) + 2 * Hv * ceil(T/64) * 4096` floats
-/// (4096 tokens at 80B: ~270 MB; one token: ~1.1 MB). The caller keeps one per
+/// `T * (conv_dim + 2 * value_dim + Hv + 2 * Hv * dk4)` floats
+/// (4096 tokens at 80B: ~400 MB; one token: ~100 KB). The caller keeps one per
 /// device and shape, sized for its largest call.
 pub struct DeltaNetScratch {
     shape: DeltaNetShape,
@@ -424,7 +442,7 @@ pub fn delta_rule_chunked(
     // SAFETY: rewrites the q, k columns of qkv [T, conv_dim] in place.
     unsafe { b.launch(cfg) }?;
 
-    // Per (chunk, head): cum, beta, Tm, attn.
+    // Per (chunk, head): cum, W, Q', U and O0 (into core).
     let prep_smem = prep_shared_bytes(shape);
     let f = gpu.function("dn_chunk_prep")?;
     allow_shared(&f, prep_smem, "dn_chunk_prep")?;
@@ -435,28 +453,29 @@ pub fn delta_rule_chunked(
     };
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(&*qkv).arg(mixed_ba).arg(&w.a_log).arg(&w.dt_bias);
-    b.arg(&mut scratch.cum).arg(&mut scratch.beta).arg(&mut scratch.tm).arg(&mut scratch.attn);
+    b.arg(&mut scratch.cum).arg(&mut scratch.w).arg(&mut scratch.qp).arg(&mut scratch.u).arg(&mut *core);
     b.arg(&t).arg(&hk).arg(&hv).arg(&dk).arg(&dv);
-    // SAFETY: reads qkv, mixed_ba, a_log, dt_bias; writes cum, beta [Hv, T] and
-    // tm, attn [Hv, chunks, 64, 64] (scratch holds max_tokens >= T).
+    // SAFETY: reads qkv, mixed_ba, a_log, dt_bias; writes cum [Hv, T], w, qp
+    // [Hv, T, dk4], u [Hv, T, dv] (scratch holds max_tokens >= T) and core [T, Hv*dv].
     unsafe { b.launch(cfg) }?;
 
-    // Sequential over chunks per (head, 32 columns).
+    // Sequential over chunks per (head, 16 columns).
     let state_smem = state_shared_bytes(shape);
     let name = if shape.key_head_dim <= 128 { "dn_chunk_state_r16" } else { "dn_chunk_state_r32" };
     let f = gpu.function(name)?;
     allow_shared(&f, state_smem, name)?;
-    let cols = shape.value_head_dim.div_ceil(COLS_PER_BLOCK) as u32;
+    let cols = shape.value_head_dim.div_ceil(STATE_COLS_PER_BLOCK) as u32;
     let cfg = LaunchConfig {
         grid_dim: (shape.value_heads as u32, cols, 1),
         block_dim: (RULE_THREADS, 1, 1),
         shared_mem_bytes: state_smem as u32,
     };
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&*qkv).arg(&scratch.cum).arg(&scratch.beta).arg(&scratch.tm).arg(&scratch.attn);
+    b.arg(&*qkv).arg(&scratch.cum).arg(&scratch.w).arg(&scratch.qp).arg(&scratch.u);
     b.arg(&mut *recurrent).arg(&mut *core);
     b.arg(&t).arg(&hk).arg(&hv).arg(&dk).arg(&dv);
-    // SAFETY: reads qkv and the prep outputs; rewrites state [Hv, dk, dv]; writes core [T, Hv*dv].
+    // SAFETY: reads qkv and the prep outputs; rewrites state [Hv, dk, dv]; adds Q' S
+    // to core [T, Hv*dv] (which dn_chunk_prep filled with O0).
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
