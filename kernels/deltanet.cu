@@ -296,6 +296,32 @@ extern "C" __global__ void __launch_bounds__(256) dn_qk_l2norm(float* __restrict
     for (int e = lane; e < dk; e += 32) x[e] = (x[e] * inv) * scale;
 }
 
+// acc[m][x] = sum_{l < n} M[i][l] B[l][col] for the rows i = warp + 8m (m < 8) and the columns
+// col = c0 + lane + 32x (x < 4; zero where col >= ncols) of a 64-row block: M [64][65], B at
+// stride ldb. 8 broadcast reads of M and 4 conflict-free reads of B per 32 multiply-adds.
+static __device__ __forceinline__ void dn_prep_mm(const float* __restrict__ M, const float* __restrict__ B,
+                                                  int ldb, int c0, int ncols, int n, int warp, int lane,
+                                                  float (&acc)[8][4]) {
+#pragma unroll
+    for (int m = 0; m < 8; ++m)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) acc[m][x] = 0.0f;
+    for (int l = 0; l < n; ++l) {
+        float b[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            const int col = c0 + lane + 32 * x;
+            b[x] = col < ncols ? B[l * ldb + col] : 0.0f;
+        }
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const float mv = M[(warp + 8 * m) * (DN_CHUNK + 1) + l];
+#pragma unroll
+            for (int x = 0; x < 4; ++x) acc[m][x] += mv * b[x];
+        }
+    }
+}
+
 // Grid (chunk, value head), 256 threads. Dynamic shared memory:
 //   kv [64][max(dk, dv) + 1]: k (scaled in place to beta e^c k), then beta v at stride dv+1
 //   qs [64][max(dk + 1, 65)]: q, then X = Tm at stride 65
@@ -304,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(256) dn_qk_l2norm(float* __restrict
 //   cum [64], bet [64]
 // Outputs: cum_out [Hv, T]; w_out, qp_out [Hv, T, dk4] (dk4 = dk rounded up to 4, the
 // padding columns zero); u_out [Hv, T, dv]; o [T, Hv*dv] (O0).
-extern "C" __global__ void __launch_bounds__(256) dn_chunk_prep(
+extern "C" __global__ void __launch_bounds__(256, 2) dn_chunk_prep(
     const float* __restrict__ qkv, const float* __restrict__ mixed_ba, const float* __restrict__ a_log,
     const float* __restrict__ dt_bias, float* __restrict__ cum_out, float* __restrict__ w_out,
     float* __restrict__ qp_out, float* __restrict__ u_out, float* __restrict__ o, int T, int Hk, int Hv, int dk,
@@ -349,26 +375,41 @@ extern "C" __global__ void __launch_bounds__(256) dn_chunk_prep(
     }
     __syncthreads();
     if (tid < n) cum_out[(size_t)h * T + t0 + tid] = cum[tid];
-    // Entry (i, j): a warp shares i (broadcast reads of row i) and spans 32 j (rows j
-    // at stride dk+1: no bank conflicts).
-    for (int e = tid; e < DN_CHUNK * DN_CHUNK; e += blockDim.x) {
-        const int i = e / DN_CHUNK, j = e % DN_CHUNK;
-        float a = 0.0f, p = 0.0f;
-        if (j <= i && i < n) {
-            const float* ki = ks + i * ld;
-            const float* qi = qs + i * ld;
-            const float* kj = ks + j * ld;
-            float dkk = 0.0f, dqk = 0.0f;
-            for (int r = 0; r < dk; ++r) {
-                dkk += ki[r] * kj[r];
-                dqk += qi[r] * kj[r];
+    // A and attn, register-blocked: warp w owns rows i = w + 8m (m < 8; broadcast reads),
+    // lane the columns j = lane, lane + 32 (rows j at stride dk+1: no bank conflicts).
+    const int warp = tid >> 5, lane = tid & 31;
+    {
+        float sa[8][2], sp[8][2];
+#pragma unroll
+        for (int m = 0; m < 8; ++m) sa[m][0] = sa[m][1] = sp[m][0] = sp[m][1] = 0.0f;
+        for (int r = 0; r < dk; ++r) {
+            const float k0 = ks[lane * ld + r], k1 = ks[(lane + 32) * ld + r];
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                const int i = warp + 8 * m;
+                const float ki = ks[i * ld + r], qi = qs[i * ld + r];
+                sa[m][0] += ki * k0;
+                sa[m][1] += ki * k1;
+                sp[m][0] += qi * k0;
+                sp[m][1] += qi * k1;
             }
-            const float d = expf(cum[i] - cum[j]);
-            a = j < i ? (bet[i] * dkk) * d : 0.0f;
-            p = dqk * d;
         }
-        am[i * MLD + j] = a;
-        pa[i * MLD + j] = p;
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int i = warp + 8 * m;
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                const int j = lane + 32 * x;
+                float a = 0.0f, p = 0.0f;
+                if (j <= i && i < n) {
+                    const float d = expf(cum[i] - cum[j]);
+                    a = j < i ? (bet[i] * sa[m][x]) * d : 0.0f;
+                    p = sp[m][x] * d;
+                }
+                am[i * MLD + j] = a;
+                pa[i * MLD + j] = p;
+            }
+        }
     }
     __syncthreads();
     // Tm = (I + A)^-1 by forward substitution, one column c per thread:
@@ -408,23 +449,32 @@ extern "C" __global__ void __launch_bounds__(256) dn_chunk_prep(
         ks[i * ld + r] *= bet[i] * expf(cum[i]);
     }
     __syncthreads();
-    // W = X kt, Q' = e^c q - P kt: a warp spans consecutive r of one or two rows i
-    // (broadcast reads of X, P; kt rows conflict-free). Padding columns r >= dk: zeros.
-    for (int e = tid; e < DN_CHUNK * dk4; e += blockDim.x) {
-        const int i = e / dk4, r = e % dk4;
-        if (i >= n) break;  // e only grows
-        float ws = 0.0f, ps = 0.0f, qv = 0.0f;
-        if (r < dk) {
-            for (int l = 0; l <= i; ++l) {
-                const float kv = ks[l * ld + r];
-                ws += xs[i * MLD + l] * kv;
-                ps += am[i * MLD + l] * kv;
+    // W = X kt, Q' = e^c q - P kt in passes of 128 columns (dn_prep_mm; X and P are zero
+    // above the diagonal, so the sums run over all l < n). Padding columns dk <= r < dk4: zeros.
+    for (int r0 = 0; r0 < dk4; r0 += 128) {
+        float acc[8][4];
+        dn_prep_mm(xs, ks, ld, r0, dk, n, warp, lane, acc);
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int i = warp + 8 * m;
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                const int r = r0 + lane + 32 * x;
+                if (i < n && r < dk4) w_out[((size_t)h * T + t0 + i) * dk4 + r] = r < dk ? acc[m][x] : 0.0f;
             }
-            qv = expf(cum[i]) * qkv[(size_t)(t0 + i) * cd + kh * dk + r] - ps;
         }
-        const size_t at = ((size_t)h * T + t0 + i) * dk4 + r;
-        w_out[at] = ws;
-        qp_out[at] = qv;
+        dn_prep_mm(am, ks, ld, r0, dk, n, warp, lane, acc);
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int i = warp + 8 * m;
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                const int r = r0 + lane + 32 * x;
+                if (i < n && r < dk4)
+                    qp_out[((size_t)h * T + t0 + i) * dk4 + r] =
+                        r < dk ? expf(cum[i]) * qkv[(size_t)(t0 + i) * cd + kh * dk + r] - acc[m][x] : 0.0f;
+            }
+        }
     }
     __syncthreads();  // every read of kt is done
     for (int idx = tid; idx < DN_CHUNK * dv; idx += blockDim.x) {
@@ -432,18 +482,29 @@ extern "C" __global__ void __launch_bounds__(256) dn_chunk_prep(
         ks[i * lv + jj] = i < n ? bet[i] * qkv[(size_t)(t0 + i) * cd + 2 * kd + h * dv + jj] : 0.0f;
     }
     __syncthreads();
-    // U = X (beta v), O0 = P (beta v).
-    for (int e = tid; e < DN_CHUNK * dv; e += blockDim.x) {
-        const int i = e / dv, jj = e % dv;
-        if (i >= n) break;
-        float us = 0.0f, os = 0.0f;
-        for (int l = 0; l <= i; ++l) {
-            const float bv = ks[l * lv + jj];
-            us += xs[i * MLD + l] * bv;
-            os += am[i * MLD + l] * bv;
+    // U = X (beta v), O0 = P (beta v), as W and Q'.
+    for (int j0 = 0; j0 < dv; j0 += 128) {
+        float acc[8][4];
+        dn_prep_mm(xs, ks, lv, j0, dv, n, warp, lane, acc);
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int i = warp + 8 * m;
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                const int jj = j0 + lane + 32 * x;
+                if (i < n && jj < dv) u_out[((size_t)h * T + t0 + i) * dv + jj] = acc[m][x];
+            }
         }
-        u_out[((size_t)h * T + t0 + i) * dv + jj] = us;
-        o[(size_t)(t0 + i) * vd + h * dv + jj] = os;
+        dn_prep_mm(am, ks, lv, j0, dv, n, warp, lane, acc);
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int i = warp + 8 * m;
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                const int jj = j0 + lane + 32 * x;
+                if (i < n && jj < dv) o[(size_t)(t0 + i) * vd + h * dv + jj] = acc[m][x];
+            }
+        }
     }
 }
 
