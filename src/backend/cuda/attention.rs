@@ -154,7 +154,51 @@ pub fn kv_append(
             kv.capacity
         )));
     }
-    let (sp, n) = (i32_arg("start_pos", start_pos)?, i32_arg("rows", rows)?);
+    let sp = i32_arg("start_pos", start_pos)?;
+    kv_append_launch(gpu, kv, k, v, sp, rows, None)
+}
+
+/// `kv_append` with start_pos read from `pos.buf[0]` on the device (a
+/// captured decode step): positions `start_pos..start_pos + rows` must lie
+/// within the capacity (the caller's duty: nothing is checked on the host
+/// value here). No allocation, synchronization or host copy.
+pub fn kv_append_at(
+    gpu: &Gpu,
+    kv: &mut DeviceKv,
+    k: &CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    pos: &StepPos,
+    rows: usize,
+) -> Result<()> {
+    let kv_dim = kv.kv_dim();
+    if rows == 0 {
+        return Ok(());
+    }
+    if k.len() < rows * kv_dim || v.len() < rows * kv_dim || rows > kv.capacity || pos.buf.len() < 2 {
+        return Err(Error::InvalidArgument(format!(
+            "kv_append_at: k/v hold {}/{} values, {rows} rows need {} (capacity {})",
+            k.len(),
+            v.len(),
+            rows * kv_dim,
+            kv.capacity
+        )));
+    }
+    kv_append_launch(gpu, kv, k, v, 0, rows, Some(&pos.buf))
+}
+
+/// The append kernels; `step`: None (start_pos `sp`) or the StepPos buffer.
+fn kv_append_launch(
+    gpu: &Gpu,
+    kv: &mut DeviceKv,
+    k: &CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    sp: i32,
+    rows: usize,
+    step: Option<&CudaSlice<i32>>,
+) -> Result<()> {
+    let kv_dim = kv.kv_dim();
+    let n = i32_arg("rows", rows)?;
+    let null_step = 0u64;
     match kv.dtype {
         KvDtype::Int8 => {
             let f = gpu.function("attn_kv_append_i8")?;
@@ -165,10 +209,16 @@ pub fn kv_append(
             let mut b = gpu.stream().launch_builder(&f);
             b.arg(k).arg(v).arg(&mut kv.k).arg(&mut kv.v).arg(&mut kv.k_scale).arg(&mut kv.v_scale);
             b.arg(&sp).arg(&n).arg(&kvh).arg(&hd);
+            match step {
+                Some(s) => b.arg(s),
+                None => b.arg(&null_step),
+            };
             // SAFETY: attn_kv_append_i8(const float* k, const float* v, i8* kc, i8* vc, float* ks, float* vs,
-            // int start_pos, int rows, int kv_heads, int head_dim): one warp per (row, kv head, K|V) reads
-            // rows * kv_dim floats of k/v (checked above) and writes positions start_pos..start_pos+rows
-            // (<= capacity, checked) of the [capacity, kv_heads, head_dim] caches and [capacity, kv_heads] scales.
+            // int start_pos, int rows, int kv_heads, int head_dim, const int* step): one warp per (row, kv head,
+            // K|V) reads rows * kv_dim floats of k/v (checked by the callers) and writes positions
+            // start_pos..start_pos+rows (<= capacity: checked by kv_append; kv_append_at's caller keeps the device
+            // start_pos in range) of the [capacity, kv_heads, head_dim] caches and [capacity, kv_heads] scales;
+            // step is null or the 2 ints of a StepPos.
             unsafe { b.launch(cfg) }?;
         }
         KvDtype::Bf16 => {
@@ -177,9 +227,14 @@ pub fn kv_append(
             let kvd = kv_dim as i32;
             let mut b = gpu.stream().launch_builder(&f);
             b.arg(k).arg(v).arg(&mut kv.k).arg(&mut kv.v).arg(&sp).arg(&n).arg(&kvd);
+            match step {
+                Some(s) => b.arg(s),
+                None => b.arg(&null_step),
+            };
             // SAFETY: attn_kv_append_bf16(const float* k, const float* v, bf16* kc, bf16* vc, int start_pos,
-            // int rows, int kv_dim) reads rows * kv_dim floats (checked) and writes bf16 elements
-            // start_pos*kv_dim .. (start_pos+rows)*kv_dim of caches holding capacity*kv_dim (checked).
+            // int rows, int kv_dim, const int* step) reads rows * kv_dim floats (checked) and writes bf16 elements
+            // start_pos*kv_dim .. (start_pos+rows)*kv_dim of caches holding capacity*kv_dim (checked, or kept in
+            // range by kv_append_at's caller); step is null or the 2 ints of a StepPos.
             unsafe { b.launch(cfg) }?;
         }
     }
@@ -282,15 +337,14 @@ fn dec_smem_bytes(head_dim: usize, nqb: usize) -> usize {
 /// The SIMT kernel for `nq_total` query vectors per kv head: the largest
 /// query tile that is needed and fits `smem_max` (kernels exist for 8, 32,
 /// 64 query vectors; 8 and 32 for head_dim 256).
-fn simt_choice(head_dim: usize, nq_total: usize, tag: &str, smem_max: usize) -> (String, u32, usize, usize, usize) {
+fn simt_choice(head_dim: usize, nq_total: usize, smem_max: usize) -> (AttnKernel, usize, u32, usize, usize, usize) {
     let largest = if head_dim == 256 { 32 } else { 64 };
     let maxq = [64, 32, 8]
         .into_iter()
         .filter(|&m| m <= largest && (m == 8 || nq_total > if m == 64 { 32 } else { 8 }))
         .find(|&m| simt_smem_bytes(head_dim, m) <= smem_max)
         .unwrap_or(8);
-    let name = format!("attn_simt_hd{head_dim}_{tag}_q{maxq}");
-    (name, SIMT_THREADS, maxq, SIMT_TK, simt_smem_bytes(head_dim, maxq))
+    (AttnKernel::Simt, maxq, SIMT_THREADS, maxq, SIMT_TK, simt_smem_bytes(head_dim, maxq))
 }
 
 fn set_smem(f: &CudaFunction, bytes: usize) -> Result<()> {
@@ -474,6 +528,58 @@ pub fn attention_with_scratch(
             kv.capacity
         )));
     }
+    let choice = choose_kernel(gpu, shape, rows, kv.dtype, config)?;
+    let plan = plan_splits(kend, kv_heads * choice.qtiles, gpu.sm_count() as usize, choice.tile);
+    let sp = i32_arg("start_pos", start_pos)?;
+    // Partials only when the key range is split (else the kernel never touches them).
+    if plan.splits > 1 {
+        let n_queries = rows * heads;
+        scratch.reserve(gpu, plan.splits * n_queries * head_dim, plan.splits * n_queries * 2)?;
+    }
+    let f = gpu.function(&choice.name(head_dim, kv.dtype))?;
+    set_smem(&f, choice.smem)?;
+    launch_attention(gpu, &f, q, kv, shape, rows, out, &choice, plan, sp, None, scratch)
+}
+
+/// A resolved kernel of one launch shape (everything but the split of the key range).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct KernelChoice {
+    /// Simt, Mma or Decode (never Auto).
+    kernel: AttnKernel,
+    /// Simt: query vectors per block (8, 32, 64); Decode: n-blocks of 8 (1, 2); Mma: 1 = f32 (hi/lo), 0 = bf16.
+    variant: usize,
+    threads: u32,
+    /// Query tiles (grid z).
+    qtiles: usize,
+    /// Key tile a split is a multiple of.
+    tile: usize,
+    /// Dynamic shared memory bytes.
+    smem: usize,
+}
+
+impl KernelChoice {
+    fn name(&self, head_dim: usize, dtype: KvDtype) -> String {
+        let tag = dtype.kernel_tag();
+        match self.kernel {
+            AttnKernel::Mma => {
+                format!("attn_mma_hd{head_dim}_{tag}_{}", if self.variant == 1 { "f32" } else { "bf16" })
+            }
+            AttnKernel::Decode => format!("attn_dec_hd{head_dim}_{tag}_n{}", self.variant),
+            _ => format!("attn_simt_hd{head_dim}_{tag}_q{}", self.variant),
+        }
+    }
+}
+
+/// The kernel `config` gives for `rows` query rows of `shape` over a cache of `dtype` on this device (checks the
+/// shape against the device: tensor cores, head_dim, shared memory, grid).
+fn choose_kernel(
+    gpu: &Gpu,
+    shape: AttentionShape,
+    rows: usize,
+    dtype: KvDtype,
+    config: AttnConfig,
+) -> Result<KernelChoice> {
+    let AttentionShape { heads, kv_heads, head_dim } = shape;
     let group = heads / kv_heads;
     let nq_total = rows * group;
     let has_mma = gpu.compute_capability().0 >= 8;
@@ -497,73 +603,92 @@ pub fn attention_with_scratch(
         }
         k => k,
     };
-    let tag = kv.dtype.kernel_tag();
     // Shared memory a block may opt into (227 KB on sm_90, 99 KB on sm_86/89, 64 KB on sm_75).
     let smem_max =
         gpu.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize;
-    // (kernel, block threads, query vectors per block, key tile of a split, shared memory bytes)
+    // (kernel, variant, block threads, query vectors per block, key tile of a split, shared memory bytes)
     let mut choice = match kernel {
         AttnKernel::Mma => {
             let split = config.precision == AttnPrecision::F32;
-            let prec = if split { "f32" } else { "bf16" };
-            let name = format!("attn_mma_hd{head_dim}_{tag}_{prec}");
-            (name, MMA_THREADS, MMA_BQ, mma_tile(head_dim), mma_smem_bytes(head_dim, split))
+            (AttnKernel::Mma, split as usize, MMA_THREADS, MMA_BQ, mma_tile(head_dim), mma_smem_bytes(head_dim, split))
         }
         AttnKernel::Decode => {
             let nqb = nq_total.div_ceil(8);
-            let name = format!("attn_dec_hd{head_dim}_{tag}_n{nqb}");
             // A split is whole rounds of the 4 warps' tiles.
-            (name, DEC_THREADS, DEC_MAX_QUERIES, DEC_WARPS * dec_tile(head_dim), dec_smem_bytes(head_dim, nqb))
+            let tile = DEC_WARPS * dec_tile(head_dim);
+            (AttnKernel::Decode, nqb, DEC_THREADS, DEC_MAX_QUERIES, tile, dec_smem_bytes(head_dim, nqb))
         }
-        _ => simt_choice(head_dim, nq_total, tag, smem_max),
+        _ => simt_choice(head_dim, nq_total, smem_max),
     };
-    if choice.4 > smem_max && config.kernel == AttnKernel::Auto {
-        choice = simt_choice(head_dim, nq_total, tag, smem_max);
+    if choice.5 > smem_max && config.kernel == AttnKernel::Auto {
+        choice = simt_choice(head_dim, nq_total, smem_max);
     }
-    let (name, threads, bq, tile, smem) = choice;
+    let (kernel, variant, threads, bq, tile, smem) = choice;
+    let qtiles = nq_total.div_ceil(bq);
+    let choice = KernelChoice { kernel, variant, threads, qtiles, tile, smem };
     if smem > smem_max {
         return Err(Error::InvalidArgument(format!(
-            "attention: {name} needs {smem} bytes of shared memory, the device allows {smem_max}"
+            "attention: {} needs {smem} bytes of shared memory, the device allows {smem_max}",
+            choice.name(head_dim, dtype)
         )));
     }
-    let qtiles = nq_total.div_ceil(bq);
     if qtiles > 65535 {
         return Err(Error::InvalidArgument(format!("attention: {rows} rows is too many for one launch")));
     }
-    let plan = plan_splits(kend, kv_heads * qtiles, gpu.sm_count() as usize, tile);
-    let f = gpu.function(&name)?;
-    set_smem(&f, smem)?;
+    Ok(choice)
+}
+
+/// The split kernel over `plan.splits` splits (grid fixed) and, when the grid has more than one split, the combine.
+/// `step`: None (start_pos `sp`, chunk `plan.chunk`) or the StepPos buffer (both read on the device). The partials
+/// must fit `scratch` (checked by the callers).
+#[allow(clippy::too_many_arguments)]
+fn launch_attention(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    q: &CudaSlice<f32>,
+    kv: &DeviceKv,
+    shape: AttentionShape,
+    rows: usize,
+    out: &mut CudaSlice<f32>,
+    choice: &KernelChoice,
+    plan: SplitPlan,
+    sp: i32,
+    step: Option<&CudaSlice<i32>>,
+    scratch: &mut AttnScratch,
+) -> Result<()> {
+    let AttentionShape { heads, kv_heads, head_dim } = shape;
     let cfg = LaunchConfig {
-        grid_dim: (plan.splits as u32, kv_heads as u32, qtiles as u32),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: smem as u32,
+        grid_dim: (plan.splits as u32, kv_heads as u32, choice.qtiles as u32),
+        block_dim: (choice.threads, 1, 1),
+        shared_mem_bytes: choice.smem as u32,
     };
     let scale = 1.0f32 / (head_dim as f32).sqrt();
-    let (h, kvh, sp, nr, chunk) = (
+    let (h, kvh, nr, chunk) = (
         i32_arg("heads", heads)?,
         i32_arg("kv_heads", kv_heads)?,
-        i32_arg("start_pos", start_pos)?,
         i32_arg("rows", rows)?,
         i32_arg("chunk", plan.chunk)?,
     );
     let n_queries = rows * heads;
-    // Partials only when the key range is split (else the kernel never touches them).
-    if plan.splits > 1 {
-        scratch.reserve(gpu, plan.splits * n_queries * head_dim, plan.splits * n_queries * 2)?;
-    }
+    let null_step = 0u64;
     let AttnScratch { part_acc, part_ml } = scratch;
     {
-        let mut b = gpu.stream().launch_builder(&f);
+        let mut b = gpu.stream().launch_builder(f);
         b.arg(q).arg(&kv.k).arg(&kv.v).arg(&kv.k_scale).arg(&kv.v_scale).arg(&mut *out);
         b.arg(&mut *part_acc).arg(&mut *part_ml).arg(&h).arg(&kvh).arg(&sp).arg(&nr).arg(&chunk).arg(&scale);
+        match step {
+            Some(s) => b.arg(s),
+            None => b.arg(&null_step),
+        };
         // SAFETY: attn_simt_* / attn_mma_* / attn_dec_* (q, kc, vc, ks, vs, out, part_acc, part_ml, heads, kv_heads,
-        // start_pos, rows, chunk, scale): read q[0..rows*heads*HD] (checked), cache positions
-        // 0..start_pos+rows (<= capacity, checked) of kv heads < kv_heads (= the cache's, checked) and
-        // write out[0..rows*heads*HD] (one split) or part_acc[splits*rows*heads*HD] and
-        // part_ml[splits*rows*heads*2] (the scratch holds at least that, reserved above);
-        // grid (splits, kv_heads, qtiles) with qtiles*bq >= rows*group (attn_dec: qtiles = 1, rows*group <= 8*NQB) and splits*chunk >=
-        // start_pos+rows; dynamic shared memory as the kernel's AttnSimtSmem / AttnMmaSmem /
-        // AttnDecShape; the mma and dec kernels only on compute capability >= 8.0.
+        // start_pos, rows, chunk, scale, step): read q[0..rows*heads*HD] (checked), cache positions
+        // 0..start_pos+rows (<= capacity: checked by attention, kept by attention_at's caller) of kv heads <
+        // kv_heads (= the cache's, checked) and write out[0..rows*heads*HD] (one split) or
+        // part_acc[splits*rows*heads*HD] and part_ml[splits*rows*heads*2] (the scratch holds at least that,
+        // reserved or checked by the callers); grid (splits, kv_heads, qtiles) with qtiles*bq >= rows*group
+        // (attn_dec: qtiles = 1, rows*group <= 8*NQB) and splits*chunk >= start_pos+rows (step: StepPos::set's
+        // chunk from step_chunk); dynamic shared memory as the kernel's AttnSimtSmem / AttnMmaSmem /
+        // AttnDecShape; the mma and dec kernels only on compute capability >= 8.0; step null or a StepPos's 2 ints.
         unsafe { b.launch(cfg) }?;
     }
     if plan.splits > 1 {
@@ -575,12 +700,137 @@ pub fn attention_with_scratch(
         };
         let (s, nqi, hd) = (i32_arg("splits", plan.splits)?, i32_arg("queries", n_queries)?, head_dim as i32);
         let mut b = gpu.stream().launch_builder(&f);
-        b.arg(&*part_acc).arg(&*part_ml).arg(&mut *out).arg(&s).arg(&nqi).arg(&hd);
-        // SAFETY: attn_combine(part_acc, part_ml, out, splits, n_queries, head_dim) reads the partials the
-        // split kernel wrote and writes out[0..n_queries*head_dim] (checked above).
+        b.arg(&*part_acc).arg(&*part_ml).arg(&mut *out).arg(&s).arg(&nqi).arg(&hd).arg(&nr);
+        match step {
+            Some(st) => b.arg(st),
+            None => b.arg(&null_step),
+        };
+        // SAFETY: attn_combine(part_acc, part_ml, out, splits, n_queries, head_dim, rows, step) reads the partials
+        // the split kernel wrote and writes out[0..n_queries*head_dim] (checked by the callers).
         unsafe { b.launch(cfg) }?;
     }
     Ok(())
+}
+
+// ------------------------------------------------------------------------
+// A captured decode step (CUDA-graph replay): the per-step values on the device.
+
+/// Per-step values a captured decode step reads on the device: `[start_pos, chunk]` as i32.
+pub struct StepPos {
+    pub buf: CudaSlice<i32>,
+}
+
+impl StepPos {
+    /// A zeroed one (start_pos 0, chunk 0: set it before the first launch that reads it).
+    pub fn new(gpu: &Gpu) -> Result<StepPos> {
+        Ok(StepPos { buf: gpu.alloc_zeros::<i32>(2)? })
+    }
+
+    /// Writes `start_pos` and `chunk` (from `step_chunk(plan, start_pos + rows)`): queued on the stream (ordered
+    /// before the launches that follow on it); the host values are copied before return. `chunk` must be positive;
+    /// both must fit in i32 (and start_pos + rows too).
+    pub fn set(&mut self, gpu: &Gpu, start_pos: usize, chunk: usize) -> Result<()> {
+        if chunk == 0 || start_pos >= i32::MAX as usize / 2 || chunk > i32::MAX as usize / 2 {
+            return Err(Error::InvalidArgument(format!("StepPos::set: start_pos {start_pos}, chunk {chunk}")));
+        }
+        let vals = [start_pos as i32, chunk as i32];
+        // Pageable host source: the driver stages it before returning (cuMemcpyHtoDAsync).
+        gpu.stream().memcpy_htod(&vals, &mut self.buf)?;
+        Ok(())
+    }
+}
+
+/// The launch shape a captured decode attention keeps for every step: the kernel, the split count (fixed) and its
+/// key tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepPlan {
+    /// Splits of the grid (fixed): `(BLOCKS_PER_SM * sm_count).div_ceil(kv_heads * query tiles)`, the most
+    /// `plan_splits` ever gives for this shape, so every key range splits exactly as the plain `attention` does.
+    pub splits: usize,
+    /// Key tile: a chunk is a multiple of it.
+    pub tile: usize,
+    choice: KernelChoice,
+    shape: AttentionShape,
+    rows: usize,
+    dtype: KvDtype,
+}
+
+/// The plan for `rows` query rows (1 for decode) of `shape` over a cache of `kv_dtype` on this device: the kernel
+/// `AttnKernel::Auto` picks for that many rows and a fixed split count (the most `plan_splits` gives for this shape:
+/// `4 * sm_count / (kv_heads * query tiles)`, rounded up, which `AttnScratch::new(gpu, shape, rows)` holds). Also
+/// sets the kernel's shared-memory attribute (so `attention_at` makes no such call).
+pub fn step_plan(gpu: &Gpu, shape: AttentionShape, rows: usize, kv_dtype: KvDtype) -> Result<StepPlan> {
+    let AttentionShape { heads, kv_heads, head_dim } = shape;
+    if kv_heads == 0 || heads == 0 || heads % kv_heads != 0 || !HEAD_DIMS.contains(&head_dim) || rows == 0 {
+        return Err(Error::InvalidArgument(format!("step_plan: shape {shape:?}, {rows} rows")));
+    }
+    let choice = choose_kernel(gpu, shape, rows, kv_dtype, AttnConfig::default())?;
+    let target = BLOCKS_PER_SM * (gpu.sm_count() as usize).max(1);
+    let splits = target.div_ceil(kv_heads * choice.qtiles).max(1);
+    if splits > 65535 {
+        return Err(Error::InvalidArgument(format!("step_plan: {splits} splits")));
+    }
+    let f = gpu.function(&choice.name(head_dim, kv_dtype))?;
+    set_smem(&f, choice.smem)?;
+    gpu.function("attn_combine")?;
+    Ok(StepPlan { splits, tile: choice.tile, choice, shape, rows, dtype: kv_dtype })
+}
+
+/// The chunk (keys per split, a multiple of `plan.tile`) for keys `0..kend` (`kend = start_pos + rows`) with
+/// `plan.splits` splits: exactly `plan_splits`'s chunk for that key range, so the ranges of the non-empty splits
+/// are those of the plain `attention`; splits past the end are empty. `kend <= plan.splits * chunk`.
+pub fn step_chunk(plan: &StepPlan, kend: usize) -> usize {
+    let tiles = kend.div_ceil(plan.tile).max(1);
+    let most = tiles.div_ceil(MIN_TILES_PER_SPLIT);
+    let splits = plan.splits.clamp(1, most.max(1));
+    tiles.div_ceil(splits) * plan.tile
+}
+
+/// `attention` with start_pos = `pos.buf[0]` and chunk = `pos.buf[1]` read on the device (`StepPos::set` with
+/// `step_chunk(plan, start_pos + rows)` first), launched with `plan.splits` splits (grid fixed), then the combine
+/// over `plan.splits` partials (a no-op on the device when split 0 holds every key). Same bits as `attention`
+/// at that start_pos. Positions `0..start_pos + rows` must lie within the cache (the caller's duty). Checks only
+/// the shapes and buffer sizes: no allocation, synchronization or host copy (capturable).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_at(
+    gpu: &Gpu,
+    q: &CudaSlice<f32>,
+    kv: &DeviceKv,
+    shape: AttentionShape,
+    rows: usize,
+    out: &mut CudaSlice<f32>,
+    plan: &StepPlan,
+    pos: &StepPos,
+    scratch: &mut AttnScratch,
+) -> Result<()> {
+    let AttentionShape { heads, kv_heads, head_dim } = shape;
+    let n = rows * heads * head_dim;
+    let parts = plan.splits * rows * heads;
+    if shape != plan.shape
+        || rows != plan.rows
+        || kv.dtype != plan.dtype
+        || kv_heads != kv.kv_heads
+        || head_dim != kv.head_dim
+        || q.len() < n
+        || out.len() < n
+        || pos.buf.len() < 2
+        || (plan.splits > 1 && (scratch.part_acc.len() < parts * head_dim || scratch.part_ml.len() < parts * 2))
+    {
+        return Err(Error::InvalidArgument(format!(
+            "attention_at: shape {shape:?} x {rows} rows over a {:?} cache of {} kv heads of {}, plan {plan:?}, \
+             q/out {}/{} values, scratch {}/{} floats",
+            kv.dtype,
+            kv.kv_heads,
+            kv.head_dim,
+            q.len(),
+            out.len(),
+            scratch.part_acc.len(),
+            scratch.part_ml.len()
+        )));
+    }
+    let f = gpu.function(&plan.choice.name(head_dim, kv.dtype))?;
+    let split_plan = SplitPlan { splits: plan.splits, chunk: plan.tile };
+    launch_attention(gpu, &f, q, kv, shape, rows, out, &plan.choice, split_plan, 0, Some(&pos.buf), scratch)
 }
 
 #[cfg(test)]
@@ -610,6 +860,41 @@ mod tests {
                             let p = plan_splits(kend, kv_heads * qtiles, sms, tile);
                             assert!(p.splits <= most, "{kend} {kv_heads} {qtiles} {sms} {tile}: {p:?} > {most}");
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// step_chunk with the fixed split count gives plan_splits's chunk (so the same split ranges as the plain
+    /// launch), and its splits cover the keys within plan.splits.
+    #[test]
+    fn step_chunk_matches_plan_splits() {
+        for sms in [1usize, 46, 132] {
+            for kv_heads in [1usize, 2, 4, 8] {
+                for tile in [SIMT_TK, 64, 128] {
+                    let splits = (BLOCKS_PER_SM * sms).div_ceil(kv_heads);
+                    let choice = KernelChoice {
+                        kernel: AttnKernel::Simt,
+                        variant: 8,
+                        threads: SIMT_THREADS,
+                        qtiles: 1,
+                        tile,
+                        smem: 0,
+                    };
+                    let plan = StepPlan {
+                        splits,
+                        tile,
+                        choice,
+                        shape: AttentionShape { heads: kv_heads, kv_heads, head_dim: 64 },
+                        rows: 1,
+                        dtype: KvDtype::Int8,
+                    };
+                    for kend in (1usize..=700).chain([4095, 4096, 4097, 40000, 40001, 262144]) {
+                        let p = plan_splits(kend, kv_heads, sms, tile);
+                        let chunk = step_chunk(&plan, kend);
+                        assert_eq!(chunk, p.chunk, "{sms} {kv_heads} {tile} {kend}");
+                        assert!(p.splits <= splits && chunk % tile == 0 && chunk * splits >= kend);
                     }
                 }
             }
