@@ -296,9 +296,13 @@ extern "C" __global__ void __launch_bounds__(256) dn_qk_l2norm(float* __restrict
     for (int e = lane; e < dk; e += 32) x[e] = (x[e] * inv) * scale;
 }
 
+// Row stride of the 64x64 matrices of dn_chunk_prep read as float4s (X, P).
+#define DN_ML4 (DN_CHUNK + 4)
+
 // acc[m][x] = sum_{l < n} M[i][l] B[l][col] for the rows i = warp + 8m (m < 8) and the columns
-// col = c0 + lane + 32x (x < 4; zero where col >= ncols) of a 64-row block: M [64][65], B at
-// stride ldb. 8 broadcast reads of M and 4 conflict-free reads of B per 32 multiply-adds.
+// col = c0 + lane + 32x (x < 4; zero where col >= ncols) of a 64-row block: M [64][DN_ML4]
+// (16-byte aligned), B [64][ldb] with rows >= n zero (the sum runs to n rounded up to 4).
+// Per 4 l: 8 broadcast float4 reads of M and 16 conflict-free reads of B for 128 multiply-adds.
 static __device__ __forceinline__ void dn_prep_mm(const float* __restrict__ M, const float* __restrict__ B,
                                                   int ldb, int c0, int ncols, int n, int warp, int lane,
                                                   float (&acc)[8][4]) {
@@ -306,26 +310,34 @@ static __device__ __forceinline__ void dn_prep_mm(const float* __restrict__ M, c
     for (int m = 0; m < 8; ++m)
 #pragma unroll
         for (int x = 0; x < 4; ++x) acc[m][x] = 0.0f;
-    for (int l = 0; l < n; ++l) {
-        float b[4];
+    const int n4 = (n + 3) & ~3;
+    for (int l = 0; l < n4; l += 4) {
+        float b[4][4];
 #pragma unroll
-        for (int x = 0; x < 4; ++x) {
-            const int col = c0 + lane + 32 * x;
-            b[x] = col < ncols ? B[l * ldb + col] : 0.0f;
-        }
+        for (int y = 0; y < 4; ++y)
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                const int col = c0 + lane + 32 * x;
+                b[y][x] = col < ncols ? B[(l + y) * ldb + col] : 0.0f;
+            }
 #pragma unroll
         for (int m = 0; m < 8; ++m) {
-            const float mv = M[(warp + 8 * m) * (DN_CHUNK + 1) + l];
+            const float4 mv = *reinterpret_cast<const float4*>(M + (warp + 8 * m) * DN_ML4 + l);
 #pragma unroll
-            for (int x = 0; x < 4; ++x) acc[m][x] += mv * b[x];
+            for (int x = 0; x < 4; ++x) {
+                acc[m][x] += mv.x * b[0][x];
+                acc[m][x] += mv.y * b[1][x];
+                acc[m][x] += mv.z * b[2][x];
+                acc[m][x] += mv.w * b[3][x];
+            }
         }
     }
 }
 
 // Grid (chunk, value head), 256 threads. Dynamic shared memory:
 //   kv [64][max(dk, dv) + 1]: k (scaled in place to beta e^c k), then beta v at stride dv+1
-//   qs [64][max(dk + 1, 65)]: q, then X = Tm at stride 65
-//   am [64][65]: A, then P = attn Tm
+//   qs [64][max(dk + 1, 68)]: q, then X = Tm at stride 68 (DN_ML4)
+//   am [64][68]: A, then P = attn Tm
 //   pa [64][65]: attn
 //   cum [64], bet [64]
 // Outputs: cum_out [Hv, T]; w_out, qp_out [Hv, T, dk4] (dk4 = dk rounded up to 4, the
@@ -335,13 +347,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) dn_chunk_prep(
     const float* __restrict__ dt_bias, float* __restrict__ cum_out, float* __restrict__ w_out,
     float* __restrict__ qp_out, float* __restrict__ u_out, float* __restrict__ o, int T, int Hk, int Hv, int dk,
     int dv) {
-    extern __shared__ float dn_prep_smem[];
+    extern __shared__ float4 dn_prep_smem4[];
+    float* dn_prep_smem = reinterpret_cast<float*>(dn_prep_smem4);
     const int ld = dk + 1, lv = dv + 1;
-    const int MLD = DN_CHUNK + 1;
+    const int MLD = DN_CHUNK + 1, ML4 = DN_ML4;
     float* ks = dn_prep_smem;
     float* qs = ks + DN_CHUNK * max(ld, lv);
-    float* am = qs + DN_CHUNK * max(ld, MLD);
-    float* pa = am + DN_CHUNK * MLD;
+    float* am = qs + DN_CHUNK * max(ld, ML4);
+    float* pa = am + DN_CHUNK * ML4;
     float* cum = pa + DN_CHUNK * MLD;
     float* bet = cum + DN_CHUNK;
     const int ch = blockIdx.x, h = blockIdx.y;
@@ -406,7 +419,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) dn_chunk_prep(
                     a = j < i ? (bet[i] * sa[m][x]) * d : 0.0f;
                     p = sp[m][x] * d;
                 }
-                am[i * MLD + j] = a;
+                am[i * ML4 + j] = a;
                 pa[i * MLD + j] = p;
             }
         }
@@ -422,18 +435,18 @@ extern "C" __global__ void __launch_bounds__(256, 2) dn_chunk_prep(
             if (i >= c) {
                 // Four partial sums: the chain of dependent multiply-adds is 4x shorter.
                 float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
-                const float* ai = am + i * MLD;
+                const float* ai = am + i * ML4;
                 int l = c;
                 for (; l + 3 < i; l += 4) {
-                    p0 += ai[l] * xs[l * MLD + c];
-                    p1 += ai[l + 1] * xs[(l + 1) * MLD + c];
-                    p2 += ai[l + 2] * xs[(l + 2) * MLD + c];
-                    p3 += ai[l + 3] * xs[(l + 3) * MLD + c];
+                    p0 += ai[l] * xs[l * ML4 + c];
+                    p1 += ai[l + 1] * xs[(l + 1) * ML4 + c];
+                    p2 += ai[l + 2] * xs[(l + 2) * ML4 + c];
+                    p3 += ai[l + 3] * xs[(l + 3) * ML4 + c];
                 }
-                for (; l < i; ++l) p0 += ai[l] * xs[l * MLD + c];
+                for (; l < i; ++l) p0 += ai[l] * xs[l * ML4 + c];
                 x = (i == c ? 1.0f : 0.0f) - ((p0 + p1) + (p2 + p3));
             }
-            xs[i * MLD + c] = x;
+            xs[i * ML4 + c] = x;
         }
     }
     __syncthreads();
@@ -441,8 +454,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) dn_chunk_prep(
     for (int e = tid; e < DN_CHUNK * DN_CHUNK; e += blockDim.x) {
         const int i = e / DN_CHUNK, j = e % DN_CHUNK;
         float p = 0.0f;
-        for (int l = j; l <= i; ++l) p += pa[i * MLD + l] * xs[l * MLD + j];
-        am[i * MLD + j] = p;
+        for (int l = j; l <= i; ++l) p += pa[i * MLD + l] * xs[l * ML4 + j];
+        am[i * ML4 + j] = p;
     }
     for (int idx = tid; idx < DN_CHUNK * dk; idx += blockDim.x) {
         const int i = idx / dk, r = idx % dk;

@@ -93,11 +93,11 @@ fn rule_function(gpu: &Gpu, base: &str, dk: usize) -> Result<CudaFunction> {
     gpu.function(&format!("{base}_{}", if dk <= 128 { "r16" } else { "r32" }))
 }
 
-/// Dynamic shared memory of `dn_chunk_prep`: kv [64][max(dk, dv)+1], qs [64][max(dk+1, 65)],
-/// am, pa [64][65], cum, beta.
+/// Dynamic shared memory of `dn_chunk_prep`: kv [64][max(dk, dv)+1], qs [64][max(dk+1, 68)],
+/// am [64][68], pa [64][65], cum, beta (dk = dv = 128: 100,608 bytes, under the 99 KB of sm_86/89).
 fn prep_shared_bytes(s: DeltaNetShape) -> usize {
     let (c, ld) = (DELTA_RULE_CHUNK, s.key_head_dim + 1);
-    4 * (c * ld.max(s.value_head_dim + 1) + c * ld.max(c + 1) + 2 * c * (c + 1) + 2 * c)
+    4 * (c * ld.max(s.value_head_dim + 1) + c * ld.max(c + 4) + c * (c + 4) + c * (c + 1) + 2 * c)
 }
 
 /// The state rows a `dn_chunk_state_*` block is built for (`MAXDK`): 128 (r16) or 256 (r32).
@@ -122,7 +122,7 @@ fn padded_key_dim(s: DeltaNetShape) -> usize {
 }
 
 /// Whether this device gives a block the shared memory of the chunked form
-/// (dk = dv = 128: prep 99 KB, state 80 KB; every CC >= 8.0 device does, sm_75's 64 KB does not).
+/// (dk = dv = 128: prep 98 KiB, state 78 KiB; every CC >= 8.0 device does, sm_75's 64 KB does not).
 pub fn chunked_form_fits(gpu: &Gpu, shape: DeltaNetShape) -> Result<bool> {
     let optin = gpu.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
     Ok(prep_shared_bytes(shape).max(state_shared_bytes(shape)) <= optin.max(0) as usize)
