@@ -7,6 +7,7 @@
 //   prefill:  moe_group_by_expert       counting sort of the (token, j) assignments by expert
 //             moe_gate_up_grouped_simple / moe_down_grouped_simple   (one slot per block row, SIMT)
 //             moe_gate_up_grouped_mma   / moe_down_grouped_mma       (tensor cores, sm_80+)
+//             moe_gate_up_grouped_mma_split / moe_down_grouped_mma_split (the same, activations as bf16 hi + lo)
 //             moe_combine               out[t] (+)= sum_j w[t,j] y[slot(t,j)]
 //   generic:  moe_gate_up_gemv16, moe_down_gemv16, moe_gate_up_grouped16,
 //             moe_down_grouped16: the same for a reduced dimension (H for
@@ -1035,6 +1036,13 @@ extern "C" __global__ void __launch_bounds__(256)
 // memory, then 8 warps (2 x 4) run mma.m16n8k16 bf16 with f32 accumulators,
 // each warp 32 rows x 8 n8-tiles. The next K step's global loads are issued
 // before the MMAs of the current one. Global scales go in the f32 epilogue.
+// SPLIT (the *_split kernels, GroupedPrecision::Split): the A operand as bf16
+// hi + lo, two MMA passes per K step into the same f32 accumulators: the hi
+// tile is stored with W, the hi pass runs, then the lo parts (from the same
+// registers) overwrite the A tile, the next K step's loads are issued and the
+// lo pass runs. Same shared memory as the bf16 kernels (a second A tile
+// would pass the 48 KB of static shared memory) and 8 more live registers
+// (the packed lo parts) during the hi pass. Inf in x gives NaN (inf - inf).
 // ---------------------------------------------------------------------------
 
 #define MOE_MMA_BK 64
@@ -1047,6 +1055,13 @@ static __device__ __attribute__((unused)) __forceinline__ uint32_t moe_bf16x2(fl
     uint32_t u;
     memcpy(&u, &v, 4);
     return u;
+}
+
+// The low parts of the bf16 hi/lo split of (lo, hi): bf16(x - float(bf16(x))) for each
+// (x - hi is exact in f32; hi + lo carries ~16 significant bits of x).
+static __device__ __attribute__((unused)) __forceinline__ uint32_t moe_bf16x2_rem(float lo, float hi) {
+    const float2 h = __bfloat1622float2(__floats2bfloat162_rn(lo, hi));
+    return moe_bf16x2(lo - h.x, hi - h.y);
 }
 
 // 8 E2M1 codes (word w, element i = nibble i) times scale sf (= e4m3 * 2^14)
@@ -1085,7 +1100,7 @@ static __device__ __attribute__((unused)) __forceinline__ void moe_mma_bf16(floa
 
 // GU = true: act[slot, n0 + f] = silu(g_gate * gate . x_t) * (g_up * up . x_t), 128 features per block.
 // GU = false: y[slot, n0 + f] = g_down * down . act[slot], 256 features per block.
-template <bool GU>
+template <bool GU, bool SPLIT>
 static __device__ __forceinline__ void moe_grouped_mma(const float* __restrict__ a_src,
                                                        const uint32_t* __restrict__ rows,
                                                        const uint32_t* __restrict__ offsets,
@@ -1163,6 +1178,19 @@ static __device__ __forceinline__ void moe_grouped_mma(const float* __restrict__
         pw1[2] = moe_dequant8_bf16(rc1.z, s11);
         pw1[3] = moe_dequant8_bf16(rc1.w, s11);
     };
+    // SPLIT: this thread's A chunk as the lo parts, packed before the hi pass (8 registers, not ra's 16).
+    uint4 rl0, rl1;
+    auto split_lo = [&]() {
+        rl0 = make_uint4(moe_bf16x2_rem(ra[0].x, ra[0].y), moe_bf16x2_rem(ra[0].z, ra[0].w),
+                         moe_bf16x2_rem(ra[1].x, ra[1].y), moe_bf16x2_rem(ra[1].z, ra[1].w));
+        rl1 = make_uint4(moe_bf16x2_rem(ra[2].x, ra[2].y), moe_bf16x2_rem(ra[2].z, ra[2].w),
+                         moe_bf16x2_rem(ra[3].x, ra[3].y), moe_bf16x2_rem(ra[3].z, ra[3].w));
+    };
+    auto store_lo = [&]() {
+        uint4* pa = reinterpret_cast<uint4*>(As + ar * MOE_MMA_PITCH + ac);
+        pa[0] = rl0;
+        pa[1] = rl1;
+    };
 
     float acc[2][8][4];
 #pragma unroll
@@ -1172,14 +1200,12 @@ static __device__ __forceinline__ void moe_grouped_mma(const float* __restrict__
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[mi][nj][c] = 0.0f;
 
-    const int nk = (K + MOE_MMA_BK - 1) / MOE_MMA_BK;
-    load(0);
-    for (int kt = 0; kt < nk; ++kt) {
-        __syncthreads();  // the previous step's MMAs are done with the tiles
-        store();
-        __syncthreads();
-        if (kt + 1 < nk) load(kt + 1);
-#pragma unroll
+    // acc += A tile (As) x W tile (Ws)^T over one K step.
+    // SPLIT runs two passes per K step: unrolled by 2 (sm_90 ptxas: 32 spilled bytes, loop-invariant
+    // blob pointers reloaded once per K step; the full unroll spills 56).
+    constexpr int kUnroll = SPLIT ? 2 : MOE_MMA_BK / 16;
+    auto mma_pass = [&]() {
+#pragma unroll kUnroll
         for (int kk = 0; kk < MOE_MMA_BK / 16; ++kk) {
             uint32_t af[2][4];
 #pragma unroll
@@ -1197,6 +1223,23 @@ static __device__ __forceinline__ void moe_grouped_mma(const float* __restrict__
                 }
             }
         }
+    };
+
+    const int nk = (K + MOE_MMA_BK - 1) / MOE_MMA_BK;
+    load(0);
+    for (int kt = 0; kt < nk; ++kt) {
+        __syncthreads();  // the previous step's MMAs are done with the tiles
+        store();
+        __syncthreads();
+        if (SPLIT) {
+            split_lo();
+            mma_pass();  // hi
+            __syncthreads();  // the hi pass is done with As
+            store_lo();
+            __syncthreads();
+        }
+        if (kt + 1 < nk) load(kt + 1);
+        mma_pass();  // bf16 (or SPLIT: lo)
     }
 
     const int g = lane >> 2, q = lane & 3;
@@ -1244,7 +1287,7 @@ extern "C" __global__ void __launch_bounds__(MOE_MMA_THREADS, 2)
                             const uint32_t* __restrict__ offsets, const uint32_t* __restrict__ tile_offsets,
                             int num_experts, const uint64_t* __restrict__ table, MoeBlobLayout L, int top_k,
                             float* __restrict__ act) {
-    moe_grouped_mma<true>(x, rows, offsets, tile_offsets, num_experts, table, L, top_k, act);
+    moe_grouped_mma<true, false>(x, rows, offsets, tile_offsets, num_experts, table, L, top_k, act);
 }
 
 // grid (max row tiles, ceil(H / 256)), block 256. y [n, H] in slot order.
@@ -1252,5 +1295,22 @@ extern "C" __global__ void __launch_bounds__(MOE_MMA_THREADS, 2)
     moe_down_grouped_mma(const float* __restrict__ act, const uint32_t* __restrict__ offsets,
                          const uint32_t* __restrict__ tile_offsets, int num_experts,
                          const uint64_t* __restrict__ table, MoeBlobLayout L, float* __restrict__ y) {
-    moe_grouped_mma<false>(act, nullptr, offsets, tile_offsets, num_experts, table, L, 1, y);
+    moe_grouped_mma<false, false>(act, nullptr, offsets, tile_offsets, num_experts, table, L, 1, y);
+}
+
+// moe_gate_up_grouped_mma with x as bf16 hi + lo (GroupedPrecision::Split); same grid and arguments.
+extern "C" __global__ void __launch_bounds__(MOE_MMA_THREADS, 2)
+    moe_gate_up_grouped_mma_split(const float* __restrict__ x, const uint32_t* __restrict__ rows,
+                                  const uint32_t* __restrict__ offsets, const uint32_t* __restrict__ tile_offsets,
+                                  int num_experts, const uint64_t* __restrict__ table, MoeBlobLayout L, int top_k,
+                                  float* __restrict__ act) {
+    moe_grouped_mma<true, true>(x, rows, offsets, tile_offsets, num_experts, table, L, top_k, act);
+}
+
+// moe_down_grouped_mma with act as bf16 hi + lo (GroupedPrecision::Split); same grid and arguments.
+extern "C" __global__ void __launch_bounds__(MOE_MMA_THREADS, 2)
+    moe_down_grouped_mma_split(const float* __restrict__ act, const uint32_t* __restrict__ offsets,
+                               const uint32_t* __restrict__ tile_offsets, int num_experts,
+                               const uint64_t* __restrict__ table, MoeBlobLayout L, float* __restrict__ y) {
+    moe_grouped_mma<false, true>(act, nullptr, offsets, tile_offsets, num_experts, table, L, 1, y);
 }

@@ -15,11 +15,16 @@
 //!   exact in bf16 (e2m1 * e4m3) and accumulation is f32, so each dot product
 //!   carries about 2^-9 of its magnitude per stage, two stages (gate/up, down)
 //!   compound to a few 1e-3 of max |out|.
+//! - tensor-core grouped path with `GroupedPrecision::Split`: 1e-4. x and the
+//!   activations go in as bf16 hi + lo, lo = bf16(a - hi), so each operand
+//!   carries ~2^-17 of its magnitude (at most 2^-16); the weights are exact
+//!   and accumulation is f32, so the two stages stay at ~1e-5 of max |out|
+//!   (the bf16 path's error times ~2^-8, plus the f32 summation order).
 
 use std::sync::Arc;
 
 use strata::backend::cpu::ops::{expert_ffn, expert_ffn_row, silu};
-use strata::backend::cuda::moe::{self as gm, BlobLayout};
+use strata::backend::cuda::moe::{self as gm, BlobLayout, GroupedPrecision};
 use strata::backend::cuda::{CudaSlice, DevicePtr, Gpu};
 use strata::backend::{Backend, CpuBackend, ExpertRows, Matrix};
 use strata::moe::{self, ExpertSource, MoeLayer, Routing};
@@ -38,6 +43,7 @@ pub const TESTS: &[GpuTest] = &[
     ("moe_decode_pipeline_matches_moe_forward", decode_pipeline_matches_moe_forward),
     ("moe_group_by_expert_matches_cpu", group_by_expert_matches_cpu),
     ("moe_grouped_matches_cpu_forward", grouped_matches_cpu_forward),
+    ("moe_grouped_split_precision", grouped_split_precision),
     ("moe_gemv_any_multiple_of_16", gemv_any_multiple_of_16),
     ("moe_grouped_any_multiple_of_16", grouped_any_multiple_of_16),
     ("moe_shared_expert_every_token_count", shared_expert_every_token_count),
@@ -58,6 +64,7 @@ const BF16_FLOPS: f64 = 790e12;
 
 const F32_TOL: f32 = 1e-5;
 const BF16_TOL: f32 = 1e-2;
+const SPLIT_TOL: f32 = 1e-4;
 
 /// Random NVFP4 experts on the host, in `ExpertLayout` blob form too.
 struct HostExperts {
@@ -600,7 +607,22 @@ fn group_by_expert_matches_cpu(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// the default (tensor-core on sm_80+) grouped kernels.
 fn grouped_matches_cpu_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
     for &(h, i, n_exp, k) in &[(2048usize, 768usize, 16usize, 8usize), (2048, 512, 24, 10)] {
-        check_grouped(gpu, h, i, n_exp, k, &[1, 17, 300])?;
+        check_grouped(gpu, h, i, n_exp, k, &[1, 17, 300], DEFAULT_MODES)?;
+    }
+    Ok(())
+}
+
+/// The prefill pipeline by `expert_*_grouped_with(.., GroupedPrecision::Split)`
+/// (tensor cores with activations as bf16 hi + lo) against the CPU forward at
+/// SPLIT_TOL (1e-4, 100x tighter than the bf16 path's 1e-2, which it would
+/// not pass): the model sizes (H 2048, I 768 / 512, k 8 / 10) and the
+/// fixture shapes (64, 32) and (96, 32) (k = 2 of 8; both matrices on tensor
+/// cores), T in {17, 300}.
+fn grouped_split_precision(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for &(h, i, n_exp, k) in
+        &[(2048usize, 768usize, 16usize, 8usize), (2048, 512, 24, 10), (64, 32, 8, 2), (96, 32, 8, 2)]
+    {
+        check_grouped(gpu, h, i, n_exp, k, &[17, 300], &[GroupedMode::Split])?;
     }
     Ok(())
 }
@@ -611,15 +633,35 @@ fn grouped_matches_cpu_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// tensor cores only when the dimension it reduces over is a multiple of 32).
 fn grouped_any_multiple_of_16(gpu: &Arc<Gpu>) -> Result<(), String> {
     for &(h, i) in SMALL_SHAPES {
-        check_grouped(gpu, h, i, 8, 2, &[1, 9, 17, 300])?;
+        check_grouped(gpu, h, i, 8, 2, &[1, 9, 17, 300], DEFAULT_MODES)?;
     }
     Ok(())
 }
 
+/// Which grouped entry points `check_grouped` runs.
+#[derive(Clone, Copy, PartialEq)]
+enum GroupedMode {
+    /// `expert_*_grouped_simple` (SIMT, f32).
+    Simple,
+    /// `expert_*_grouped` (tensor cores with bf16 activations where they apply).
+    Default,
+    /// `expert_*_grouped_with(.., GroupedPrecision::Split)`.
+    Split,
+}
+const DEFAULT_MODES: &[GroupedMode] = &[GroupedMode::Simple, GroupedMode::Default];
+
 /// group -> gate/up -> down -> combine (overwrite into a poisoned out, and
 /// accumulate onto a prior) against the CPU forward for each token count, by
-/// the SIMT and the default entry points; act and y are poisoned first.
-fn check_grouped(gpu: &Gpu, h: usize, i: usize, n_exp: usize, k: usize, token_counts: &[usize]) -> Result<(), String> {
+/// each of `modes`; act and y are poisoned first.
+fn check_grouped(
+    gpu: &Gpu,
+    h: usize,
+    i: usize,
+    n_exp: usize,
+    k: usize,
+    token_counts: &[usize],
+    modes: &[GroupedMode],
+) -> Result<(), String> {
     let host = HostExperts::random(h as u64 * 3 + i as u64, h, i, n_exp);
     let dev = upload_experts(gpu, &host)?;
     for &tokens in token_counts {
@@ -659,29 +701,41 @@ fn check_grouped(gpu: &Gpu, h: usize, i: usize, n_exp: usize, k: usize, token_co
         let n = tokens * k;
         let (tc_gu, tc_down) = gm::grouped_tensor_core_paths(gpu, &dev.layout);
         let tc = tc_gu || tc_down;
-        for simple in [true, false] {
+        for &mode in modes {
             let path = |tc: bool| if tc { "tensor cores" } else { "SIMT" };
-            let what = if simple {
-                format!("H={h} I={i} E={n_exp} k={k} T={tokens} SIMT")
-            } else {
-                format!(
-                    "H={h} I={i} E={n_exp} k={k} T={tokens} default (gate/up {}, down {})",
+            let what = match mode {
+                GroupedMode::Simple => format!("H={h} I={i} E={n_exp} k={k} T={tokens} SIMT"),
+                GroupedMode::Default | GroupedMode::Split => format!(
+                    "H={h} I={i} E={n_exp} k={k} T={tokens} {} (gate/up {}, down {})",
+                    if mode == GroupedMode::Split { "split" } else { "default" },
                     path(tc_gu),
                     path(tc_down)
-                )
+                ),
             };
             let mut act = poisoned(gpu, n * i)?;
             let mut y = poisoned(gpu, n * h)?;
-            if simple {
-                gm::expert_gate_up_grouped_simple(gpu, &d_x, &g, &dev.table, &dev.layout, &mut act).map_err(e)?;
-                gm::expert_down_grouped_simple(gpu, &act, &g, &dev.table, &dev.layout, &mut y).map_err(e)?;
-            } else {
-                gm::expert_gate_up_grouped(gpu, &d_x, &g, &dev.table, &dev.layout, &mut act).map_err(e)?;
-                gm::expert_down_grouped(gpu, &act, &g, &dev.table, &dev.layout, &mut y).map_err(e)?;
+            match mode {
+                GroupedMode::Simple => {
+                    gm::expert_gate_up_grouped_simple(gpu, &d_x, &g, &dev.table, &dev.layout, &mut act).map_err(e)?;
+                    gm::expert_down_grouped_simple(gpu, &act, &g, &dev.table, &dev.layout, &mut y).map_err(e)?;
+                }
+                GroupedMode::Default => {
+                    gm::expert_gate_up_grouped(gpu, &d_x, &g, &dev.table, &dev.layout, &mut act).map_err(e)?;
+                    gm::expert_down_grouped(gpu, &act, &g, &dev.table, &dev.layout, &mut y).map_err(e)?;
+                }
+                GroupedMode::Split => {
+                    let p = GroupedPrecision::Split;
+                    gm::expert_gate_up_grouped_with(gpu, &d_x, &g, &dev.table, &dev.layout, &mut act, p).map_err(e)?;
+                    gm::expert_down_grouped_with(gpu, &act, &g, &dev.table, &dev.layout, &mut y, p).map_err(e)?;
+                }
             }
             let mut out = poisoned(gpu, tokens * h)?;
             gm::moe_combine(gpu, &y, &g, &d_w, h, &mut out, false).map_err(e)?;
-            let tol = if simple || !tc { F32_TOL } else { BF16_TOL };
+            let tol = match mode {
+                GroupedMode::Default if tc => BF16_TOL,
+                GroupedMode::Split if tc => SPLIT_TOL,
+                _ => F32_TOL,
+            };
             let got = download(gpu, &out)?;
             check_close(&what, &got, &want, tol)?;
             // The down scale of each expert must reach the output.
@@ -867,25 +921,37 @@ fn prefill_grouped_timing(gpu: &Arc<Gpu>) -> Result<(), String> {
     let mut out = gpu.alloc_zeros::<f32>(tokens * h).map_err(e)?;
     let flops = 2.0 * 3.0 * (h * i) as f64 * n as f64;
     let tc = gm::grouped_uses_tensor_cores(gpu);
-    for simple in [true, false] {
-        if !simple && !tc {
+    for mode in [GroupedMode::Simple, GroupedMode::Default, GroupedMode::Split] {
+        if mode != GroupedMode::Simple && !tc {
             continue;
         }
         let secs = median_seconds(gpu, 5, |_| {
             gm::group_by_expert_into(gpu, &ids, tokens, k, &mut g).map_err(e)?;
-            if simple {
-                gm::expert_gate_up_grouped_simple(gpu, &x, &g, &table, &bl, &mut act).map_err(e)?;
-                gm::expert_down_grouped_simple(gpu, &act, &g, &table, &bl, &mut y).map_err(e)?;
-            } else {
-                gm::expert_gate_up_grouped(gpu, &x, &g, &table, &bl, &mut act).map_err(e)?;
-                gm::expert_down_grouped(gpu, &act, &g, &table, &bl, &mut y).map_err(e)?;
+            match mode {
+                GroupedMode::Simple => {
+                    gm::expert_gate_up_grouped_simple(gpu, &x, &g, &table, &bl, &mut act).map_err(e)?;
+                    gm::expert_down_grouped_simple(gpu, &act, &g, &table, &bl, &mut y).map_err(e)?;
+                }
+                GroupedMode::Default => {
+                    gm::expert_gate_up_grouped(gpu, &x, &g, &table, &bl, &mut act).map_err(e)?;
+                    gm::expert_down_grouped(gpu, &act, &g, &table, &bl, &mut y).map_err(e)?;
+                }
+                GroupedMode::Split => {
+                    let p = GroupedPrecision::Split;
+                    gm::expert_gate_up_grouped_with(gpu, &x, &g, &table, &bl, &mut act, p).map_err(e)?;
+                    gm::expert_down_grouped_with(gpu, &act, &g, &table, &bl, &mut y, p).map_err(e)?;
+                }
             }
             gm::moe_combine(gpu, &y, &g, &w, h, &mut out, false).map_err(e)
         })?;
         println!(
             "     moe prefill T={tokens} H={h} I={i} k={k} E={n_exp} (skewed: busiest expert {busiest} rows, {idle} idle) \
              {}: {:.3} ms = {:.1} TFLOP/s = {:.1}% of {:.0} TFLOP/s (floor {:.3} ms)",
-            if simple { "SIMT" } else { "tensor cores" },
+            match mode {
+                GroupedMode::Simple => "SIMT",
+                GroupedMode::Default => "tensor cores",
+                GroupedMode::Split => "tensor cores (split hi/lo)",
+            },
             secs * 1e3,
             flops / secs / 1e12,
             100.0 * flops / secs / BF16_FLOPS,

@@ -458,10 +458,25 @@ pub fn grouped_tensor_core_paths(gpu: &Gpu, layout: &BlobLayout) -> (bool, bool)
     (tc && fast_cols(layout.hidden as usize), tc && fast_cols(layout.intermediate as usize))
 }
 
+/// Operand precision of the grouped tensor-core kernels (the weights are
+/// exact in bf16; this is the rounding of the activations: x for gate/up, act
+/// for down). The SIMT kernels (no tensor cores, or a reduced dimension not a
+/// multiple of 32) are f32 whatever this says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum GroupedPrecision {
+    /// Activations rounded to bf16 (one mma per fragment; 2^-9 relative).
+    #[default]
+    Bf16,
+    /// Activations as bf16 hi + lo (two mma per fragment into the same f32
+    /// accumulators), ~16 significant bits: about twice the MMA time.
+    Split,
+}
+
 /// `act[s] = silu(gate_e . x_t) * (up_e . x_t)` for every slot `s` of the
 /// grouping (`t = rows[s] / k`, `e` its expert): the rows of each expert as
 /// one GEMM (tensor cores when `grouped_tensor_core_paths(..).0`, else the
 /// SIMT kernel). `x [T, H]`, `act [T * k, I]` in slot order.
+/// `expert_gate_up_grouped_with(.., GroupedPrecision::Bf16)`.
 pub fn expert_gate_up_grouped(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
@@ -469,6 +484,20 @@ pub fn expert_gate_up_grouped(
     table: &CudaSlice<u64>,
     layout: &BlobLayout,
     act: &mut CudaSlice<f32>,
+) -> Result<()> {
+    expert_gate_up_grouped_with(gpu, x, g, table, layout, act, GroupedPrecision::Bf16)
+}
+
+/// `expert_gate_up_grouped` with the tensor-core operand precision chosen
+/// (`moe_gate_up_grouped_mma` or `moe_gate_up_grouped_mma_split`).
+pub fn expert_gate_up_grouped_with(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    g: &ExpertGrouping,
+    table: &CudaSlice<u64>,
+    layout: &BlobLayout,
+    act: &mut CudaSlice<f32>,
+    precision: GroupedPrecision,
 ) -> Result<()> {
     if !grouped_tensor_core_paths(gpu, layout).0 {
         return expert_gate_up_grouped_simple(gpu, x, g, table, layout, act);
@@ -481,7 +510,10 @@ pub fn expert_gate_up_grouped(
     if n == 0 {
         return Ok(());
     }
-    let f = gpu.function("moe_gate_up_grouped_mma")?;
+    let f = gpu.function(match precision {
+        GroupedPrecision::Bf16 => "moe_gate_up_grouped_mma",
+        GroupedPrecision::Split => "moe_gate_up_grouped_mma_split",
+    })?;
     let cfg = LaunchConfig {
         grid_dim: (g.max_tiles() as u32, i.div_ceil(MMA_FEATURES_GATE_UP) as u32, 1),
         block_dim: (MMA_THREADS, 1, 1),
@@ -490,7 +522,7 @@ pub fn expert_gate_up_grouped(
     let (e, k) = (g.num_experts as i32, g.top_k as i32);
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(x).arg(&g.rows).arg(&g.offsets).arg(&g.tile_offsets).arg(&e).arg(table).arg(layout).arg(&k).arg(act);
-    // SAFETY: moe_gate_up_grouped_mma(const float* x [T, H], const unsigned* rows [n],
+    // SAFETY: moe_gate_up_grouped_mma[_split](const float* x [T, H], const unsigned* rows [n],
     // const unsigned* offsets [E+1], const unsigned* tile_offsets [E+1], int E, const u64* table [>= E],
     // MoeBlobLayout, int k, float* act [n, I]); blocks past tile_offsets[E] exit.
     unsafe { b.launch(cfg) }?;
@@ -499,6 +531,7 @@ pub fn expert_gate_up_grouped(
 
 /// `y[s] = down_e . act[s]` for every slot (`y [T * k, H]` in slot order);
 /// tensor cores when `grouped_tensor_core_paths(..).1`, else the SIMT kernel.
+/// `expert_down_grouped_with(.., GroupedPrecision::Bf16)`.
 pub fn expert_down_grouped(
     gpu: &Gpu,
     act: &CudaSlice<f32>,
@@ -506,6 +539,20 @@ pub fn expert_down_grouped(
     table: &CudaSlice<u64>,
     layout: &BlobLayout,
     y: &mut CudaSlice<f32>,
+) -> Result<()> {
+    expert_down_grouped_with(gpu, act, g, table, layout, y, GroupedPrecision::Bf16)
+}
+
+/// `expert_down_grouped` with the tensor-core operand precision chosen
+/// (`moe_down_grouped_mma` or `moe_down_grouped_mma_split`).
+pub fn expert_down_grouped_with(
+    gpu: &Gpu,
+    act: &CudaSlice<f32>,
+    g: &ExpertGrouping,
+    table: &CudaSlice<u64>,
+    layout: &BlobLayout,
+    y: &mut CudaSlice<f32>,
+    precision: GroupedPrecision,
 ) -> Result<()> {
     if !grouped_tensor_core_paths(gpu, layout).1 {
         return expert_down_grouped_simple(gpu, act, g, table, layout, y);
@@ -518,7 +565,10 @@ pub fn expert_down_grouped(
     if n == 0 {
         return Ok(());
     }
-    let f = gpu.function("moe_down_grouped_mma")?;
+    let f = gpu.function(match precision {
+        GroupedPrecision::Bf16 => "moe_down_grouped_mma",
+        GroupedPrecision::Split => "moe_down_grouped_mma_split",
+    })?;
     let cfg = LaunchConfig {
         grid_dim: (g.max_tiles() as u32, h.div_ceil(MMA_FEATURES_DOWN) as u32, 1),
         block_dim: (MMA_THREADS, 1, 1),
@@ -527,7 +577,7 @@ pub fn expert_down_grouped(
     let e = g.num_experts as i32;
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(act).arg(&g.offsets).arg(&g.tile_offsets).arg(&e).arg(table).arg(layout).arg(y);
-    // SAFETY: moe_down_grouped_mma(const float* act [n, I], const unsigned* offsets [E+1],
+    // SAFETY: moe_down_grouped_mma[_split](const float* act [n, I], const unsigned* offsets [E+1],
     // const unsigned* tile_offsets [E+1], int E, const u64* table [>= E], MoeBlobLayout, float* y [n, H]).
     unsafe { b.launch(cfg) }?;
     Ok(())
