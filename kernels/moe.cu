@@ -1038,11 +1038,11 @@ extern "C" __global__ void __launch_bounds__(256)
 // before the MMAs of the current one. Global scales go in the f32 epilogue.
 // SPLIT (the *_split kernels, GroupedPrecision::Split): the A operand as bf16
 // hi + lo, two MMA passes per K step into the same f32 accumulators: the hi
-// tile is stored with W, the hi pass runs, then the lo parts (from the same
-// registers) overwrite the A tile, the next K step's loads are issued and the
-// lo pass runs. Same shared memory as the bf16 kernels (a second A tile
-// would pass the 48 KB of static shared memory) and 8 more live registers
-// (the packed lo parts) during the hi pass. Inf in x gives NaN (inf - inf).
+// tile is stored with W and the lo parts packed into 8 registers, the next K
+// step's loads are issued, the hi pass runs, then the lo parts overwrite the
+// A tile and the lo pass runs (both passes overlap the loads). Same shared
+// memory as the bf16 kernels (a second A tile would pass the 48 KB of static
+// shared memory). Inf in x gives NaN there (inf - inf).
 // ---------------------------------------------------------------------------
 
 #define MOE_MMA_BK 64
@@ -1232,14 +1232,17 @@ static __device__ __forceinline__ void moe_grouped_mma(const float* __restrict__
         store();
         __syncthreads();
         if (SPLIT) {
-            split_lo();
-            mma_pass();  // hi
+            split_lo();  // from ra before the next step's loads overwrite it
+            if (kt + 1 < nk) load(kt + 1);
+            mma_pass();       // hi
             __syncthreads();  // the hi pass is done with As
             store_lo();
             __syncthreads();
+            mma_pass();  // lo
+        } else {
+            if (kt + 1 < nk) load(kt + 1);
+            mma_pass();
         }
-        if (kt + 1 < nk) load(kt + 1);
-        mma_pass();  // bf16 (or SPLIT: lo)
     }
 
     const int g = lane >> 2, q = lane & 3;
