@@ -104,6 +104,21 @@ typedef enum strata_log_level {
 } strata_log_level;
 
 /*
+ Activation precision of the GPU's tensor-core products (the
+ projections, experts and attention of prefill; decode uses f32 GEMVs).
+ */
+typedef enum strata_gpu_precision {
+  /*
+   Each activation as two bf16 (about 16 significant bits).
+   */
+  STRATA_GPU_PRECISION_ACCURATE = 0,
+  /*
+   Each activation as one bf16: faster, coarser.
+   */
+  STRATA_GPU_PRECISION_FAST = 1,
+} strata_gpu_precision;
+
+/*
  KV cache element type.
  */
 typedef enum strata_kv_type {
@@ -116,12 +131,11 @@ typedef enum strata_kv_type {
    */
   STRATA_KV_F32 = 1,
   /*
-   cuda only (`STRATA_ERR_UNSUPPORTED` on cpu).
+   bf16 values (on cpu: emulated, rounded as the cuda cache rounds).
    */
   STRATA_KV_BF16 = 2,
   /*
-   cuda only: int8 with one scale per position and head
-   (`STRATA_ERR_UNSUPPORTED` on cpu).
+   int8 with one scale per position and kv head (on cpu: emulated).
    */
   STRATA_KV_INT8 = 3,
 } strata_kv_type;
@@ -207,6 +221,11 @@ typedef struct strata_engine_params {
    Passed to `progress` unchanged. Default NULL.
    */
   void *progress_user_data;
+  /*
+   How a CUDA device rounds activations in its tensor-core products
+   (prefill); default `STRATA_GPU_PRECISION_ACCURATE`. Ignored on cpu.
+   */
+  strata_gpu_precision gpu_precision;
 } strata_engine_params;
 
 /*

@@ -178,6 +178,19 @@ extern "C" __global__ void dense_f32_to_bf16(const float* __restrict__ x, __nv_b
         out[i] = __float2bfloat16_rn(x[i]);
 }
 
+// x as a pair of bf16: hi = bf16(x), lo = bf16(x - hi) (about 16 significant
+// bits together; the accurate GEMM multiplies both and adds).
+extern "C" __global__ void dense_split_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ hi,
+                                            __nv_bfloat16* __restrict__ lo, unsigned long long n) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float v = x[i];
+        const __nv_bfloat16 h = __float2bfloat16_rn(v);
+        hi[i] = h;
+        lo[i] = __float2bfloat16_rn(v - __bfloat162float(h));
+    }
+}
+
 // ---------------------------------------------------------------------------
 // RMSNorm: out = x * (1 / sqrt(mean(x^2) + eps)) * w, per row of `width`
 // (ops::rmsnorm; zero-centered norms arrive with 1 already added to w).

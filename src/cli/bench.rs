@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use clap::Args;
 
-use strata::engine::{Engine, EngineOptions};
+use strata::engine::{Engine, EngineOptions, GpuPrecision};
 use strata::model::weights::{model_tensor_name, Role};
 use strata::model::ModelConfig;
 use strata::pack::{Pack, TensorData};
@@ -50,6 +50,15 @@ pub struct BenchArgs {
     /// CPU threads (cpu device).
     #[arg(long)]
     threads: Option<usize>,
+    /// Activation precision of the GPU's tensor-core products (prefill).
+    #[arg(long, value_enum, default_value = "accurate")]
+    precision: PrecisionArg,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum PrecisionArg {
+    Accurate,
+    Fast,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -177,7 +186,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let ceil = ceilings(&a.device)?;
     let t = Instant::now();
-    let opts = EngineOptions { threads: a.threads, devices: vec![a.device.clone()], ..Default::default() };
+    let opts = EngineOptions {
+        threads: a.threads,
+        devices: vec![a.device.clone()],
+        gpu_precision: match a.precision {
+            PrecisionArg::Accurate => GpuPrecision::Accurate,
+            PrecisionArg::Fast => GpuPrecision::Fast,
+        },
+        ..Default::default()
+    };
     let engine = Engine::load(&a.pack, &opts)?;
     let c: ModelConfig = engine.config().clone();
     eprintln!(

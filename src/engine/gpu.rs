@@ -27,13 +27,15 @@ use std::sync::Arc;
 
 use half::bf16;
 
-use super::{deltanet_shape, linear_layers, Engine, Logits};
-use crate::backend::cuda::attention::{self, AttnConfig, AttnScratch, DeviceKv, KvDtype};
+use super::{deltanet_shape, linear_layers, Engine, GpuPrecision, Logits};
+use crate::backend::cuda::attention::{
+    self, AttnConfig, AttnPrecision, AttnScratch, DeviceKv, KvDtype, StepPlan, StepPos,
+};
 use crate::backend::cuda::deltanet::{
     deltanet_core_with, DeltaNetDeviceWeights, DeltaNetScratch, DeltaRuleForm, DeviceDeltaState,
 };
-use crate::backend::cuda::dense::{self, RopeTable};
-use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping};
+use crate::backend::cuda::dense::{self, GemmPrecision, RopeTable, Write};
+use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping, GroupedPrecision};
 use crate::backend::cuda::{CudaSlice, DevicePtr, Gpu};
 use crate::backend::{AttentionShape, DeltaNetState, Rope};
 use crate::error::{Error, Result};
@@ -42,6 +44,7 @@ use crate::model::ModelConfig;
 use crate::pack::format::ExpertLayout;
 use crate::pack::{Pack, TensorData};
 use crate::session::KvType;
+use cudarc::driver::{sys, CudaGraph};
 
 /// Rows up to which the MoE runs the per-token GEMV kernels (decode,
 /// speculative verify); above, the grouped kernels (prefill).
@@ -54,6 +57,30 @@ fn trace_forward() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("STRATA_TRACE_FORWARD").is_ok_and(|v| v == "1"))
 }
+
+fn attention_shape(c: &ModelConfig) -> AttentionShape {
+    AttentionShape { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim }
+}
+
+/// What a captured decode step reads on the device each call: the
+/// position (and the attention's key split), with the launch plan fixed at
+/// capture.
+struct Step {
+    pos: StepPos,
+    plan: StepPlan,
+}
+
+/// A captured decode step and the buffer generation it points to.
+struct DecodeGraph {
+    graph: CudaGraph,
+    generation: u64,
+}
+
+// SAFETY: a CUDA graph has no thread affinity; it must only not be used
+// from two threads at once. A `DecodeGraph` lives in one session's cache
+// and is only touched through `&mut` of that cache (a session is used by
+// one call at a time), so moving it to another thread is sound.
+unsafe impl Send for DecodeGraph {}
 
 /// First capacity of a session's device KV, in positions.
 const KV_INITIAL_CAPACITY: usize = 256;
@@ -74,6 +101,7 @@ pub(crate) struct GpuModel {
     /// Per layer: the device address of each expert's blob.
     tables: Vec<CudaSlice<u64>>,
     layout: BlobLayout,
+    precision: GpuPrecision,
 }
 
 struct GpuLayer {
@@ -165,6 +193,7 @@ impl GpuModel {
         pack: &Pack,
         gpu: Arc<Gpu>,
         rope: &Rope,
+        precision: GpuPrecision,
         progress: &mut dyn FnMut(usize, usize) -> Result<()>,
     ) -> Result<GpuModel> {
         let c = pack.config().clone();
@@ -200,7 +229,19 @@ impl GpuModel {
         let rope = RopeTable::new(&gpu, rope)?;
         gpu.sync()?;
         progress(total, total)?;
-        Ok(GpuModel { gpu, config: c, embed, lm_head, final_norm, layers, rope, _experts: experts, tables, layout })
+        Ok(GpuModel {
+            gpu,
+            config: c,
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+            rope,
+            _experts: experts,
+            tables,
+            layout,
+            precision,
+        })
     }
 
     /// A session cache on this device.
@@ -246,113 +287,263 @@ impl GpuModel {
         }
     }
 
-    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(unused_variables))]
     fn forward_rows(&self, engine: &Engine, cache: &mut DeviceCache, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
-        let c = &self.config;
-        let gpu = &*self.gpu;
-        let (h, t, vocab) = (c.hidden_size, tokens.len(), c.vocab_size);
+        if tokens.len() == 1 && want == Logits::Last && self.graph_allowed(engine) {
+            return self.forward_graph(engine, cache, tokens[0]);
+        }
+        let t = tokens.len();
         let start = cache.len;
-        let eps = c.rms_norm_eps as f32;
+        let rows = match want {
+            Logits::Skip => 0,
+            Logits::Last => 1,
+            Logits::All => t,
+        };
         let mut s = cache.take_scratch(t)?;
         let started = std::time::Instant::now();
         let r = (|| -> Result<Vec<f32>> {
-            dense::reset_flags(gpu, &mut cache.flags)?;
-            gpu.stream().memcpy_htod(tokens, &mut s.tokens)?;
-            dense::embed(gpu, &self.embed, &s.tokens, t, h, &mut s.x)?;
-            for (l, lw) in self.layers.iter().enumerate() {
-                // Each block adds its output to the residual stream x itself
-                // (the projections and expert kernels accumulate).
-                dense::rmsnorm(gpu, &s.x, &lw.input_norm, eps, &mut s.h)?;
-                match &lw.mixer {
-                    GpuMixer::Attention { .. } => self.attention(l, lw, cache, &mut s, start)?,
-                    GpuMixer::Linear { .. } => self.linear(l, lw, cache, &mut s)?,
-                }
-                dense::rmsnorm(gpu, &s.x, &lw.post_attn_norm, eps, &mut s.h)?;
-                self.moe(l, lw, &mut s)?;
-                #[cfg(any(test, feature = "test-hooks"))]
-                if let Some(row) = engine.take_nan(l, start, t) {
-                    gpu.stream().memcpy_htod(&[f32::NAN], &mut s.x.slice_mut(row * h..row * h + 1))?;
-                }
-                dense::first_nonfinite(gpu, &s.x, h, &mut cache.flags, l)?;
-            }
-            let (rows, first) = match want {
-                Logits::Skip => (0, start),
-                Logits::Last => (1, start + t - 1),
-                Logits::All => (t, start),
-            };
-            let mut out = Vec::new();
-            let queued = started.elapsed();
-            if rows > 0 {
-                let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-                let lg = LogitScratch::get(&mut s.head, gpu, rows, h, vocab)?;
-                gpu.stream().memcpy_dtod(&s.x.slice((t - rows) * h..t * h), &mut lg.rows)?;
-                dense::rmsnorm(gpu, &lg.rows, &self.final_norm, eps, &mut lg.normed)?;
-                dense::matmul_with_scratch(gpu, &lg.normed, head, rows, vocab, h, &mut lg.logits, &mut lg.bf)?;
-                dense::first_nonfinite(gpu, &lg.logits, vocab, &mut cache.flags, c.num_hidden_layers)?;
-                out = gpu.download(&lg.logits)?;
-            }
-            let flags = gpu.download(&cache.flags)?;
-            if trace_forward() {
-                eprintln!(
-                    "strata: forward of {t} rows: layers queued in {:.3} ms, done in {:.3} ms",
-                    queued.as_secs_f64() * 1e3,
-                    started.elapsed().as_secs_f64() * 1e3
-                );
-            }
-            for (slot, &flag) in flags.iter().enumerate() {
-                let width = if slot < c.num_hidden_layers { h } else { vocab };
-                if let Some((row, _)) = dense::nonfinite_row(flag, width) {
-                    let place =
-                        if slot < c.num_hidden_layers { format!("at layer {slot}") } else { "in the logits".into() };
-                    let pos = if slot < c.num_hidden_layers { start + row } else { first + row };
-                    return Err(Error::NonFinite(format!("NaN or infinity {place}, position {pos}")));
-                }
-            }
-            Ok(out)
+            self.gpu.stream().memcpy_htod(tokens, &mut s.tokens)?;
+            self.enqueue(engine, cache, &mut s, start, rows, None)?;
+            self.finish(cache, &mut s, start, rows, started)
         })();
-        cache.scratch = Some(s);
+        cache.put_scratch(s);
         r
     }
 
+    /// A dense projection `out (+)= x W^T` at the engine's precision.
+    #[allow(clippy::too_many_arguments)]
+    fn proj(
+        &self,
+        write: Write,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<bf16>,
+        t: usize,
+        n: usize,
+        k: usize,
+        out: &mut CudaSlice<f32>,
+        scratch: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let precision = match self.precision {
+            GpuPrecision::Accurate => GemmPrecision::Split,
+            GpuPrecision::Fast => GemmPrecision::Bf16,
+        };
+        dense::project_with(&self.gpu, x, w, t, n, k, out, scratch, write, precision)
+    }
+
+    fn grouped_precision(&self) -> GroupedPrecision {
+        match self.precision {
+            GpuPrecision::Accurate => GroupedPrecision::Split,
+            GpuPrecision::Fast => GroupedPrecision::Bf16,
+        }
+    }
+
+    fn attn_config(&self) -> AttnConfig {
+        let precision = match self.precision {
+            GpuPrecision::Accurate => AttnPrecision::F32,
+            GpuPrecision::Fast => AttnPrecision::Bf16,
+        };
+        AttnConfig { precision, ..AttnConfig::default() }
+    }
+
+    /// Whether a one-row decode step may run as a CUDA graph: on unless
+    /// `STRATA_CUDA_GRAPH=0`, and not while a test injects a NaN (the
+    /// injection is a host decision made while queueing).
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(unused_variables))]
+    fn graph_allowed(&self, engine: &Engine) -> bool {
+        #[cfg(any(test, feature = "test-hooks"))]
+        if engine.nan_pending() {
+            return false;
+        }
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var("STRATA_CUDA_GRAPH").map_or(true, |v| v != "0"))
+    }
+
+    /// A decode step (one row, the last logits) replayed from a CUDA graph:
+    /// the step is captured once per session (again when its buffers move:
+    /// KV growth), and each call writes the token and the position to the
+    /// device and launches the graph. The kernels that depend on the
+    /// position read it from device memory (`StepPos`).
+    fn forward_graph(&self, engine: &Engine, cache: &mut DeviceCache, token: u32) -> Result<Vec<f32>> {
+        let gpu = &*self.gpu;
+        let c = &self.config;
+        let start = cache.len;
+        let mut s = cache.take_scratch(1)?;
+        let mut step = cache.step.take();
+        let started = std::time::Instant::now();
+        let r = (|| -> Result<Vec<f32>> {
+            let step = match &mut step {
+                Some(st) => st,
+                None => step.insert(Step {
+                    pos: StepPos::new(gpu)?,
+                    plan: attention::step_plan(gpu, attention_shape(c), 1, cache.dtype)?,
+                }),
+            };
+            gpu.stream().memcpy_htod(&[token], &mut s.tokens)?;
+            step.pos.set(gpu, start, attention::step_chunk(&step.plan, start + 1))?;
+            // Everything the graph points to must exist before the capture.
+            LogitScratch::get(&mut s.head, gpu, 1, c.hidden_size, c.vocab_size)?;
+            if cache.graph.as_ref().is_none_or(|g| g.generation != cache.generation) {
+                cache.graph = None;
+                gpu.stream().begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+                let queued = self.enqueue(engine, cache, &mut s, start, 1, Some(step));
+                let captured = gpu.stream().end_capture(sys::CUgraphInstantiate_flags(0));
+                queued?;
+                let graph = captured?.ok_or_else(|| Error::Cuda("capturing the decode step gave no graph".into()))?;
+                cache.graph = Some(DecodeGraph { graph, generation: cache.generation });
+            }
+            cache.graph.as_ref().expect("captured above").graph.launch()?;
+            self.finish(cache, &mut s, start, 1, started)
+        })();
+        cache.step = step;
+        cache.put_scratch(s);
+        r
+    }
+
+    /// Queues a forward of the `s.t` rows whose tokens are in `s.tokens`,
+    /// at positions `start..`: the flags reset, the embedding, every layer,
+    /// and the head for the last `rows` rows. Nothing here waits or copies
+    /// from the host, so it can be captured into a graph (with `step`:
+    /// position-dependent kernels then read the position on the device).
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(unused_variables))]
+    fn enqueue(
+        &self,
+        engine: &Engine,
+        cache: &mut DeviceCache,
+        s: &mut Scratch,
+        start: usize,
+        rows: usize,
+        step: Option<&Step>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let gpu = &*self.gpu;
+        let (h, t, vocab) = (c.hidden_size, s.t, c.vocab_size);
+        let eps = c.rms_norm_eps as f32;
+        dense::reset_flags(gpu, &mut cache.flags)?;
+        dense::embed(gpu, &self.embed, &s.tokens, t, h, &mut s.x)?;
+        for (l, lw) in self.layers.iter().enumerate() {
+            // Each block adds its output to the residual stream x itself
+            // (the projections and expert kernels accumulate).
+            dense::rmsnorm(gpu, &s.x, &lw.input_norm, eps, &mut s.h)?;
+            match &lw.mixer {
+                GpuMixer::Attention { .. } => self.attention(l, lw, cache, s, start, step)?,
+                GpuMixer::Linear { .. } => self.linear(l, lw, cache, s)?,
+            }
+            dense::rmsnorm(gpu, &s.x, &lw.post_attn_norm, eps, &mut s.h)?;
+            self.moe(l, lw, s)?;
+            #[cfg(any(test, feature = "test-hooks"))]
+            if let Some(row) = engine.take_nan(l, start, t) {
+                gpu.stream().memcpy_htod(&[f32::NAN], &mut s.x.slice_mut(row * h..row * h + 1))?;
+            }
+            dense::first_nonfinite(gpu, &s.x, h, &mut cache.flags, l)?;
+        }
+        if rows > 0 {
+            let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+            let lg = LogitScratch::get(&mut s.head, gpu, rows, h, vocab)?;
+            gpu.stream().memcpy_dtod(&s.x.slice((t - rows) * h..t * h), &mut lg.rows)?;
+            dense::rmsnorm(gpu, &lg.rows, &self.final_norm, eps, &mut lg.normed)?;
+            self.proj(Write::Store, &lg.normed, head, rows, vocab, h, &mut lg.logits, &mut lg.bf)?;
+            dense::first_nonfinite(gpu, &lg.logits, vocab, &mut cache.flags, c.num_hidden_layers)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for a queued forward and returns its logits (the last `rows`
+    /// rows), or the non-finite error of the first layer (or the logits)
+    /// whose flag is set.
+    fn finish(
+        &self,
+        cache: &mut DeviceCache,
+        s: &mut Scratch,
+        start: usize,
+        rows: usize,
+        started: std::time::Instant,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let gpu = &*self.gpu;
+        let (h, t, vocab) = (c.hidden_size, s.t, c.vocab_size);
+        let queued = started.elapsed();
+        let out = if rows > 0 {
+            gpu.download(&LogitScratch::get(&mut s.head, gpu, rows, h, vocab)?.logits)?
+        } else {
+            Vec::new()
+        };
+        let flags = gpu.download(&cache.flags)?;
+        if trace_forward() {
+            eprintln!(
+                "strata: forward of {t} rows: queued in {:.3} ms, done in {:.3} ms",
+                queued.as_secs_f64() * 1e3,
+                started.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        let first_logit_row = start + t - rows;
+        for (slot, &flag) in flags.iter().enumerate() {
+            let width = if slot < c.num_hidden_layers { h } else { vocab };
+            if let Some((row, _)) = dense::nonfinite_row(flag, width) {
+                let place =
+                    if slot < c.num_hidden_layers { format!("at layer {slot}") } else { "in the logits".into() };
+                let pos = if slot < c.num_hidden_layers { start + row } else { first_logit_row + row };
+                return Err(Error::NonFinite(format!("NaN or infinity {place}, position {pos}")));
+            }
+        }
+        Ok(out)
+    }
+
     /// `x += o_proj(attention(...))` of the normed rows in `s.h`.
-    fn attention(&self, l: usize, lw: &GpuLayer, cache: &mut DeviceCache, s: &mut Scratch, start: usize) -> Result<()> {
+    fn attention(
+        &self,
+        l: usize,
+        lw: &GpuLayer,
+        cache: &mut DeviceCache,
+        s: &mut Scratch,
+        start: usize,
+        step: Option<&Step>,
+    ) -> Result<()> {
         let c = &self.config;
         let gpu = &*self.gpu;
         let GpuMixer::Attention { q_proj, k_proj, v_proj, o_proj, q_norm, k_norm } = &lw.mixer else {
             unreachable!("attention on a linear layer")
         };
         let (t, h, eps) = (s.t, c.hidden_size, c.rms_norm_eps as f32);
-        let shape =
-            AttentionShape { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
+        let shape = attention_shape(c);
         let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
         if c.has_attention_gate() {
-            dense::matmul_with_scratch(gpu, &s.h, q_proj, t, 2 * qd, h, &mut s.qg, &mut s.bf)?;
+            self.proj(Write::Store, &s.h, q_proj, t, 2 * qd, h, &mut s.qg, &mut s.bf)?;
             dense::split_q_gate(gpu, &s.qg, shape.heads, shape.head_dim, &mut s.q, &mut s.gate)?;
         } else {
-            dense::matmul_with_scratch(gpu, &s.h, q_proj, t, qd, h, &mut s.q, &mut s.bf)?;
+            self.proj(Write::Store, &s.h, q_proj, t, qd, h, &mut s.q, &mut s.bf)?;
         }
-        dense::matmul_with_scratch(gpu, &s.h, k_proj, t, kvd, h, &mut s.k, &mut s.bf)?;
-        dense::matmul_with_scratch(gpu, &s.h, v_proj, t, kvd, h, &mut s.v, &mut s.bf)?;
-        // Per-head q/k RMSNorm and RoPE in one launch each.
-        dense::rmsnorm_rope(gpu, &s.q, q_norm, eps, shape.heads, start, &self.rope, &mut s.qn)?;
-        dense::rmsnorm_rope(gpu, &s.k, k_norm, eps, shape.kv_heads, start, &self.rope, &mut s.kn)?;
+        self.proj(Write::Store, &s.h, k_proj, t, kvd, h, &mut s.k, &mut s.bf)?;
+        self.proj(Write::Store, &s.h, v_proj, t, kvd, h, &mut s.v, &mut s.bf)?;
+        // Per-head q/k RMSNorm and RoPE in one launch each; in a captured
+        // decode step the position comes from the device.
         let kv = cache.kv[l].as_mut().expect("an attention layer has KV");
-        attention::kv_append(gpu, kv, &s.kn, &s.v, start, t)?;
-        attention::attention_with_scratch(
-            gpu,
-            &s.qn,
-            kv,
-            shape,
-            start,
-            t,
-            &mut s.attn,
-            AttnConfig::default(),
-            &mut s.attn_split,
-        )?;
+        match step {
+            None => {
+                dense::rmsnorm_rope(gpu, &s.q, q_norm, eps, shape.heads, start, &self.rope, &mut s.qn)?;
+                dense::rmsnorm_rope(gpu, &s.k, k_norm, eps, shape.kv_heads, start, &self.rope, &mut s.kn)?;
+                attention::kv_append(gpu, kv, &s.kn, &s.v, start, t)?;
+                attention::attention_with_scratch(
+                    gpu,
+                    &s.qn,
+                    kv,
+                    shape,
+                    start,
+                    t,
+                    &mut s.attn,
+                    self.attn_config(),
+                    &mut s.attn_split,
+                )?;
+            }
+            Some(st) => {
+                dense::rmsnorm_rope_at(gpu, &s.q, q_norm, eps, shape.heads, &st.pos, &self.rope, &mut s.qn)?;
+                dense::rmsnorm_rope_at(gpu, &s.k, k_norm, eps, shape.kv_heads, &st.pos, &self.rope, &mut s.kn)?;
+                attention::kv_append_at(gpu, kv, &s.kn, &s.v, &st.pos, t)?;
+                attention::attention_at(gpu, &s.qn, kv, shape, t, &mut s.attn, &st.plan, &st.pos, &mut s.attn_split)?;
+            }
+        }
         if c.has_attention_gate() {
             dense::output_gate(gpu, &mut s.attn, &s.gate)?;
         }
-        dense::matmul_add_with_scratch(gpu, &s.attn, o_proj, t, h, qd, &mut s.x, &mut s.bf)
+        self.proj(Write::Add, &s.attn, o_proj, t, h, qd, &mut s.x, &mut s.bf)
     }
 
     /// `x += out_proj(gated_deltanet(...))` of the normed rows in `s.h`.
@@ -365,8 +556,8 @@ impl GpuModel {
         let shape = deltanet_shape(c);
         let (t, h, eps) = (s.t, c.hidden_size, c.rms_norm_eps as f32);
         let dn = s.dn.as_mut().expect("a hybrid's scratch");
-        dense::matmul_with_scratch(gpu, &s.h, in_proj_qkvz, t, shape.qkvz_dim(), h, &mut dn.qkvz, &mut s.bf)?;
-        dense::matmul_with_scratch(gpu, &s.h, in_proj_ba, t, shape.ba_dim(), h, &mut dn.ba, &mut s.bf)?;
+        self.proj(Write::Store, &s.h, in_proj_qkvz, t, shape.qkvz_dim(), h, &mut dn.qkvz, &mut s.bf)?;
+        self.proj(Write::Store, &s.h, in_proj_ba, t, shape.ba_dim(), h, &mut dn.ba, &mut s.bf)?;
         let state = cache.delta[l].as_mut().expect("a linear layer has a recurrent state");
         deltanet_core_with(
             gpu,
@@ -381,7 +572,7 @@ impl GpuModel {
             &mut dn.scratch,
             DeltaRuleForm::Auto,
         )?;
-        dense::matmul_add_with_scratch(gpu, &dn.core, out_proj, t, h, shape.value_dim(), &mut s.x, &mut s.bf)
+        self.proj(Write::Add, &dn.core, out_proj, t, h, shape.value_dim(), &mut s.x, &mut s.bf)
     }
 
     /// `x += moe(s.h)` (+ the shared expert), through the one MoE pipeline:
@@ -390,23 +581,24 @@ impl GpuModel {
         let c = &self.config;
         let gpu = &*self.gpu;
         let (t, h, e, k) = (s.t, c.hidden_size, c.num_experts, c.num_experts_per_tok);
-        dense::matmul_with_scratch(gpu, &s.h, &lw.router, t, e, h, &mut s.router, &mut s.bf)?;
+        self.proj(Write::Store, &s.h, &lw.router, t, e, h, &mut s.router, &mut s.bf)?;
         moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
-        run_experts(gpu, &s.h, &s.ids, &s.weights, &self.tables[l], &self.layout, t, k, &mut s.moe, &mut s.x, true)?;
+        let p = self.grouped_precision();
+        run_experts(gpu, &s.h, &s.ids, &s.weights, &self.tables[l], &self.layout, t, k, &mut s.moe, &mut s.x, true, p)?;
         if let Some(sh) = &lw.shared {
             let sx = s.shared.as_mut().expect("a shared expert's scratch");
-            dense::matmul(gpu, &s.h, &sh.gate, t, 1, h, &mut sx.logit)?;
+            self.proj(Write::Store, &s.h, &sh.gate, t, 1, h, &mut sx.logit, &mut s.bf)?;
             match &sh.mlp {
                 GpuSharedMlp::Nvfp4 { table, layout, .. } => {
                     dense::sigmoid(gpu, &mut sx.logit)?;
-                    run_experts(gpu, &s.h, &sx.zeros, &sx.logit, table, layout, t, 1, &mut sx.moe, &mut s.x, true)?;
+                    run_experts(gpu, &s.h, &sx.zeros, &sx.logit, table, layout, t, 1, &mut sx.moe, &mut s.x, true, p)?;
                 }
                 GpuSharedMlp::Dense { gate, up, down } => {
                     let i = sh.intermediate;
-                    dense::matmul_with_scratch(gpu, &s.h, gate, t, i, h, &mut sx.g, &mut s.bf)?;
-                    dense::matmul_with_scratch(gpu, &s.h, up, t, i, h, &mut sx.u, &mut s.bf)?;
+                    self.proj(Write::Store, &s.h, gate, t, i, h, &mut sx.g, &mut s.bf)?;
+                    self.proj(Write::Store, &s.h, up, t, i, h, &mut sx.u, &mut s.bf)?;
                     dense::silu_mul(gpu, &sx.g, &sx.u, &mut sx.act)?;
-                    dense::matmul_with_scratch(gpu, &sx.act, down, t, h, i, &mut sx.y, &mut s.bf)?;
+                    self.proj(Write::Store, &sx.act, down, t, h, i, &mut sx.y, &mut s.bf)?;
                     dense::sigmoid_scale_add(gpu, &mut s.x, &sx.y, &sx.logit, h)?;
                 }
             }
@@ -431,6 +623,7 @@ fn run_experts(
     m: &mut MoeScratch,
     out: &mut CudaSlice<f32>,
     accumulate: bool,
+    precision: GroupedPrecision,
 ) -> Result<()> {
     if t <= MOE_GEMV_MAX_ROWS {
         moe::expert_gate_up_gemv(gpu, x, ids, table, layout, t, k, &mut m.act)?;
@@ -439,8 +632,8 @@ fn run_experts(
         let g = m.grouping.as_mut().expect("grouped scratch for more than a few rows");
         moe::group_by_expert_into(gpu, ids, t, k, g)?;
         let y = m.y.as_mut().expect("grouped scratch for more than a few rows");
-        moe::expert_gate_up_grouped(gpu, x, g, table, layout, &mut m.act)?;
-        moe::expert_down_grouped(gpu, &m.act, g, table, layout, y)?;
+        moe::expert_gate_up_grouped_with(gpu, x, g, table, layout, &mut m.act, precision)?;
+        moe::expert_down_grouped_with(gpu, &m.act, g, table, layout, y, precision)?;
         moe::moe_combine(gpu, y, g, weights, layout.hidden as usize, out, accumulate)
     }
 }
@@ -605,7 +798,7 @@ impl LogitScratch {
                     rows: gpu.alloc_zeros(rows * hidden)?,
                     normed: gpu.alloc_zeros(rows * hidden)?,
                     logits: gpu.alloc_zeros(rows * vocab)?,
-                    bf: gpu.alloc_zeros(rows * hidden)?,
+                    bf: gpu.alloc_zeros(2 * rows * hidden)?,
                 };
                 kept.push((rows, l));
                 kept.len() - 1
@@ -693,18 +886,15 @@ impl Scratch {
             qn: z(t * qd)?,
             kn: z(t * kvd)?,
             attn: z(t * qd)?,
-            attn_split: AttnScratch::new(
-                gpu,
-                AttentionShape { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim },
-                t,
-            )?,
+            attn_split: AttnScratch::new(gpu, attention_shape(c), t)?,
             router: z(t * e)?,
             ids: gpu.alloc_zeros(t * k)?,
             weights: z(t * k)?,
             moe: MoeScratch::new(gpu, t, k, e, h, c.moe_intermediate_size)?,
             shared,
             dn,
-            bf: gpu.alloc_zeros(t * widest)?,
+            // hi and lo halves for the accurate GEMMs.
+            bf: gpu.alloc_zeros(2 * t * widest)?,
             head: Vec::new(),
         })
     }
@@ -725,7 +915,15 @@ pub(crate) struct DeviceCache {
     spare: Vec<Option<DeviceDeltaState>>,
     /// One non-finite flag per layer, and one for the logits.
     flags: CudaSlice<u32>,
+    /// The scratch of the last forward of more than one row.
     scratch: Option<Scratch>,
+    /// The scratch of one-row forwards (decode), kept apart so that a
+    /// prefill does not move the buffers a captured step points to.
+    decode: Option<Scratch>,
+    step: Option<Step>,
+    graph: Option<DecodeGraph>,
+    /// Bumped whenever a buffer a captured step uses is reallocated.
+    generation: u64,
 }
 
 impl DeviceCache {
@@ -752,6 +950,10 @@ impl DeviceCache {
             len: 0,
             kv,
             scratch: None,
+            decode: None,
+            step: None,
+            graph: None,
+            generation: 0,
         })
     }
 
@@ -796,15 +998,33 @@ impl DeviceCache {
                 stream.memcpy_dtod(&kv.v_scale.slice(..rows), &mut grown.v_scale.slice_mut(..rows))?;
             }
             *kv = grown;
+            self.generation += 1;
         }
         Ok(())
     }
 
     /// The scratch for `t` rows: the kept one when it fits exactly.
     fn take_scratch(&mut self, t: usize) -> Result<Scratch> {
+        if t == 1 {
+            return match self.decode.take() {
+                Some(s) => Ok(s),
+                None => {
+                    self.generation += 1;
+                    Scratch::new(&self.gpu, &self.config, 1)
+                }
+            };
+        }
         match self.scratch.take() {
             Some(s) if s.t == t => Ok(s),
             _ => Scratch::new(&self.gpu, &self.config, t),
+        }
+    }
+
+    fn put_scratch(&mut self, s: Scratch) {
+        if s.t == 1 {
+            self.decode = Some(s);
+        } else {
+            self.scratch = Some(s);
         }
     }
 

@@ -41,7 +41,7 @@ use crate::model::weights::{layer_tensor_name, model_tensor_name, Role};
 use crate::model::ModelConfig;
 use crate::moe::{self, MoeLayer};
 use crate::pack::{ExpertView, Pack, TensorData};
-use crate::session::kv::{Cache, KvCache};
+use crate::session::kv::{Cache, KvCache, KvRounding};
 use crate::session::{KvType, Session, SessionOptions};
 
 #[derive(Clone, Debug, Default)]
@@ -53,6 +53,23 @@ pub struct EngineOptions {
     pub devices: Vec<String>,
     /// Recompute every checksum of the pack while loading (`Pack::verify`).
     pub verify_checksums: bool,
+    /// How a CUDA device rounds activations in its tensor-core products.
+    pub gpu_precision: GpuPrecision,
+}
+
+/// How the GPU rounds activations in its tensor-core products (the
+/// projections, experts and attention of rows beyond 8, i.e. prefill;
+/// decode rows go through f32 GEMVs either way). Ignored on the CPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GpuPrecision {
+    /// Each activation as two bf16 (hi + lo), about 16 significant bits:
+    /// what the GPU suite holds to the CPU reference.
+    #[default]
+    Accurate,
+    /// Each activation rounded to one bf16: fewer tensor-core products
+    /// (real models tolerate it; tiny random ones are too chaotic to
+    /// compare).
+    Fast,
 }
 
 /// A device the engine can be asked to run on.
@@ -492,7 +509,7 @@ impl Engine {
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => {
                 let gpu = crate::backend::cuda::Gpu::open(ordinal as usize)?;
-                Exec::Cuda(Box::new(gpu::GpuModel::load(&pack, gpu, &rope, progress)?))
+                Exec::Cuda(Box::new(gpu::GpuModel::load(&pack, gpu, &rope, opts.gpu_precision, progress)?))
             }
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => unreachable!("parse_list refuses CUDA devices without the cuda feature"),
@@ -537,6 +554,12 @@ impl Engine {
         *self.inner.nan_at.lock().unwrap() = Some((layer, position));
     }
 
+    /// Whether a NaN injection is pending.
+    #[cfg(all(feature = "cuda", any(test, feature = "test-hooks")))]
+    pub(crate) fn nan_pending(&self) -> bool {
+        self.inner.nan_at.lock().unwrap().is_some()
+    }
+
     /// Takes the pending NaN injection if it falls in `layer` and rows
     /// `start..start + rows`: the row to poison.
     #[cfg(any(test, feature = "test-hooks"))]
@@ -573,13 +596,16 @@ impl Engine {
     pub(crate) fn new_cache(&self, kv_type: KvType) -> Result<Cache> {
         let c = self.config();
         match &self.inner.exec {
-            Exec::Cpu { backend, .. } => match kv_type {
-                KvType::Auto | KvType::F32 => Ok(Cache::Host(KvCache::new_hybrid(c.kv_dim(), &linear_layers(c)))),
-                other => Err(Error::Unsupported(format!(
-                    "kv_type {other:?}: the {} backend keeps f32 KV only",
-                    backend.name()
-                ))),
-            },
+            Exec::Cpu { .. } => {
+                // bf16 and int8 are emulated: values rounded as the CUDA
+                // cache rounds them, kept in f32.
+                let rounding = match kv_type {
+                    KvType::Auto | KvType::F32 => KvRounding::None,
+                    KvType::Bf16 => KvRounding::Bf16,
+                    KvType::Int8 => KvRounding::Int8 { head_dim: c.head_dim },
+                };
+                Ok(Cache::Host(KvCache::new_hybrid(c.kv_dim(), &linear_layers(c)).with_rounding(rounding)))
+            }
             #[cfg(feature = "cuda")]
             Exec::Cuda(m) => Ok(Cache::Device(Box::new(m.new_cache(kv_type)?))),
         }

@@ -9,7 +9,7 @@ use super::args;
 use super::log::{log, strata_log_level};
 use super::params::{self, field, Field, Kind, Versioned};
 use super::status::{run, strata_status, FfiError};
-use crate::engine::{Engine, EngineOptions};
+use crate::engine::{Engine, EngineOptions, GpuPrecision};
 use crate::tokenizer::Tokenizer;
 use crate::Error;
 
@@ -67,6 +67,21 @@ pub struct strata_engine_params {
     pub progress: strata_progress_fn,
     /// Passed to `progress` unchanged. Default NULL.
     pub progress_user_data: *mut c_void,
+    /// How a CUDA device rounds activations in its tensor-core products
+    /// (prefill); default `STRATA_GPU_PRECISION_ACCURATE`. Ignored on cpu.
+    pub gpu_precision: strata_gpu_precision,
+}
+
+/// Activation precision of the GPU's tensor-core products (the
+/// projections, experts and attention of prefill; decode uses f32 GEMVs).
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum strata_gpu_precision {
+    /// Each activation as two bf16 (about 16 significant bits).
+    STRATA_GPU_PRECISION_ACCURATE = 0,
+    /// Each activation as one bf16: faster, coarser.
+    STRATA_GPU_PRECISION_FAST = 1,
 }
 
 // SAFETY: the table lists every field after struct_size with its kind.
@@ -82,6 +97,7 @@ unsafe impl Versioned for strata_engine_params {
             verify_checksums: false,
             progress: None,
             progress_user_data: std::ptr::null_mut(),
+            gpu_precision: strata_gpu_precision::STRATA_GPU_PRECISION_ACCURATE,
         }
     }
     fn fields() -> Vec<Field> {
@@ -94,6 +110,7 @@ unsafe impl Versioned for strata_engine_params {
             field!(T, verify_checksums, Kind::Bool),
             field!(T, progress, Kind::Plain),
             field!(T, progress_user_data, Kind::Plain),
+            field!(T, gpu_precision, Kind::Enum { max: strata_gpu_precision::STRATA_GPU_PRECISION_FAST as u32 }),
         ]
     }
 }
@@ -223,6 +240,10 @@ pub unsafe extern "C" fn strata_engine_load(
             threads: (p.n_threads > 0).then_some(p.n_threads as usize),
             devices,
             verify_checksums: p.verify_checksums,
+            gpu_precision: match p.gpu_precision {
+                strata_gpu_precision::STRATA_GPU_PRECISION_ACCURATE => GpuPrecision::Accurate,
+                strata_gpu_precision::STRATA_GPU_PRECISION_FAST => GpuPrecision::Fast,
+            },
         };
         log(strata_log_level::STRATA_LOG_INFO, &format!("loading pack {path} ({opts:?})"));
         let start = Instant::now();

@@ -31,10 +31,9 @@ pub enum strata_kv_type {
     STRATA_KV_AUTO = 0,
     /// cpu only (`STRATA_ERR_UNSUPPORTED` on cuda).
     STRATA_KV_F32 = 1,
-    /// cuda only (`STRATA_ERR_UNSUPPORTED` on cpu).
+    /// bf16 values (on cpu: emulated, rounded as the cuda cache rounds).
     STRATA_KV_BF16 = 2,
-    /// cuda only: int8 with one scale per position and head
-    /// (`STRATA_ERR_UNSUPPORTED` on cpu).
+    /// int8 with one scale per position and kv head (on cpu: emulated).
     STRATA_KV_INT8 = 3,
 }
 

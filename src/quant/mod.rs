@@ -37,3 +37,34 @@ pub fn f32_to_bf16_bytes(values: &[f32]) -> Vec<u8> {
     }
     out
 }
+
+/// The int8 quantization of one KV block (one position's vector of one kv
+/// head), the rule of the CUDA KV cache (`attn_kv_append_i8`): scale =
+/// amax / 127, value = round-half-even(x / scale) clamped to +-127, all
+/// zero when the block is zero. Returns the scale and fills `out`.
+pub fn quantize_int8_block(x: &[f32], out: &mut [i8]) -> f32 {
+    assert_eq!(x.len(), out.len(), "quantize_int8_block: lengths");
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let scale = amax / 127.0;
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = if scale > 0.0 { (v / scale).round_ties_even().clamp(-127.0, 127.0) as i8 } else { 0 };
+    }
+    scale
+}
+
+/// `x` as an int8 KV block stores it: quantized, then dequantized
+/// (`value * scale`), in place.
+pub fn int8_block_round_trip(x: &mut [f32]) {
+    let mut q = vec![0i8; x.len()];
+    let scale = quantize_int8_block(x, &mut q);
+    for (v, &c) in x.iter_mut().zip(&q) {
+        *v = c as f32 * scale;
+    }
+}
+
+/// `x` rounded to bf16 and back (round to nearest even), in place.
+pub fn bf16_round_trip(x: &mut [f32]) {
+    for v in x {
+        *v = half::bf16::from_f32(*v).to_f32();
+    }
+}

@@ -12,8 +12,23 @@ use std::borrow::Cow;
 
 use crate::backend::{DeltaNetShape, DeltaNetState};
 
+/// How the host cache stores keys and values: f32, or as the CUDA cache's
+/// int8 / bf16 would hold them (values rounded on append and kept as f32),
+/// so the CPU reference computes exactly what a quantized cache holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvRounding {
+    #[default]
+    None,
+    Bf16,
+    /// Int8 blocks of one head vector (`head_dim` values) each.
+    Int8 {
+        head_dim: usize,
+    },
+}
+
 pub struct KvCache {
     kv_dim: usize,
+    rounding: KvRounding,
     /// Positions every layer holds (a forward in progress may have appended
     /// more rows to some layers; `truncate` drops them).
     len: usize,
@@ -38,6 +53,7 @@ impl KvCache {
     pub fn new_hybrid(kv_dim: usize, linear: &[Option<DeltaNetShape>]) -> KvCache {
         KvCache {
             kv_dim,
+            rounding: KvRounding::None,
             len: 0,
             layers: linear.iter().map(|_| LayerKv { k: Vec::new(), v: Vec::new() }).collect(),
             delta: linear.iter().map(|s| s.map(DeltaNetState::new)).collect(),
@@ -120,12 +136,31 @@ impl KvCache {
         self.layers.len()
     }
 
+    /// This cache with keys and values stored as `rounding` says.
+    pub fn with_rounding(mut self, rounding: KvRounding) -> KvCache {
+        if let KvRounding::Int8 { head_dim } = rounding {
+            assert!(head_dim > 0 && self.kv_dim % head_dim == 0, "KvCache: int8 blocks of {head_dim}");
+        }
+        self.rounding = rounding;
+        self
+    }
+
     /// Appends the keys and values `[T, kv_dim]` of the rows being run to `layer`.
     pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
         assert!(k.len() == v.len() && k.len() % self.kv_dim == 0, "KvCache::append: k/v shapes");
+        let rounding = self.rounding;
         let l = &mut self.layers[layer];
-        l.k.extend_from_slice(k);
-        l.v.extend_from_slice(v);
+        for (dst, src) in [(&mut l.k, k), (&mut l.v, v)] {
+            let at = dst.len();
+            dst.extend_from_slice(src);
+            match rounding {
+                KvRounding::None => {}
+                KvRounding::Bf16 => crate::quant::bf16_round_trip(&mut dst[at..]),
+                KvRounding::Int8 { head_dim } => {
+                    dst[at..].chunks_exact_mut(head_dim).for_each(crate::quant::int8_block_round_trip)
+                }
+            }
+        }
     }
 
     /// Keys and values of `layer` for every position appended so far.
@@ -181,6 +216,16 @@ pub enum Cache {
 }
 
 impl Cache {
+    /// The host cache (tests).
+    #[cfg(test)]
+    pub fn host(&self) -> Option<&KvCache> {
+        match self {
+            Cache::Host(kv) => Some(kv),
+            #[cfg(feature = "cuda")]
+            Cache::Device(_) => None,
+        }
+    }
+
     pub fn len(&self) -> usize {
         match self {
             Cache::Host(kv) => kv.len(),
@@ -288,7 +333,9 @@ impl Cache {
         deltas: &[DeltaNetState],
     ) -> crate::error::Result<Cache> {
         match self {
-            Cache::Host(_) => Ok(Cache::Host(KvCache::from_state(kv_dim, len, linear, layers, deltas))),
+            Cache::Host(kv) => {
+                Ok(Cache::Host(KvCache::from_state(kv_dim, len, linear, layers, deltas).with_rounding(kv.rounding)))
+            }
             #[cfg(feature = "cuda")]
             Cache::Device(d) => Ok(Cache::Device(Box::new(d.restored(len, layers, deltas)?))),
         }

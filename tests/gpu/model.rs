@@ -21,13 +21,15 @@ pub const TESTS: &[GpuTest] = &[
     ("model_nan_guard_on_the_gpu", nan_guard),
 ];
 
-/// Logits of the GPU against the CPU, relative to max |logit|. The GPU
-/// rounds activations to BF16 in the cuBLAS GEMMs of rows > 8 and keeps its
-/// KV in bf16 or int8; both are far coarser than the CPU's f32 (about 4e-3
-/// relative per bf16 rounding), so the bound is loose enough for that and
-/// still catches a dropped scale (which changes logits by O(1)).
-const TOL_BF16_KV: f32 = 3e-2;
-const TOL_INT8_KV: f32 = 5e-2;
+/// Logits of the GPU against the CPU, relative to max |logit|. The CPU
+/// runs the same KV type (bf16 and int8 emulated: the same rounding of the
+/// same values), and the engine uses the accurate precision (activations as
+/// bf16 hi + lo, ~2^-17 relative); decode rows go through f32 GEMVs. What is
+/// left is summation order and those ~1e-5 operand errors, amplified by the
+/// tiny random models (they turn a 4e-3 perturbation into 20% of logits, so
+/// the fast precision cannot be compared this way). A dropped scale changes
+/// logits by O(1).
+const TOL: f32 = 5e-3;
 
 /// The fixtures under tests/data: relative to the working directory when
 /// run from a repository root (a suite binary copied to another machine),
@@ -68,15 +70,16 @@ fn check_model(set: &str, model: &str, layout: &str) -> Result<(), String> {
     let (cpu, gpu) = engines(set, model, layout, dir.path())?;
     let vocab = cpu.config().vocab_size;
     let tokens = prompt(vocab, 150);
-    let want = session(&cpu, 0, KvType::Auto)?.prefill_all(&tokens).map_err(e)?;
-    for (kv, tol) in [(KvType::Bf16, TOL_BF16_KV), (KvType::Int8, TOL_INT8_KV)] {
+    for kv in [KvType::Bf16, KvType::Int8] {
+        let tol = TOL;
+        let want = session(&cpu, 0, kv)?.prefill_all(&tokens).map_err(e)?;
         for chunk in [0, 1, 16, 64] {
             let what = format!("{set}/{model}/{layout} kv {kv:?} chunk {chunk}");
             let got = session(&gpu, chunk, kv)?.prefill_all(&tokens).map_err(|x| format!("{what}: {x}"))?;
             check_close(&what, &got, &want, tol)?;
         }
         // Decode: the GPU's GEMV path, one token at a time.
-        let (mut c, mut g) = (session(&cpu, 0, KvType::Auto)?, session(&gpu, 0, kv)?);
+        let (mut c, mut g) = (session(&cpu, 0, kv)?, session(&gpu, 0, kv)?);
         c.prefill(&tokens[..40]).map_err(e)?;
         g.prefill(&tokens[..40]).map_err(e)?;
         for step in 0..8 {
@@ -96,7 +99,7 @@ fn check_model(set: &str, model: &str, layout: &str) -> Result<(), String> {
             g.prefill(&[ct as u32]).map_err(e)?;
         }
     }
-    println!("    {set}/{model}/{layout}: logits within {TOL_BF16_KV:.0e} (bf16 KV) / {TOL_INT8_KV:.0e} (int8 KV) of the CPU");
+    println!("    {set}/{model}/{layout}: logits within {TOL:.0e} of the CPU for bf16 and int8 KV, chunks 0/1/16/64, 8 steps");
     Ok(())
 }
 
@@ -118,9 +121,9 @@ fn qwen3_next_fixtures(_gpu: &Arc<Gpu>) -> Result<(), String> {
     Ok(())
 }
 
-/// On the GPU, for both architectures: rewind_to between checkpoints and a
-/// state saved and loaded continue bit for bit like a fresh session fed the
-/// same tokens in the same calls (the GPU path is deterministic).
+/// On the GPU, for both architectures: rewind_to between checkpoints equals
+/// a fresh session fed the same tokens, and a state saved and loaded (bf16
+/// KV, which round-trips exactly) continues bit for bit.
 fn rewind_and_state(_gpu: &Arc<Gpu>) -> Result<(), String> {
     let dir = tempfile::tempdir().map_err(e)?;
     for (set, model) in [("fixtures", "a"), ("fixtures_next", "b")] {
@@ -135,9 +138,15 @@ fn rewind_and_state(_gpu: &Arc<Gpu>) -> Result<(), String> {
         let mut fresh = gpu.new_session(&opts).map_err(e)?;
         fresh.prefill(&tokens[..10]).map_err(e)?;
         fresh.prefill(&tokens[10..30]).map_err(e)?;
-        if s.logits() != fresh.logits() {
-            return Err(format!("{set}/{model}: rewind_to(30) differs from a fresh session"));
-        }
+        // The rewound position may run in a piece of another size than in
+        // the fresh session (qwen3_moe recomputes the last token alone):
+        // other GPU kernels, the same math.
+        check_close(
+            &format!("{set}/{model}: rewind_to(30) vs a fresh session"),
+            s.logits().unwrap(),
+            fresh.logits().unwrap(),
+            1e-4,
+        )?;
         let state = s.save_state();
         let mut t = gpu.new_session(&opts).map_err(e)?;
         t.load_state(&state).map_err(e)?;

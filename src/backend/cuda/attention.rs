@@ -106,16 +106,9 @@ impl DeviceKv {
 }
 
 /// The int8 quantization of one (position, kv head) block, exactly as
-/// attn_kv_append_i8 does it: returns the scale, fills `out`.
-pub fn quantize_int8_block(x: &[f32], out: &mut [i8]) -> f32 {
-    assert_eq!(x.len(), out.len(), "quantize_int8_block: lengths");
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let scale = amax / 127.0;
-    for (o, &v) in out.iter_mut().zip(x) {
-        *o = if scale > 0.0 { (v / scale).round_ties_even().clamp(-127.0, 127.0) as i8 } else { 0 };
-    }
-    scale
-}
+/// attn_kv_append_i8 does it (the rule lives with the CPU's emulation of
+/// the int8 cache).
+pub use crate::quant::quantize_int8_block;
 
 fn launch_err(what: &str, e: impl std::fmt::Display) -> Error {
     Error::Cuda(format!("{what}: {e}"))

@@ -312,6 +312,122 @@ pub fn gemm(
     Ok(())
 }
 
+/// Operand precision of the cuBLAS path (rows > 8): x rounded to bf16, or
+/// x as bf16 hi + lo with two GEMMs into the same f32 output (about 16
+/// significant bits of x; the weights are bf16 either way).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GemmPrecision {
+    #[default]
+    Bf16,
+    Split,
+}
+
+/// `gemm` with a choice of operand precision; `Split` needs a scratch of
+/// `2 * T * K` (hi, then lo).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_with(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<bf16>,
+    t: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+    scratch: &mut CudaSlice<bf16>,
+    write: Write,
+    precision: GemmPrecision,
+) -> Result<()> {
+    if precision == GemmPrecision::Bf16 {
+        return gemm(gpu, x, w, t, n, k, out, scratch, write);
+    }
+    check_matmul(x, w, t, n, k, out)?;
+    need("gemm: scratch (hi and lo)", scratch.len(), 2 * t * k)?;
+    if t == 0 {
+        return Ok(());
+    }
+    let f = gpu.function("dense_split_bf16")?;
+    let n64 = (t * k) as u64;
+    {
+        let (mut hi, mut lo) = scratch.split_at_mut(t * k);
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(x).arg(&mut hi).arg(&mut lo).arg(&n64);
+        // SAFETY: dense_split_bf16(const float*, bf16* hi, bf16* lo, u64 n): x holds t*k floats, hi and lo
+        // t*k bf16 each (the two halves of scratch, checked above).
+        unsafe { b.launch(gpu.grid_stride_config(t * k)) }?;
+    }
+    let first = if write == Write::Add { 1.0f32 } else { 0.0 };
+    cublas_gemm(gpu, w, &scratch.slice(..t * k), t, n, k, out, first)?;
+    cublas_gemm(gpu, w, &scratch.slice(t * k..2 * t * k), t, n, k, out, 1.0)
+}
+
+/// `out (T x N, f32) = beta * out + xb (T x K, bf16) * W^T` through cuBLAS.
+#[allow(clippy::too_many_arguments)]
+fn cublas_gemm(
+    gpu: &Gpu,
+    w: &CudaSlice<bf16>,
+    xb: &super::CudaView<'_, bf16>,
+    t: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+    beta: f32,
+) -> Result<()> {
+    let blas = gpu.blas()?;
+    let stream = gpu.stream();
+    let alpha = 1.0f32;
+    use cudarc::cublas::{result, sys};
+    let (a, _ra) = w.device_ptr(stream);
+    let (bx, _rb) = xb.device_ptr(stream);
+    let (c, _rc) = out.device_ptr_mut(stream);
+    // SAFETY: w holds N*K bf16, xb T*K bf16, out T*N f32 (the callers check); cuBLAS runs on gpu.stream().
+    unsafe {
+        result::gemm_ex(
+            *blas.handle(),
+            sys::cublasOperation_t::CUBLAS_OP_T,
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            n as i32,
+            t as i32,
+            k as i32,
+            (&alpha) as *const f32 as *const _,
+            a as *const _,
+            sys::cudaDataType_t::CUDA_R_16BF,
+            k as i32,
+            bx as *const _,
+            sys::cudaDataType_t::CUDA_R_16BF,
+            k as i32,
+            (&beta) as *const f32 as *const _,
+            c as *mut _,
+            sys::cudaDataType_t::CUDA_R_32F,
+            n as i32,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }?;
+    Ok(())
+}
+
+/// `matmul_with_scratch` / `matmul_add_with_scratch` with the cuBLAS
+/// path's precision (the scratch holds `2 * T * K` for `Split`).
+#[allow(clippy::too_many_arguments)]
+pub fn project_with(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<bf16>,
+    t: usize,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+    scratch: &mut CudaSlice<bf16>,
+    write: Write,
+    precision: GemmPrecision,
+) -> Result<()> {
+    if t <= GEMV_MAX_ROWS {
+        gemv(gpu, x, w, t, n, k, out, write)
+    } else {
+        gemm_with(gpu, x, w, t, n, k, out, scratch, write, precision)
+    }
+}
+
 /// `out = bf16(x)` elementwise (round to nearest even, as `half::bf16::from_f32`).
 pub fn f32_to_bf16(gpu: &Gpu, x: &CudaSlice<f32>, out: &mut CudaSlice<bf16>) -> Result<()> {
     same("f32_to_bf16: out", out.len(), x.len())?;
