@@ -84,7 +84,9 @@ fn check_model_chunks(set: &str, model: &str, layout: &str, chunks: &[usize]) ->
             check_close(&what, &got, &want, tol)?;
         }
         // Decode: the GPU's GEMV path, one token at a time.
-        let (mut c, mut g) = (session(&cpu, 0, kv)?, session(&gpu, 0, kv)?);
+        // Decode after a prompt read in the last (largest) chunk size.
+        let chunk = chunks[chunks.len() - 1];
+        let (mut c, mut g) = (session(&cpu, chunk, kv)?, session(&gpu, chunk, kv)?);
         c.prefill(&tokens[..40]).map_err(e)?;
         g.prefill(&tokens[..40]).map_err(e)?;
         for step in 0..8 {
