@@ -358,10 +358,15 @@ static void test_invalid_arguments(strata_engine *e)
     EXPECT_STATUS(strata_engine_load(args.pack, &ep, &e2), STRATA_ERR_NO_CUDA);
     EXPECT(e2 == NULL);
 
-    /* Session params: quantized KV is not on the CPU backend; context too big. */
+    /* Session params: quantized KV is emulated on the CPU backend; an
+       out-of-range kv_type is refused; context too big. */
     REQUIRE_OK(strata_session_default_params(&sp, sizeof sp));
-    sp.kv_type = STRATA_KV_BF16;
-    EXPECT_STATUS(strata_session_open(e, &sp, &s), STRATA_ERR_UNSUPPORTED);
+    sp.kv_type = STRATA_KV_INT8;
+    REQUIRE_OK(strata_session_open(e, &sp, &s));
+    strata_session_free(s);
+    s = NULL;
+    sp.kv_type = (strata_kv_type)9;
+    EXPECT_STATUS(strata_session_open(e, &sp, &s), STRATA_ERR_INVALID_ARGUMENT);
     EXPECT(s == NULL);
     REQUIRE_OK(strata_session_default_params(&sp, sizeof sp));
     sp.context_size = 0xFFFFFFFFu;

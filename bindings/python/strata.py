@@ -133,6 +133,7 @@ class EngineParams(_Sized):
         ("verify_checksums", c_bool),
         ("progress", _progress_fn),
         ("progress_user_data", c_void_p),
+        ("gpu_precision", c_int),
     ]
 
 
@@ -156,6 +157,8 @@ class SessionParams(_Sized):
         ("prefill_chunk", c_uint32),
         ("kv_type", c_int),
         ("keep_all_logits", c_bool),
+        ("checkpoint_every", c_uint32),
+        ("checkpoint_budget", c_uint64),
     ]
 
 
