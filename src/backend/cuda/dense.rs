@@ -276,40 +276,8 @@ pub fn gemm(
         return Ok(());
     }
     convert_to_bf16(gpu, x, scratch, t * k)?;
-    let blas = gpu.blas()?;
-    let stream = gpu.stream();
-    let (alpha, beta) = (1.0f32, if write == Write::Add { 1.0f32 } else { 0.0 });
-    use cudarc::cublas::{result, sys};
-    // Column-major view: C (N x T, ldc N) = W^T-as-stored (K x N, lda K)^T * x (K x T, ldb K).
-    let (a, _ra) = w.device_ptr(stream);
-    let (bx, _rb) = scratch.device_ptr(stream);
-    let (c, _rc) = out.device_ptr_mut(stream);
-    // SAFETY: w holds N*K bf16, scratch T*K bf16, out T*N f32 (checked above); cuBLAS runs on gpu.stream(),
-    // and the read/write records (_ra, _rb, _rc) are dropped after the call is queued.
-    unsafe {
-        result::gemm_ex(
-            *blas.handle(),
-            sys::cublasOperation_t::CUBLAS_OP_T,
-            sys::cublasOperation_t::CUBLAS_OP_N,
-            n as i32,
-            t as i32,
-            k as i32,
-            (&alpha) as *const f32 as *const _,
-            a as *const _,
-            sys::cudaDataType_t::CUDA_R_16BF,
-            k as i32,
-            bx as *const _,
-            sys::cudaDataType_t::CUDA_R_16BF,
-            k as i32,
-            (&beta) as *const f32 as *const _,
-            c as *mut _,
-            sys::cudaDataType_t::CUDA_R_32F,
-            n as i32,
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }?;
-    Ok(())
+    let beta = if write == Write::Add { 1.0f32 } else { 0.0 };
+    cublas_gemm(gpu, w, &scratch.slice(..t * k), t, n, k, out, beta)
 }
 
 /// Operand precision of the cuBLAS path (rows > 8): x rounded to bf16, or
