@@ -283,6 +283,24 @@ func (s *Session) Prefill(tokens []int32) error {
 	})
 }
 
+// PrefillConversation makes the session hold exactly tokens, the whole
+// conversation so far, reusing the longest common prefix it already holds
+// (from a checkpoint on models with recurrent state) and reading only the
+// rest. It returns how many tokens were reused and how many were read.
+func (s *Session) PrefillConversation(tokens []int32) (reused, read int, err error) {
+	var p *C.int32_t
+	if len(tokens) > 0 {
+		p = (*C.int32_t)(unsafe.Pointer(&tokens[0]))
+	} else {
+		p = new(C.int32_t) // a valid pointer; the library rejects the empty conversation
+	}
+	var cReused, cRead C.size_t
+	err = call("strata_session_prefill_conversation", func() C.strata_status {
+		return C.strata_session_prefill_conversation(s.ptr, p, C.size_t(len(tokens)), &cReused, &cRead)
+	})
+	return int(cReused), int(cRead), err
+}
+
 // Sampling parameters. The zero value is greedy.
 type Sampling struct {
 	Temperature float32 // 0 = greedy

@@ -213,6 +213,43 @@ func TestCheckpointAndState(t *testing.T) {
 	}
 }
 
+// PrefillConversation reuses the prefix the session holds, reports the
+// counts, and ends with the logits a plain prefill of the same tokens gives.
+func TestPrefillConversation(t *testing.T) {
+	e, prompt := setup(t)
+	if len(prompt) < 2 {
+		t.Skip("needs a prompt of at least 2 tokens")
+	}
+	s, err := e.NewSession(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	half := len(prompt) / 2
+	if reused, read, err := s.PrefillConversation(prompt[:half]); err != nil || reused != 0 || read != half {
+		t.Fatalf("first half: reused %d read %d err %v, want 0, %d", reused, read, err, half)
+	}
+	if reused, read, err := s.PrefillConversation(prompt); err != nil || reused != half || read != len(prompt)-half {
+		t.Fatalf("whole prompt: reused %d read %d err %v, want %d, %d", reused, read, err, half, len(prompt)-half)
+	}
+	fresh, err := e.NewSession(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fresh.Close()
+	if err := fresh.Prefill(prompt); err != nil {
+		t.Fatal(err)
+	}
+	a, _ := s.Logits(-1)
+	b, _ := fresh.Logits(-1)
+	if !reflect.DeepEqual(a, b) {
+		t.Errorf("logits after the reused prefix differ from a plain prefill")
+	}
+	if _, _, err := s.PrefillConversation(nil); err == nil {
+		t.Errorf("an empty conversation was accepted")
+	}
+}
+
 // The state carries the sampler's random stream: a session loaded from it
 // continues a seeded run with the same tokens as the original.
 func TestStateCarriesSampler(t *testing.T) {

@@ -61,6 +61,18 @@ def main(argv):
                 expect(copy.generate(8, sampling) == s.generate(8, sampling), "continuation after state load")
             print(f"state: {len(state)} bytes, a second session continues the same way", file=sys.stderr)
 
+            # The whole conversation into a fresh session: nothing to reuse, all
+            # read; the same conversation again: all reused; logits as after a
+            # plain prefill of the same tokens.
+            with engine.session() as conv:
+                whole = tokens + out
+                expect(conv.prefill_conversation(whole[:-2]) == (0, len(whole) - 2), "first conversation")
+                expect(conv.prefill_conversation(whole) == (len(whole) - 2, 2), "conversation extended by 2")
+                with engine.session() as plain:
+                    plain.prefill(whole)
+                    expect(conv.logits() == plain.logits(), "logits after prefix reuse")
+            print("prefill_conversation: the prefix is reused, the counts add up", file=sys.stderr)
+
             # Checkpoint, continue, rewind, continue: the same (greedy) tokens;
             # a rewind does not rewind the sampler's random stream.
             at = s.position

@@ -40,7 +40,7 @@ from ctypes import (
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 __all__ = [
     "Status",
@@ -216,6 +216,10 @@ def _load(path: str) -> ctypes.CDLL:
         "strata_session_open": (st, [_EngineP, POINTER(SessionParams), POINTER(_SessionP)]),
         "strata_session_free": (None, [_SessionP]),
         "strata_session_prefill": (st, [_SessionP, POINTER(c_int32), c_size_t]),
+        "strata_session_prefill_conversation": (
+            st,
+            [_SessionP, POINTER(c_int32), c_size_t, POINTER(c_size_t), POINTER(c_size_t)],
+        ),
         "strata_sampling_default_params": (st, [POINTER(SamplingParams), c_uint32]),
         "strata_session_step": (st, [_SessionP, POINTER(SamplingParams), POINTER(c_int32)]),
         "strata_session_logits": (st, [_SessionP, c_int64, POINTER(c_float), c_size_t, POINTER(c_size_t)]),
@@ -453,6 +457,18 @@ class Session:
     def prefill(self, tokens: Sequence[int]) -> None:
         arr = (c_int32 * len(tokens))(*tokens)
         _check("strata_session_prefill", _lib.strata_session_prefill(self._handle(), arr, len(tokens)))
+
+    def prefill_conversation(self, tokens: Sequence[int]) -> Tuple[int, int]:
+        """Makes the session hold exactly `tokens`, the whole conversation so
+        far, reusing the longest common prefix it holds and reading only the
+        rest. Returns (reused, read)."""
+        arr = (c_int32 * len(tokens))(*tokens)
+        reused, read = c_size_t(), c_size_t()
+        _check(
+            "strata_session_prefill_conversation",
+            _lib.strata_session_prefill_conversation(self._handle(), arr, len(tokens), byref(reused), byref(read)),
+        )
+        return reused.value, read.value
 
     def step(self, sampling: Sampling = GREEDY) -> int:
         """Samples a token from the current logits, appends it and computes

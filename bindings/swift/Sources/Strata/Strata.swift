@@ -163,6 +163,18 @@ public final class Session {
         try check("strata_session_prefill", strata_session_prefill(handle, tokens, tokens.count))
     }
 
+    /// Makes the session hold exactly `tokens`, the whole conversation so far,
+    /// reusing the longest common prefix it holds and reading only the rest.
+    /// Returns how many tokens were reused and how many were read.
+    @discardableResult
+    public func prefillConversation(_ tokens: [Int32]) throws -> (reused: Int, read: Int) {
+        var reused = 0
+        var read = 0
+        try check("strata_session_prefill_conversation",
+                  strata_session_prefill_conversation(handle, tokens, tokens.count, &reused, &read))
+        return (reused, read)
+    }
+
     /// Samples a token, appends it and computes its logits. The library keeps
     /// the sampler's random stream across steps while the parameters stay equal.
     public func step(_ sampling: Sampling = .greedy) throws -> Int32 {
