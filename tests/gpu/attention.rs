@@ -11,9 +11,8 @@ use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 use strata::backend::cpu::ops;
 use strata::backend::cuda::attention::{
-    attention, attention_at, attention_with, attention_with_scratch, kv_append, kv_append_at, kv_read_f32,
-    quantize_int8_block, step_chunk, step_plan, AttnConfig, AttnKernel, AttnPrecision, AttnScratch, DeviceKv, KvDtype,
-    StepPlan, StepPos,
+    attention, attention_at, attention_with, attention_with_scratch, kv_append, kv_append_at, kv_read_f32, step_chunk,
+    step_plan, AttnConfig, AttnKernel, AttnPrecision, AttnScratch, DeviceKv, KvDtype, StepPlan, StepPos,
 };
 use strata::backend::cuda::{CudaSlice, Gpu};
 use strata::backend::AttentionShape;
@@ -87,14 +86,10 @@ fn filled_cache(
 }
 
 /// Host model of the int8 cache: each (position, kv head) block quantized by
-/// `quantize_int8_block`, then dequantized (`value * scale`).
+/// `strata::quant::quantize_int8_block`, then dequantized (`value * scale`).
 fn host_int8_roundtrip(x: &[f32], head_dim: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(x.len());
-    let mut qv = vec![0i8; head_dim];
-    for block in x.chunks_exact(head_dim) {
-        let s = quantize_int8_block(block, &mut qv);
-        out.extend(qv.iter().map(|&b| b as f32 * s));
-    }
+    let mut out = x.to_vec();
+    out.chunks_exact_mut(head_dim).for_each(strata::quant::int8_block_round_trip);
     out
 }
 

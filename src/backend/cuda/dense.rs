@@ -128,7 +128,7 @@ pub fn matmul_with_scratch(
     out: &mut CudaSlice<f32>,
     scratch: &mut CudaSlice<bf16>,
 ) -> Result<()> {
-    project(gpu, x, w, t, n, k, out, scratch, Write::Store)
+    project_with(gpu, x, w, t, n, k, out, scratch, Write::Store, GemmPrecision::Bf16)
 }
 
 /// `matmul_add` with the caller's bf16 scratch (see `matmul_with_scratch`).
@@ -143,26 +143,7 @@ pub fn matmul_add_with_scratch(
     out: &mut CudaSlice<f32>,
     scratch: &mut CudaSlice<bf16>,
 ) -> Result<()> {
-    project(gpu, x, w, t, n, k, out, scratch, Write::Add)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn project(
-    gpu: &Gpu,
-    x: &CudaSlice<f32>,
-    w: &CudaSlice<bf16>,
-    t: usize,
-    n: usize,
-    k: usize,
-    out: &mut CudaSlice<f32>,
-    scratch: &mut CudaSlice<bf16>,
-    write: Write,
-) -> Result<()> {
-    if t <= GEMV_MAX_ROWS {
-        gemv(gpu, x, w, t, n, k, out, write)
-    } else {
-        gemm(gpu, x, w, t, n, k, out, scratch, write)
-    }
+    project_with(gpu, x, w, t, n, k, out, scratch, Write::Add, GemmPrecision::Bf16)
 }
 
 fn check_matmul(
