@@ -614,13 +614,17 @@ impl Session {
         let start = self.kv.len();
         debug_assert_eq!(start, self.tokens.len());
         self.kv.reserve(tokens.len())?;
-        let before = (!read.keep_progress).then(|| {
-            let deltas = if self.kv.is_hybrid() { Some(self.kv.deltas()) } else { None };
-            (deltas, self.logits.clone())
-        });
         let vocab = self.engine.config().vocab_size;
         let pieces = self.pieces(start, tokens.len());
         let n_pieces = pieces.len();
+        // Undoing a whole call needs the state from before it only when a
+        // later piece can fail after an earlier one succeeded: a single
+        // piece is undone by the engine itself (and changes nothing here
+        // before it succeeds).
+        let before = (!read.keep_progress && n_pieces > 1).then(|| {
+            let deltas = if self.kv.is_hybrid() { Some(self.kv.deltas()) } else { None };
+            (deltas, self.logits.clone())
+        });
         let mut out = Vec::new();
         for (i, (off, len, checkpoint)) in pieces.into_iter().enumerate() {
             let last = i + 1 == n_pieces;
