@@ -224,6 +224,67 @@ extern "C" __global__ void dense_rmsnorm_block(const float* __restrict__ x, cons
     for (int i = threadIdx.x; i < width; i += blockDim.x) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
 }
 
+// Wide rows, width % 4 == 0, width <= 4 * 8 * blockDim.x: one block per row,
+// every thread's float4s of x and w loaded before the first use (one memory
+// round trip, not a chain of dependent loads). flags != null: also the
+// non-finite guard of x (dense_first_nonfinite's flags[slot] = min flat
+// index of a NaN/inf), fused so a decode step spends no launch on it.
+#define DENSE_NORM_VEC 8
+extern "C" __global__ void dense_rmsnorm_vec(const float* __restrict__ x, const float* __restrict__ w,
+                                             float* __restrict__ out, int width, float eps,
+                                             unsigned int* __restrict__ flags, int slot) {
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const float4* xr = reinterpret_cast<const float4*>(x + row * width);
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+    float4* orow = reinterpret_cast<float4*>(out + row * width);
+    const int n4 = width >> 2;
+    float4 v[DENSE_NORM_VEC], g[DENSE_NORM_VEC];
+#pragma unroll
+    for (int u = 0; u < DENSE_NORM_VEC; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < n4) {
+            v[u] = xr[i];
+            g[u] = __ldg(w4 + i);
+        }
+    }
+    float ss = 0.0f;
+    unsigned int bad = 0xffffffffu;
+#pragma unroll
+    for (int u = 0; u < DENSE_NORM_VEC; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < n4) {
+            ss = fmaf(v[u].x, v[u].x, ss);
+            ss = fmaf(v[u].y, v[u].y, ss);
+            ss = fmaf(v[u].z, v[u].z, ss);
+            ss = fmaf(v[u].w, v[u].w, ss);
+            if (flags != nullptr && bad == 0xffffffffu) {
+                const unsigned int base = (unsigned int)(row * width) + 4u * (unsigned int)i;
+                if (!isfinite(v[u].x)) bad = base;
+                else if (!isfinite(v[u].y)) bad = base + 1u;
+                else if (!isfinite(v[u].z)) bad = base + 2u;
+                else if (!isfinite(v[u].w)) bad = base + 3u;
+            }
+        }
+    }
+    // A thread's first bad element is its smallest index (i grows with u).
+    if (bad != 0xffffffffu) atomicMin(flags + slot, bad);
+    ss = dense_block_sum(ss, scratch);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)width), eps)));
+#pragma unroll
+    for (int u = 0; u < DENSE_NORM_VEC; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < n4) {
+            float4 o;
+            o.x = __fmul_rn(__fmul_rn(v[u].x, inv), g[u].x);
+            o.y = __fmul_rn(__fmul_rn(v[u].y, inv), g[u].y);
+            o.z = __fmul_rn(__fmul_rn(v[u].z, inv), g[u].z);
+            o.w = __fmul_rn(__fmul_rn(v[u].w, inv), g[u].w);
+            orow[i] = o;
+        }
+    }
+}
+
 // x += y, then out = rmsnorm(x) (the residual add fused with the next norm).
 // One block per row; each thread re-reads only the x it wrote itself.
 extern "C" __global__ void dense_add_rmsnorm(float* __restrict__ x, const float* __restrict__ y,
@@ -479,4 +540,22 @@ extern "C" __global__ void dense_argmax_final(const float* __restrict__ part_v, 
     }
     dense_argmax_warp(bv, bi);
     if (lane == 0) out[row] = bi;
+}
+
+// ---------------------------------------------------------------------------
+// L2 prefetch: asks the copy engine of each SM (the bulk-copy unit) to bring
+// bytes [0, bytes) of p into L2 without registers or shared memory, so a
+// weight matrix can be fetched while latency-bound kernels run (a decode
+// step's attention and MoE leave most of the HBM bandwidth idle). sm_90 and
+// later; a no-op before. p 16-byte aligned; a tail under 16 bytes is skipped.
+#define DENSE_PREFETCH_CHUNK 65536ull
+extern "C" __global__ void dense_prefetch_l2(const char* __restrict__ p, unsigned long long bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x * DENSE_PREFETCH_CHUNK;
+    for (unsigned long long off = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) * DENSE_PREFETCH_CHUNK;
+         off < bytes; off += stride) {
+        const unsigned int size = (unsigned int)min(DENSE_PREFETCH_CHUNK, bytes - off) & ~15u;
+        if (size != 0u) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(size) : "memory");
+    }
+#endif
 }

@@ -26,8 +26,9 @@ struct MoeBlobLayout {
 };
 
 #define MOE_MAX_TOP_K 16
-#define MOE_ROUTE_THREADS 128
 #define MOE_ROUTE_MAX_EXPERTS 1024
+// Most experts moe_gate_up_gemv routes itself (FUSED_ROUTE_MAX_EXPERTS in moe.rs).
+#define MOE_FUSED_ROUTE_MAX 512
 #define MOE_GROUP_WARPS 16
 // Rows of the grouped tensor-core GEMM tile (token rows of one expert).
 #define MOE_TILE_M 64
@@ -184,76 +185,87 @@ static __device__ __forceinline__ void moe_load_xq(const float4* xs, int nchunk,
 // renormalization. One block per token.
 // ---------------------------------------------------------------------------
 
-extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
-    moe_route_topk(const float* __restrict__ logits, int num_experts, int top_k, int norm_topk_prob,
-                   uint32_t* __restrict__ ids, float* __restrict__ weights) {
-    __shared__ float probs[MOE_ROUTE_MAX_EXPERTS];
-    __shared__ float red_v[MOE_ROUTE_THREADS / 32];
-    __shared__ int red_i[MOE_ROUTE_THREADS / 32];
-    __shared__ float chosen_p[MOE_MAX_TOP_K];
-    __shared__ int chosen_e[MOE_MAX_TOP_K];
-    const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const float* row = logits + (size_t)t * num_experts;
-
+// Routing of one token by one warp: lane l holds experts l, l + 32, ... in
+// registers, so the max, the sum and each of the k argmax rounds are
+// shuffles, with no shared memory and no block barrier. Lanes j < top_k
+// write ids_out[j] and w_out[j] (global or shared memory). PER_LANE * 32 >=
+// num_experts; moe_topk_warp picks the smallest that holds E (registers).
+template <int MOE_ROUTE_PER_LANE>
+static __device__ __forceinline__ void moe_topk_warp_n(const float* __restrict__ row, int num_experts, int top_k,
+                                                       int norm_topk_prob, uint32_t* ids_out, float* w_out) {
+    const int lane = threadIdx.x & 31;
+    float p[MOE_ROUTE_PER_LANE];
     float m = -INFINITY;
-    for (int i = tid; i < num_experts; i += MOE_ROUTE_THREADS) m = fmaxf(m, row[i]);
+#pragma unroll
+    for (int u = 0; u < MOE_ROUTE_PER_LANE; ++u) {
+        const int i = lane + 32 * u;
+        p[u] = i < num_experts ? row[i] : -INFINITY;
+        m = fmaxf(m, p[u]);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) red_v[warp] = m;
-    __syncthreads();
-    m = red_v[0];
-#pragma unroll
-    for (int w = 1; w < MOE_ROUTE_THREADS / 32; ++w) m = fmaxf(m, red_v[w]);
-    __syncthreads();
-
     float s = 0.0f;
-    for (int i = tid; i < num_experts; i += MOE_ROUTE_THREADS) {
-        const float p = expf(row[i] - m);
-        probs[i] = p;
-        s += p;
+#pragma unroll
+    for (int u = 0; u < MOE_ROUTE_PER_LANE; ++u) {
+        if (lane + 32 * u < num_experts) {
+            p[u] = expf(p[u] - m);
+            s += p[u];
+        }
     }
     s = moe_warp_sum(s);
-    if (lane == 0) red_v[warp] = s;
-    __syncthreads();
-    s = 0.0f;
 #pragma unroll
-    for (int w = 0; w < MOE_ROUTE_THREADS / 32; ++w) s += red_v[w];
-    for (int i = tid; i < num_experts; i += MOE_ROUTE_THREADS) probs[i] = probs[i] / s;
-    __syncthreads();
+    for (int u = 0; u < MOE_ROUTE_PER_LANE; ++u) p[u] = lane + 32 * u < num_experts ? p[u] / s : -1.0f;
 
+    // k rounds: the warp's argmax (ties: the lower id); the winner's lane
+    // retires it (probabilities are >= 0: -1 is never chosen again).
+    float chosen_p = 0.0f, sum = 0.0f;
+    int chosen_e = 0;
     for (int j = 0; j < top_k; ++j) {
         float bv = -1.0f;
         int bi = 0x7fffffff;
-        for (int i = tid; i < num_experts; i += MOE_ROUTE_THREADS) moe_argmax_merge(bv, bi, probs[i], i);
+#pragma unroll
+        for (int u = 0; u < MOE_ROUTE_PER_LANE; ++u) moe_argmax_merge(bv, bi, p[u], lane + 32 * u);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             const float v2 = __shfl_xor_sync(0xffffffffu, bv, o);
             const int i2 = __shfl_xor_sync(0xffffffffu, bi, o);
             moe_argmax_merge(bv, bi, v2, i2);
         }
-        if (lane == 0) {
-            red_v[warp] = bv;
-            red_i[warp] = bi;
+        // No winner (NaN logits): an id >= E, which later kernels turn into NaN.
+        if (bi < num_experts && (bi & 31) == lane) {
+#pragma unroll
+            for (int u = 0; u < MOE_ROUTE_PER_LANE; ++u)
+                if (bi == lane + 32 * u) p[u] = -1.0f;
         }
-        __syncthreads();
-        if (tid == 0) {
-            float v = red_v[0];
-            int i = red_i[0];
-            for (int w = 1; w < MOE_ROUTE_THREADS / 32; ++w) moe_argmax_merge(v, i, red_v[w], red_i[w]);
-            chosen_p[j] = v;
-            chosen_e[j] = i;  // no winner (NaN logits): an id >= E, which later kernels turn into NaN
-            if (i < num_experts) probs[i] = -1.0f;  // probabilities are >= 0: never chosen again
+        if (lane == j) {
+            chosen_p = bv;
+            chosen_e = bi;
         }
-        __syncthreads();
+        sum += bv;  // in order, as moe::route (the same value in every lane)
     }
-    if (tid == 0) {
-        float sum = 0.0f;
-        for (int j = 0; j < top_k; ++j) sum += chosen_p[j];  // in order, as moe::route
-        for (int j = 0; j < top_k; ++j) {
-            ids[(size_t)t * top_k + j] = (uint32_t)chosen_e[j];
-            weights[(size_t)t * top_k + j] = norm_topk_prob ? chosen_p[j] / sum : chosen_p[j];
-        }
+    if (lane < top_k) {
+        ids_out[lane] = (uint32_t)chosen_e;
+        w_out[lane] = norm_topk_prob ? chosen_p / sum : chosen_p;
     }
+}
+
+static __device__ __forceinline__ void moe_topk_warp(const float* __restrict__ row, int num_experts, int top_k,
+                                                     int norm_topk_prob, uint32_t* ids_out, float* w_out) {
+    if (num_experts <= 128)
+        moe_topk_warp_n<4>(row, num_experts, top_k, norm_topk_prob, ids_out, w_out);
+    else if (num_experts <= 512)
+        moe_topk_warp_n<16>(row, num_experts, top_k, norm_topk_prob, ids_out, w_out);
+    else
+        moe_topk_warp_n<MOE_ROUTE_MAX_EXPERTS / 32>(row, num_experts, top_k, norm_topk_prob, ids_out, w_out);
+}
+
+// One warp (block) per token.
+extern "C" __global__ void __launch_bounds__(32)
+    moe_route_topk(const float* __restrict__ logits, int num_experts, int top_k, int norm_topk_prob,
+                   uint32_t* __restrict__ ids, float* __restrict__ weights) {
+    const size_t t = blockIdx.x;
+    moe_topk_warp(logits + t * num_experts, num_experts, top_k, norm_topk_prob, ids + t * top_k,
+                  weights + t * top_k);
 }
 
 // ---------------------------------------------------------------------------
@@ -340,11 +352,38 @@ static __device__ __forceinline__ void moe_gate_up_rows(const float4* xs, const 
 // T = 1, I = 768 grid (384 blocks) in one wave on 132 SMs.
 extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 3)
     moe_gate_up_gemv(const float* __restrict__ x, const uint32_t* __restrict__ ids, const uint64_t* __restrict__ table,
-                     int table_len, MoeBlobLayout L, int top_k, float* __restrict__ act) {
+                     int table_len, MoeBlobLayout L, int top_k, float* __restrict__ act,
+                     const float* __restrict__ logits, int num_experts, int norm_topk_prob,
+                     uint32_t* __restrict__ ids_out, float* __restrict__ weights_out) {
     extern __shared__ float4 moe_gu_xs[];
-    const int a = blockIdx.x, t = a / top_k;
+    __shared__ uint32_t routed_ids[MOE_MAX_TOP_K];
+    __shared__ float routed_w[MOE_MAX_TOP_K];
+    const int a = blockIdx.x, t = a / top_k, j = a - t * top_k;
     const int H = (int)L.hidden, I = (int)L.intermediate, nchunk = H >> 5, lane = threadIdx.x & 31;
-    const uint32_t e = __ldg(ids + a);
+    uint32_t e;
+    if (logits != nullptr) {
+        // Routed here (decode: no moe_route_topk launch): every block of
+        // token t routes it in its warp 0 (the same operations, so the same
+        // result, as moe_route_topk); the blocks of y = 0 publish their
+        // choice j for the down kernel.
+        // E <= MOE_FUSED_ROUTE_MAX (the wrapper's check): no 32-register path here.
+        if (threadIdx.x < 32) {
+            const float* row = logits + (size_t)t * num_experts;
+            if (num_experts <= 128)
+                moe_topk_warp_n<4>(row, num_experts, top_k, norm_topk_prob, routed_ids, routed_w);
+            else
+                moe_topk_warp_n<MOE_FUSED_ROUTE_MAX / 32>(row, num_experts, top_k, norm_topk_prob, routed_ids,
+                                                          routed_w);
+        }
+        __syncthreads();
+        e = routed_ids[j];
+        if (blockIdx.y == 0 && threadIdx.x == 0) {
+            ids_out[a] = e;
+            weights_out[a] = routed_w[j];
+        }
+    } else {
+        e = __ldg(ids + a);
+    }
     float* act_row = act + (size_t)a * I;
     const int row0 = (blockIdx.y * MOE_GU_WARPS + (threadIdx.x >> 5)) * MOE_GEMV_ROWS;
     if (e >= (uint32_t)table_len) {  // a bad expert id: a visible NaN, never a wild read

@@ -150,6 +150,22 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// `STRATA_PROFILE_DECODE=1`: the decode steps of the last repeat are marked
+/// for a profiler started with collection off (`ncu --profile-from-start off`).
+fn profile_decode() -> bool {
+    std::env::var("STRATA_PROFILE_DECODE").is_ok_and(|v| v == "1")
+}
+
+#[cfg(feature = "cuda")]
+fn profiler_collect(on: bool) -> Result<()> {
+    strata::backend::cuda::profiler_collect(on)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn profiler_collect(_on: bool) -> Result<()> {
+    Ok(())
+}
+
 /// The measured ceilings of the device, when it is a GPU.
 struct Ceilings {
     hbm: f64,
@@ -224,11 +240,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
         s.prefill(&prompt)?;
         let p = t.elapsed().as_secs_f64();
         let mut sampler = Sampler::greedy();
+        let profile = profile_decode() && r + 1 == a.repeats;
+        if profile {
+            profiler_collect(true)?;
+        }
         let t = Instant::now();
         for _ in 0..a.gen {
             s.step(&mut sampler)?;
         }
         let d = t.elapsed().as_secs_f64();
+        if profile {
+            profiler_collect(false)?;
+        }
         eprintln!(
             "strata bench: run {}: prefill {:.3} s ({:.0} tok/s), decode {} tokens {:.3} s ({:.1} tok/s)",
             r + 1,

@@ -35,6 +35,7 @@ pub const TESTS: &[GpuTest] = &[
     ("dense_matmul_rejects_bad_shapes", matmul_rejects_bad_shapes),
     ("dense_rmsnorm_widths", rmsnorm_widths),
     ("dense_add_rmsnorm_fused", add_rmsnorm_fused),
+    ("dense_rmsnorm_checked_flags", rmsnorm_checked_flags),
     ("dense_rope_full_partial_yarn", rope_full_partial_yarn),
     ("dense_rmsnorm_rope_fused", rmsnorm_rope_fused),
     ("dense_rmsnorm_rope_step_pointer", rmsnorm_rope_step_pointer),
@@ -251,6 +252,51 @@ fn rmsnorm_widths(gpu: &Arc<Gpu>) -> Result<(), String> {
     let mut want = vec![0.0; x.len()];
     ops::rmsnorm(&x, &w, 0.5, &mut want);
     check_close("rmsnorm eps 0.5", &gpu.download(&out).map_err(e)?, &want, 1e-5)
+}
+
+/// rmsnorm with the fused non-finite guard: the same output as rmsnorm, and
+/// the flag holds the first flat index of a NaN/inf (or stays NONFINITE_NONE),
+/// also through the unfused fallback (width 130, not a multiple of 4).
+fn rmsnorm_checked_flags(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for (rows, width) in [(1usize, 2048usize), (3, 2048), (2, 4096), (4, 130), (1, 8192)] {
+        let w: Vec<f32> = rand_f32(70, width, 0.2).iter().map(|v| 1.0 + v).collect();
+        let wd = gpu.upload(&w).map_err(e)?;
+        // Clean input, then NaN and inf at chosen places (the first one wins).
+        let bad_cases: [&[(usize, f32)]; 3] =
+            [&[], &[(width + 5, f32::NAN), (2, f32::INFINITY)], &[(width - 1, f32::NEG_INFINITY)]];
+        for (ci, bad) in bad_cases.iter().enumerate() {
+            let mut x = rand_f32(71 + ci as u64, rows * width, 1.5);
+            for &(i, v) in bad.iter() {
+                if i < x.len() {
+                    x[i] = v;
+                }
+            }
+            let want_flag = bad.iter().map(|&(i, _)| i).filter(|&i| i < x.len()).min();
+            let xd = gpu.upload(&x).map_err(e)?;
+            let mut out = poisoned(gpu, rows * width)?;
+            let mut flags = gpu.alloc_zeros::<u32>(3).map_err(e)?;
+            dense::reset_flags(gpu, &mut flags).map_err(e)?;
+            dense::rmsnorm_checked(gpu, &xd, &wd, 1e-6, &mut out, &mut flags, 1).map_err(e)?;
+            let got = gpu.download(&flags).map_err(e)?;
+            let what = format!("rmsnorm_checked {rows}x{width} case {ci}");
+            let want_slot = want_flag.map_or(dense::NONFINITE_NONE, |i| i as u32);
+            if got != [dense::NONFINITE_NONE, want_slot, dense::NONFINITE_NONE] {
+                return Err(format!("{what}: flags {got:?}, want slot 1 = {want_slot}"));
+            }
+            if want_flag.is_none() {
+                let mut want = vec![0.0; rows * width];
+                ops::rmsnorm(&x, &w, 1e-6, &mut want);
+                check_close(&what, &gpu.download(&out).map_err(e)?, &want, 1e-5)?;
+            }
+        }
+    }
+    let (x, w) = (gpu.upload(&rand_f32(1, 64, 1.0)).map_err(e)?, gpu.upload(&rand_f32(2, 64, 1.0)).map_err(e)?);
+    let mut out = poisoned(gpu, 64)?;
+    let mut flags = gpu.alloc_zeros::<u32>(2).map_err(e)?;
+    if dense::rmsnorm_checked(gpu, &x, &w, 1e-6, &mut out, &mut flags, 2).is_ok() {
+        return Err("rmsnorm_checked accepted slot 2 of 2 flags".into());
+    }
+    Ok(())
 }
 
 fn add_rmsnorm_fused(gpu: &Arc<Gpu>) -> Result<(), String> {

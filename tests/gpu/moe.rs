@@ -532,6 +532,65 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
         gm::expert_down_gemv(gpu, &act, &ids, &weights, &dev.table, &dev.layout, tokens, k, &mut out, false)
             .map_err(e)?;
         check_close(&format!("decode pipeline T={tokens}"), &download(gpu, &out)?, &want, F32_TOL)?;
+
+        // The routing fused into the gate/up GEMV: the same ids, weights and
+        // activations, bit for bit, as route_topk + expert_gate_up_gemv.
+        let mut r_ids = gpu.alloc_zeros::<u32>(tokens * k).map_err(e)?;
+        let mut r_weights = poisoned(gpu, tokens * k)?;
+        let mut r_act = poisoned(gpu, tokens * k * i)?;
+        let route = gm::Route {
+            logits: &d_logits,
+            num_experts: n_exp,
+            norm_topk_prob: true,
+            ids: &mut r_ids,
+            weights: &mut r_weights,
+        };
+        gm::expert_gate_up_gemv_routed(gpu, &d_x, route, &dev.table, &dev.layout, tokens, k, &mut r_act).map_err(e)?;
+        if download_u32(gpu, &r_ids)? != download_u32(gpu, &ids)? {
+            return Err(format!("T={tokens}: the routed gate/up GEMV chose other experts than route_topk"));
+        }
+        check_close(
+            &format!("routed weights T={tokens}"),
+            &download(gpu, &r_weights)?,
+            &download(gpu, &weights)?,
+            0.0,
+        )?;
+        check_close(&format!("routed act T={tokens}"), &download(gpu, &r_act)?, &download(gpu, &act)?, 0.0)?;
+    }
+    // E = 128, k = 8 (qwen3_moe) with norm_topk_prob off, and E = 512, k = 10: routed ids and weights
+    // against moe::route.
+    for &(n_exp2, k2, norm) in &[(128usize, 8usize, false), (512, 10, true)] {
+        let tokens = 2;
+        let host2 = HostExperts::random(60 + n_exp2 as u64, h, i, n_exp2.min(64));
+        let dev2 = upload_experts(gpu, &host2)?;
+        // Ids are < 64 only when the logits favour them: shift the rest down.
+        let mut logits = rand_f32(61 + n_exp2 as u64, tokens * n_exp2, 1.0);
+        for row in logits.chunks_exact_mut(n_exp2) {
+            row[64.min(n_exp2)..].iter_mut().for_each(|v| *v -= 50.0);
+        }
+        let routing = moe::route(&logits, n_exp2, k2, norm);
+        let d_logits = gpu.upload(&logits).map_err(e)?;
+        let d_x = gpu.upload(&rand_f32(62, tokens * h, 1.0)).map_err(e)?;
+        let mut r_ids = gpu.alloc_zeros::<u32>(tokens * k2).map_err(e)?;
+        let mut r_weights = poisoned(gpu, tokens * k2)?;
+        let mut r_act = poisoned(gpu, tokens * k2 * i)?;
+        let route = gm::Route {
+            logits: &d_logits,
+            num_experts: n_exp2,
+            norm_topk_prob: norm,
+            ids: &mut r_ids,
+            weights: &mut r_weights,
+        };
+        gm::expert_gate_up_gemv_routed(gpu, &d_x, route, &dev2.table, &dev2.layout, tokens, k2, &mut r_act)
+            .map_err(e)?;
+        if download_u32(gpu, &r_ids)? != ids_u32(&routing) {
+            return Err(format!("E={n_exp2}: routed ids differ from moe::route"));
+        }
+        check_close(&format!("routed weights E={n_exp2}"), &download(gpu, &r_weights)?, &routing.weights, 1e-6)?;
+        let act = download(gpu, &r_act)?;
+        if act.iter().any(|v| !v.is_finite()) {
+            return Err(format!("E={n_exp2}: routed act has non-finite values"));
+        }
     }
     Ok(())
 }

@@ -11,7 +11,7 @@
 
 use half::bf16;
 
-use super::{CudaSlice, DevicePtr, DevicePtrMut, Gpu, LaunchConfig, PushKernelArg};
+use super::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, Gpu, LaunchConfig, PushKernelArg};
 use crate::backend::Rope;
 use crate::error::{Error, Result};
 
@@ -414,11 +414,80 @@ fn check_norm(what: &str, x_len: usize, w_len: usize, out_len: usize) -> Result<
 /// (`ops::rmsnorm`; the per-head q/k norms are rows of head_dim).
 /// Zero-centered norms pass `1 + w`, as the engine stores them.
 pub fn rmsnorm(gpu: &Gpu, x: &CudaSlice<f32>, w: &CudaSlice<f32>, eps: f32, out: &mut CudaSlice<f32>) -> Result<()> {
+    rmsnorm_launch(gpu, x, w, eps, out, None)
+}
+
+/// `rmsnorm` fused with the non-finite guard of its input: also
+/// `flags[slot] = min(flags[slot], first flat index of a NaN/inf in x)`, as
+/// `first_nonfinite(gpu, x, w.len(), flags, slot)` (the engine checks each
+/// layer's output in the next layer's input norm: one launch fewer a layer).
+pub fn rmsnorm_checked(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    eps: f32,
+    out: &mut CudaSlice<f32>,
+    flags: &mut CudaSlice<u32>,
+    slot: usize,
+) -> Result<()> {
+    if slot >= flags.len() {
+        return Err(invalid(format!("rmsnorm_checked: slot {slot} of {} flags", flags.len())));
+    }
+    if x.len() >= NONFINITE_NONE as usize {
+        return Err(invalid(format!("rmsnorm_checked: {} elements do not fit a 32-bit index", x.len())));
+    }
+    let width = w.len();
+    if width % 4 != 0 || width.div_ceil(4) > NORM_VEC * 1024 {
+        // No vector kernel for this width: the two launches.
+        rmsnorm_launch(gpu, x, w, eps, out, None)?;
+        return first_nonfinite(gpu, x, width, flags, slot);
+    }
+    rmsnorm_launch(gpu, x, w, eps, out, Some((flags, slot)))
+}
+
+/// float4s a thread of dense_rmsnorm_vec holds (DENSE_NORM_VEC).
+const NORM_VEC: usize = 8;
+
+fn rmsnorm_launch(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<f32>,
+    eps: f32,
+    out: &mut CudaSlice<f32>,
+    check: Option<(&mut CudaSlice<u32>, usize)>,
+) -> Result<()> {
     let (rows, rows_i, width_i) = check_norm("rmsnorm", x.len(), w.len(), out.len())?;
     if rows == 0 {
         return Ok(());
     }
     let width = w.len();
+    let n4 = width / 4;
+    if width % 4 == 0 && (width > 512 || check.is_some()) && n4 <= NORM_VEC * 1024 {
+        // Two float4s a thread where the block allows (every load issued up front).
+        let threads = n4.div_ceil(2).next_multiple_of(32).clamp(32, 1024);
+        let threads = threads.max(n4.div_ceil(NORM_VEC).next_multiple_of(32));
+        let cfg =
+            LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: 0 };
+        let f = gpu.function("dense_rmsnorm_vec")?;
+        let null_flags = 0u64;
+        let slot_i = check.as_ref().map_or(0, |(_, slot)| *slot as i32);
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(x).arg(w).arg(out).arg(&width_i).arg(&eps);
+        match check {
+            Some((flags, _)) => b.arg(flags),
+            None => b.arg(&null_flags),
+        };
+        b.arg(&slot_i);
+        // SAFETY: dense_rmsnorm_vec(const float* x, const float* w, float* out, int width, float eps, u32* flags,
+        // int slot): one block per row; x and out hold rows*width, w width (checked), width % 4 == 0 and
+        // width / 4 <= 8 * threads; flags null or holding slot (checked by rmsnorm_checked); 16-byte aligned rows
+        // (whole allocations, width % 4 == 0).
+        unsafe { b.launch(cfg) }?;
+        return Ok(());
+    }
+    if check.is_some() {
+        return Err(invalid(format!("rmsnorm_checked: width {width} has no fused kernel")));
+    }
     let (f, cfg) = if width <= 512 {
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(GEMV_WARPS) as u32, 1, 1),
@@ -783,6 +852,29 @@ pub fn embed(
     // SAFETY: dense_embed(const bf16* table [V,H], const u32* ids [T], float* out [T,H], u64 n, int H, u32 V);
     // ids >= V are not read through.
     unsafe { b.launch(gpu.grid_stride_config(n)) }?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// L2 prefetch.
+
+/// Queues on `stream` a request that brings `w` into the L2 cache (sm_90 and
+/// later; a no-op on older devices): a hint with no effect on any result. The
+/// engine issues it on a side stream for a weight matrix a decode step needs
+/// soon, while latency-bound kernels leave the HBM bandwidth idle.
+pub fn prefetch_l2<T>(gpu: &Gpu, stream: &CudaStream, w: &CudaSlice<T>) -> Result<()> {
+    let bytes = (w.len() * std::mem::size_of::<T>()) as u64;
+    if bytes < 16 {
+        return Ok(());
+    }
+    let f = gpu.function("dense_prefetch_l2")?;
+    // One 64 KiB request per thread and round: 32 threads cover 2 MiB a round.
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
+    let mut b = stream.launch_builder(&f);
+    b.arg(w).arg(&bytes);
+    // SAFETY: dense_prefetch_l2(const char* p, u64 bytes) only issues L2 prefetches of [p, p + bytes), a whole
+    // allocation (256-byte aligned); it reads and writes nothing.
+    unsafe { b.launch(cfg) }?;
     Ok(())
 }
 

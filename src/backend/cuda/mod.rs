@@ -74,6 +74,24 @@ pub fn device_count() -> Result<usize> {
     }
 }
 
+/// Starts (`on`) or stops the collection of an attached profiler, so that
+/// `ncu --profile-from-start off` sees only the marked work (the bench marks
+/// its decode steps under `STRATA_PROFILE_DECODE=1`). Needs a current
+/// context: call it on a thread that opened a device.
+pub fn profiler_collect(on: bool) -> Result<()> {
+    device_count()?;
+    // SAFETY: no arguments; a no-op without a profiler attached.
+    unsafe {
+        if on {
+            sys::cuProfilerStart()
+        } else {
+            sys::cuProfilerStop()
+        }
+    }
+    .result()?;
+    Ok(())
+}
+
 /// Checks that device `cuda:ordinal` exists without opening it: `Error::NoCuda`
 /// naming the cause (no driver, no device, an ordinal past the count).
 pub fn probe(ordinal: usize) -> Result<()> {

@@ -35,12 +35,16 @@ use crate::pack::format::ExpertLayout;
 pub const MAX_TOP_K: usize = 16;
 /// Largest expert count of `route_topk` (`MOE_ROUTE_MAX_EXPERTS`).
 pub const ROUTE_MAX_EXPERTS: usize = 1024;
+/// Most experts `expert_gate_up_gemv_routed` routes inside the GEMV
+/// (`MOE_FUSED_ROUTE_MAX`); above, it launches `route_topk` first.
+pub const FUSED_ROUTE_MAX_EXPERTS: usize = 512;
 /// Largest expert count of `group_by_expert` (its shared memory: 17 * E * 4 bytes).
 pub const GROUP_MAX_EXPERTS: usize = 512;
 /// Rows of one tile of the grouped GEMM (`MOE_TILE_M`); `tile_offsets` count these.
 pub const TILE_M: usize = 64;
 
-const ROUTE_THREADS: u32 = 128;
+/// moe_route_topk is one warp per token.
+const ROUTE_THREADS: u32 = 32;
 const GU_WARPS: usize = 8;
 const DOWN_WARPS: usize = 4;
 /// The fast down GEMV (`moe_down_gemv`): output rows per block (`MOE_DN_ROWS`)
@@ -232,17 +236,89 @@ pub fn expert_gate_up_gemv(
     top_k: usize,
     act: &mut CudaSlice<f32>,
 ) -> Result<()> {
+    need("expert_gate_up_gemv: ids", ids.len(), tokens * top_k)?;
+    gate_up_gemv_launch(gpu, x, GateUpIds::Given(ids), table, layout, tokens, top_k, act)
+}
+
+/// Routing for `expert_gate_up_gemv_routed`: the router logits `[T, E]` and
+/// what `route_topk` takes; the chosen ids and weights are written to `ids`
+/// and `weights` `[T * k]` for the down GEMV.
+pub struct Route<'a> {
+    pub logits: &'a CudaSlice<f32>,
+    pub num_experts: usize,
+    pub norm_topk_prob: bool,
+    pub ids: &'a mut CudaSlice<u32>,
+    pub weights: &'a mut CudaSlice<f32>,
+}
+
+/// `route_topk` fused into `expert_gate_up_gemv` (decode: one launch
+/// fewer a layer): each block routes its token (the same operations as
+/// `route_topk`, so the same ids and weights) and uses its choice; the
+/// routing is written to `route.ids` / `route.weights`. Falls back to the
+/// two launches where the fused kernel does not apply (H not a multiple of 32).
+#[allow(clippy::too_many_arguments)]
+pub fn expert_gate_up_gemv_routed(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    route: Route<'_>,
+    table: &CudaSlice<u64>,
+    layout: &BlobLayout,
+    tokens: usize,
+    top_k: usize,
+    act: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let (h, _) = layout.check()?;
+    if !fast_cols(h) || route.num_experts > FUSED_ROUTE_MAX_EXPERTS {
+        route_topk(
+            gpu,
+            route.logits,
+            tokens,
+            route.num_experts,
+            top_k,
+            route.norm_topk_prob,
+            route.ids,
+            route.weights,
+        )?;
+        return expert_gate_up_gemv(gpu, x, route.ids, table, layout, tokens, top_k, act);
+    }
+    let e = route.num_experts;
+    if e == 0 || e > ROUTE_MAX_EXPERTS || top_k > e {
+        return Err(invalid(format!(
+            "expert_gate_up_gemv_routed: top_k {top_k} of {e} experts (at most {ROUTE_MAX_EXPERTS})"
+        )));
+    }
+    need("expert_gate_up_gemv_routed: logits", route.logits.len(), tokens * e)?;
+    need("expert_gate_up_gemv_routed: ids", route.ids.len(), tokens * top_k)?;
+    need("expert_gate_up_gemv_routed: weights", route.weights.len(), tokens * top_k)?;
+    gate_up_gemv_launch(gpu, x, GateUpIds::Routed(route), table, layout, tokens, top_k, act)
+}
+
+enum GateUpIds<'a> {
+    Given(&'a CudaSlice<u32>),
+    Routed(Route<'a>),
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gate_up_gemv_launch(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    ids: GateUpIds<'_>,
+    table: &CudaSlice<u64>,
+    layout: &BlobLayout,
+    tokens: usize,
+    top_k: usize,
+    act: &mut CudaSlice<f32>,
+) -> Result<()> {
     let (h, i) = layout.check()?;
     check_top_k(tokens, top_k)?;
     need("expert_gate_up_gemv: x", x.len(), tokens * h)?;
-    need("expert_gate_up_gemv: ids", ids.len(), tokens * top_k)?;
     need("expert_gate_up_gemv: act", act.len(), tokens * top_k * i)?;
     let table_len = i32_of("table length", table.len())?;
     if tokens == 0 {
         return Ok(());
     }
-    // Same grid, block and arguments for both kernels.
-    let f = gpu.function(if fast_cols(h) { "moe_gate_up_gemv" } else { "moe_gate_up_gemv16" })?;
+    let fast = fast_cols(h);
+    let f = gpu.function(if fast { "moe_gate_up_gemv" } else { "moe_gate_up_gemv16" })?;
     let smem = h * 4;
     allow_smem(&f, smem)?;
     let cfg = LaunchConfig {
@@ -251,11 +327,37 @@ pub fn expert_gate_up_gemv(
         shared_mem_bytes: smem as u32,
     };
     let k = top_k as i32;
+    let null = 0u64;
+    let (e, norm) = match &ids {
+        GateUpIds::Routed(r) => (r.num_experts as i32, r.norm_topk_prob as i32),
+        GateUpIds::Given(_) => (0, 0),
+    };
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(x).arg(ids).arg(table).arg(&table_len).arg(layout).arg(&k).arg(act);
-    // SAFETY: moe_gate_up_gemv / moe_gate_up_gemv16(const float* x [T, H], const unsigned* ids [T*k],
-    // const u64* table [table_len], int table_len, MoeBlobLayout, int k, float* act [T*k, I]);
-    // lengths checked above; ids past the table give NaN rows.
+    b.arg(x);
+    match &ids {
+        GateUpIds::Given(ids) => b.arg(*ids),
+        GateUpIds::Routed(_) => b.arg(&null),
+    };
+    b.arg(table).arg(&table_len).arg(layout).arg(&k).arg(act);
+    let mut routed = match ids {
+        GateUpIds::Routed(r) => Some(r),
+        GateUpIds::Given(_) => None,
+    };
+    if fast {
+        match &mut routed {
+            Some(r) => {
+                b.arg(r.logits).arg(&e).arg(&norm).arg(&mut *r.ids).arg(&mut *r.weights);
+            }
+            None => {
+                b.arg(&null).arg(&e).arg(&norm).arg(&null).arg(&null);
+            }
+        }
+    }
+    // SAFETY: moe_gate_up_gemv(const float* x [T, H], const unsigned* ids [T*k] or null, const u64* table
+    // [table_len], int table_len, MoeBlobLayout, int k, float* act [T*k, I], const float* logits [T, E] or null,
+    // int E, int norm, unsigned* ids_out [T*k], float* weights_out [T*k]) (null ids exactly when logits are
+    // given), or moe_gate_up_gemv16 (the first seven, ids given: expert_gate_up_gemv_routed never routes
+    // there); lengths checked above and by the callers; ids past the table give NaN rows.
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
