@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod engine;
 pub mod error;
+pub mod experts;
 pub mod ffi;
 pub mod model;
 pub mod moe;

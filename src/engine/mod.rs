@@ -37,6 +37,7 @@ use crate::backend::{
     AttentionShape, Backend, CpuBackend, DeltaNetShape, ExpertRows, GatedDeltaNetWeights, Matrix, Rope,
 };
 use crate::error::{Error, Result};
+use crate::experts::{CpuExpertCache, ExpertCacheOptions, ExpertProfile, ExpertStats};
 use crate::model::weights::{layer_tensor_name, model_tensor_name, Role};
 use crate::model::ModelConfig;
 use crate::moe::{self, MoeLayer};
@@ -55,6 +56,10 @@ pub struct EngineOptions {
     pub verify_checksums: bool,
     /// How a CUDA device rounds activations in its tensor-core products.
     pub gpu_precision: GpuPrecision,
+    /// Expert slots, host buffers and the prefill ring (docs/expert-cache.md);
+    /// the default is off: every expert read from the mapped pack. CPU only
+    /// for now.
+    pub expert_cache: ExpertCacheOptions,
 }
 
 /// How the GPU rounds activations in its tensor-core products (the
@@ -163,6 +168,8 @@ struct Inner {
     pack: Pack,
     exec: Exec,
     rope: Rope,
+    /// The CPU expert cache, when `EngineOptions::expert_cache` asks for one.
+    experts: Option<parking_lot::Mutex<CpuExpertCache>>,
     /// Tests: layers left to run before a forward fails.
     #[cfg(test)]
     fail_after_layers: std::sync::Mutex<Option<usize>>,
@@ -500,7 +507,14 @@ impl Engine {
         let c = pack.config();
         c.validate()?;
         let rope = Rope::new(c);
-        let exec = match Device::parse_list(&opts.devices)?[0] {
+        let device = Device::parse_list(&opts.devices)?[0];
+        if device != Device::Cpu && opts.expert_cache.enabled() {
+            return Err(Error::Unsupported(
+                "the expert cache runs on the CPU backend only (the GPU's is to come)".into(),
+            ));
+        }
+        let experts = CpuExpertCache::load(&pack, &opts.expert_cache)?.map(parking_lot::Mutex::new);
+        let exec = match device {
             Device::Cpu => {
                 let backend = CpuBackend::new(opts.threads)?;
                 let weights = Weights::load(&pack, &backend, progress)?;
@@ -519,6 +533,7 @@ impl Engine {
                 pack,
                 exec,
                 rope,
+                experts,
                 #[cfg(test)]
                 fail_after_layers: std::sync::Mutex::new(None),
                 #[cfg(any(test, feature = "test-hooks"))]
@@ -580,6 +595,20 @@ impl Engine {
 
     pub fn pack(&self) -> &Pack {
         &self.inner.pack
+    }
+
+    /// What the expert cache did since load (`None` without a cache).
+    pub fn expert_stats(&self) -> Option<ExpertStats> {
+        self.inner.experts.as_ref().map(|c| c.lock().stats())
+    }
+
+    /// The tokens routed to each (layer, expert) since load, as a profile
+    /// (`None` without a cache).
+    pub fn expert_profile(&self) -> Option<ExpertProfile> {
+        self.inner.experts.as_ref().map(|c| {
+            let c = c.lock();
+            ExpertProfile::new(self.config(), c.stats().tokens, c.planner().routed_counts())
+        })
     }
 
     /// The name of the backend that runs the forward pass ("cpu" or "cuda").
@@ -659,6 +688,9 @@ impl Engine {
         let (b, w) = self.cpu();
         let (h, t) = (c.hidden_size, tokens.len());
         let start = kv.len();
+        if let Some(cache) = &self.inner.experts {
+            cache.lock().begin_forward(t);
+        }
         let mut x = vec![0.0f32; t * h];
         for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
             row.copy_from_slice(w.embed.row(tok as usize));
@@ -685,6 +717,9 @@ impl Engine {
                     }
                 }
             }
+        }
+        if let Some(cache) = &self.inner.experts {
+            cache.lock().end_forward(&self.inner.pack, t)?;
         }
         let (rows, first) = match logits {
             Logits::Skip => return Ok(Vec::new()),
@@ -777,7 +812,10 @@ impl Engine {
         let moe =
             MoeLayer { layer, router: &lw.router, top_k: c.num_experts_per_tok, norm_topk_prob: c.norm_topk_prob };
         let mut out = vec![0.0f32; x.len()];
-        moe::forward(b, &self.inner.pack, &moe, &h, &mut out)?;
+        match &self.inner.experts {
+            Some(cache) => cache.lock().moe_forward(b, &self.inner.pack, &moe, &h, &mut out)?,
+            None => moe::forward(b, &self.inner.pack, &moe, &h, &mut out)?,
+        };
         if let Some(shared) = &lw.shared {
             self.shared_expert(shared, &h, &mut out)?;
         }

@@ -244,6 +244,7 @@ pub unsafe extern "C" fn strata_engine_load(
                 strata_gpu_precision::STRATA_GPU_PRECISION_ACCURATE => GpuPrecision::Accurate,
                 strata_gpu_precision::STRATA_GPU_PRECISION_FAST => GpuPrecision::Fast,
             },
+            expert_cache: Default::default(),
         };
         log(strata_log_level::STRATA_LOG_INFO, &format!("loading pack {path} ({opts:?})"));
         let start = Instant::now();

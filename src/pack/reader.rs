@@ -71,6 +71,35 @@ pub struct ExpertView<'a> {
     pub blob: &'a [u8],
 }
 
+impl<'a> ExpertView<'a> {
+    /// One blob as laid out in experts.bin (docs/pack-format.md), wherever
+    /// its bytes are: the mapped pack, a cache slot or a host buffer.
+    /// `blob` is the blob's first `layout.used_len()` bytes (or more);
+    /// `what` names it in errors ("layer 3 expert 7 in ...").
+    pub fn from_blob(l: &ExpertLayout, blob: &'a [u8], what: &str) -> Result<ExpertView<'a>> {
+        let used = l.used_len() as usize;
+        if blob.len() < used {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: blob of {} bytes, the layout needs {used}",
+                blob.len()
+            )));
+        }
+        let blob = &blob[..used];
+        let tail = &blob[l.tail as usize..(l.tail + TAIL_LEN) as usize];
+        let g = |i: usize| f32::from_le_bytes(tail[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+        let sec = |o: u64, n: u64| &blob[o as usize..(o + n) as usize];
+        let (h, i) = (l.hidden as usize, l.intermediate as usize);
+        let (cl, sl) = (l.codes_len(), l.scales_len());
+        let m = |name: &str| format!("{what}: {name}");
+        Ok(ExpertView {
+            gate: Nvfp4Matrix::new(i, h, sec(l.gate_codes, cl), sec(l.gate_scales, sl), g(0), &m("gate"))?,
+            up: Nvfp4Matrix::new(i, h, sec(l.up_codes, cl), sec(l.up_scales, sl), g(1), &m("up"))?,
+            down: Nvfp4Matrix::new(h, i, sec(l.down_codes, cl), sec(l.down_scales, sl), g(2), &m("down"))?,
+            blob,
+        })
+    }
+}
+
 fn map(path: &Path) -> Result<Mmap> {
     let f = File::open(path).map_err(|e| Error::io(path, e))?;
     // SAFETY: the pack is never modified while mapped (packs are write-once;
@@ -306,18 +335,8 @@ impl Pack {
         let l = self.layout();
         let off = l.blob_offset(c.num_experts, layer, expert) as usize;
         let blob = &self.experts[off..off + l.used_len() as usize];
-        let tail = &blob[l.tail as usize..(l.tail + TAIL_LEN) as usize];
-        let g = |i: usize| f32::from_le_bytes(tail[4 * i..4 * i + 4].try_into().expect("4 bytes"));
-        let sec = |o: u64, n: u64| &blob[o as usize..(o + n) as usize];
-        let (h, i) = (l.hidden as usize, l.intermediate as usize);
-        let (cl, sl) = (l.codes_len(), l.scales_len());
-        let what = |m: &str| format!("layer {layer} expert {expert} {m} in {}", self.dir.join(EXPERTS_FILE).display());
-        Ok(ExpertView {
-            gate: Nvfp4Matrix::new(i, h, sec(l.gate_codes, cl), sec(l.gate_scales, sl), g(0), &what("gate"))?,
-            up: Nvfp4Matrix::new(i, h, sec(l.up_codes, cl), sec(l.up_scales, sl), g(1), &what("up"))?,
-            down: Nvfp4Matrix::new(h, i, sec(l.down_codes, cl), sec(l.down_scales, sl), g(2), &what("down"))?,
-            blob,
-        })
+        let what = format!("layer {layer} expert {expert} in {}", self.dir.join(EXPERTS_FILE).display());
+        ExpertView::from_blob(&l, blob, &what)
     }
 
     /// The blobs of every expert of `layer`, as stored: `num_experts`

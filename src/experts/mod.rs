@@ -1,0 +1,240 @@
+//! The expert cache: where each (layer, expert) blob lives while the model
+//! runs, and which copies move it (docs/expert-cache.md).
+//!
+//! Three tiers, fastest first: device **slots** (a fixed count, each holding
+//! one blob as laid out in the pack), **host** buffers (page-locked RAM under
+//! a byte budget) and the **mapped pack** for the rest. A prefill chunk that
+//! needs most experts of a layer streams the missing ones through a **ring**
+//! of slots instead of churning the cache.
+//!
+//! The split is the one a GPU needs: `tiers::Planner` decides residency and
+//! copies (device-agnostic, deterministic, no clocks), an executor carries
+//! the copies out. `cpu::CpuExpertCache` is the executor of the CPU backend:
+//! slots, host buffers and ring are owned byte buffers (simulated
+//! capacities), so the same planner runs in CI and its logits can be
+//! compared bit for bit with the all-mapped engine.
+
+pub mod cpu;
+pub mod policy;
+pub mod profile;
+pub mod tiers;
+
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+use crate::model::ModelConfig;
+
+pub use cpu::CpuExpertCache;
+pub use policy::Policy;
+pub use profile::ExpertProfile;
+pub use tiers::{Planner, StepPlan};
+
+/// One routed expert of one layer (`layer` counts the engine's main layers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ExpertKey {
+    pub layer: usize,
+    pub expert: usize,
+}
+
+impl ExpertKey {
+    pub fn new(layer: usize, expert: usize) -> ExpertKey {
+        ExpertKey { layer, expert }
+    }
+}
+
+/// How the engine places experts. The default (no `slots`, no
+/// `vram_budget`) is no cache: every expert is read from the mapped pack,
+/// as before the cache existed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertCacheOptions {
+    /// Device slots, explicitly (`--expert-cache N`). With `vram_budget`
+    /// too, the slots and the ring must fit in the budget.
+    pub slots: Option<usize>,
+    /// Bytes of device memory the cache may use (slots and ring); the slot
+    /// count is what fits after `vram_reserve`.
+    pub vram_budget: Option<u64>,
+    /// Bytes of `vram_budget` kept free for everything else.
+    pub vram_reserve: u64,
+    /// Slots of the prefill ring (at least 1), counted in the VRAM budget.
+    pub ring_slots: usize,
+    /// A step whose distinct experts exceed this fraction of the layer's
+    /// experts streams its misses through the ring (0 forces the ring for
+    /// every step with a miss; above 1 only overflow uses it). On a GPU
+    /// this is the measured crossover of copy-in-slot vs streamed.
+    pub ring_threshold: f64,
+    /// Page-locked host RAM for experts (`--resident-budget`), in bytes,
+    /// `pool_workers` staging blobs included; `None`: no host tier.
+    pub host_budget: Option<u64>,
+    /// Workers that read the mapped pack into page-locked staging; each
+    /// holds one staging blob in the host budget.
+    pub pool_workers: usize,
+    /// Adaptive swaps every this many tokens (0: never).
+    pub adapt_every: usize,
+    /// At most this many swaps per tier per interval.
+    pub adapt_swaps: usize,
+    /// Per-token decay of the use counts that rank experts (0 < d <= 1).
+    pub adapt_decay: f64,
+    /// Initial placement; `None`: the pack's `expert-profile.json` if it
+    /// ships one, else every layer's low expert ids first.
+    pub profile: Option<PathBuf>,
+}
+
+impl Default for ExpertCacheOptions {
+    fn default() -> Self {
+        ExpertCacheOptions {
+            slots: None,
+            vram_budget: None,
+            vram_reserve: 0,
+            ring_slots: 4,
+            ring_threshold: 0.5,
+            host_budget: None,
+            pool_workers: 4,
+            adapt_every: 64,
+            adapt_swaps: 16,
+            adapt_decay: 0.99,
+            profile: None,
+        }
+    }
+}
+
+impl ExpertCacheOptions {
+    /// Whether the cache is on (slots or a VRAM budget given).
+    pub fn enabled(&self) -> bool {
+        self.slots.is_some() || self.vram_budget.is_some()
+    }
+
+    /// The policy part of the options, checked.
+    pub fn policy(&self) -> Result<Policy> {
+        let bad = |m: String| Err(Error::InvalidArgument(format!("expert cache: {m}")));
+        if !(self.adapt_decay > 0.0 && self.adapt_decay <= 1.0) {
+            return bad(format!("adapt_decay {} is not in (0, 1]", self.adapt_decay));
+        }
+        if !(self.ring_threshold >= 0.0) {
+            return bad(format!("ring_threshold {} is not a fraction >= 0", self.ring_threshold));
+        }
+        Ok(Policy {
+            adapt_every: self.adapt_every,
+            adapt_swaps: self.adapt_swaps,
+            decay: self.adapt_decay,
+            ring_threshold: self.ring_threshold,
+        })
+    }
+}
+
+/// The sizes of the tiers, in blobs, after the budgets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacity {
+    pub slots: usize,
+    pub ring_slots: usize,
+    /// Host buffers for experts (staging excluded).
+    pub host_blobs: usize,
+    pub staging_blobs: usize,
+    /// Bytes one slot or host buffer takes: the pack's blob stride.
+    pub blob_bytes: u64,
+    /// Bytes one copy moves: the blob's used bytes.
+    pub copy_bytes: u64,
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.2} MiB ({b} bytes)", b as f64 / (1u64 << 20) as f64)
+}
+
+impl Capacity {
+    /// The tier sizes `opts` gives a model of `c` whose blobs take
+    /// `blob_bytes` (stride) and copy `copy_bytes`; refuses budgets below
+    /// the minimum, naming the budget and the need. The minimum: one
+    /// token's experts (`num_experts_per_tok` slots) plus the ring, and
+    /// the staging blobs when there is a host budget. Slots beyond one per
+    /// (layer, expert) are not allocated.
+    pub fn plan(opts: &ExpertCacheOptions, c: &ModelConfig, blob_bytes: u64, copy_bytes: u64) -> Result<Capacity> {
+        let bad = |m: String| Err(Error::InvalidArgument(format!("expert cache: {m}")));
+        let pairs = c.num_hidden_layers * c.num_experts;
+        let (top_k, ring) = (c.num_experts_per_tok, opts.ring_slots);
+        if ring == 0 {
+            return bad("ring_slots 0: the prefill ring needs at least 1 slot".into());
+        }
+        let min_slots = top_k;
+        let need = (min_slots + ring) as u64 * blob_bytes;
+        let slots = match (opts.slots, opts.vram_budget) {
+            (None, None) => return bad("neither slots nor vram_budget is set".into()),
+            (explicit, Some(budget)) => {
+                let avail = budget.saturating_sub(opts.vram_reserve);
+                let fit = (avail / blob_bytes) as usize;
+                let wanted = explicit.unwrap_or(fit.saturating_sub(ring)).min(pairs);
+                let used = (wanted + ring) as u64 * blob_bytes;
+                if avail < need || used > avail {
+                    return bad(format!(
+                        "VRAM budget {} minus reserve {} leaves {}; {} slots + {ring} ring slots of {} need {} \
+                         (the minimum is {min_slots} slots for one token's experts + the ring: {})",
+                        mib(budget),
+                        mib(opts.vram_reserve),
+                        mib(avail),
+                        wanted.max(min_slots),
+                        mib(blob_bytes),
+                        mib(used.max(need)),
+                        mib(need)
+                    ));
+                }
+                wanted
+            }
+            (Some(n), None) => {
+                if n < min_slots {
+                    return bad(format!(
+                        "{n} slots; the minimum is {min_slots} (one token's experts, num_experts_per_tok)"
+                    ));
+                }
+                n.min(pairs)
+            }
+        };
+        let (host_blobs, staging_blobs) = match opts.host_budget {
+            None => (0, 0),
+            Some(budget) => {
+                let staging = opts.pool_workers as u64 * blob_bytes;
+                if budget < staging {
+                    return bad(format!(
+                        "host budget {} is below its need of {} for {} staging blobs of {} (pool_workers)",
+                        mib(budget),
+                        mib(staging),
+                        opts.pool_workers,
+                        mib(blob_bytes)
+                    ));
+                }
+                (((budget - staging) / blob_bytes).min(pairs as u64) as usize, opts.pool_workers)
+            }
+        };
+        Ok(Capacity { slots, ring_slots: ring, host_blobs, staging_blobs, blob_bytes, copy_bytes })
+    }
+}
+
+/// What the cache did, since load. `hits + misses` is the number of
+/// (step, expert) lookups: one per distinct expert a MoE step routes to
+/// (for one token, its `num_experts_per_tok` experts).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExpertStats {
+    /// MoE steps planned (one per layer per forward).
+    pub steps: u64,
+    /// Tokens the forwards ran.
+    pub tokens: u64,
+    /// Lookups found in a slot.
+    pub hits: u64,
+    /// Lookups not in a slot: copied into one, or streamed.
+    pub misses: u64,
+    /// Misses streamed through the prefill ring (not kept in a slot).
+    pub streamed: u64,
+    /// Slot contents replaced by a miss.
+    pub evictions: u64,
+    /// Slot swaps made by adaptive placement.
+    pub swaps: u64,
+    /// Host-buffer swaps made by adaptive placement.
+    pub host_swaps: u64,
+    /// Bytes copied into slots, the ring and host buffers (initial
+    /// placement included).
+    pub bytes_copied: u64,
+    /// Of those, bytes read from host buffers...
+    pub bytes_from_host: u64,
+    /// ...and from the mapped pack.
+    pub bytes_from_pack: u64,
+    /// Time a step spent waiting on copies (misses and the ring), in ns.
+    /// Measured, never used for a decision.
+    pub wait_ns: u64,
+}
