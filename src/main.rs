@@ -1,4 +1,4 @@
-//! The `strata` command line: pack, synth, inspect, verify, generate.
+//! The `strata` command line: pack, synth, inspect, verify, generate, bench, profile.
 
 mod cli;
 

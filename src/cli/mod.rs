@@ -13,6 +13,7 @@ use strata::Result;
 
 mod bench;
 mod generate;
+mod profile;
 
 #[derive(Parser)]
 #[command(name = "strata", version, about = "Run Mixture-of-Experts models from Strata packs")]
@@ -85,6 +86,8 @@ enum Cmd {
     Generate(generate::GenerateArgs),
     /// Prefill and decode speed on a device, against the floors measured there.
     Bench(bench::BenchArgs),
+    /// Run prompts on the CPU and write per-layer expert use counts (an expert profile).
+    Profile(profile::ProfileArgs),
 }
 
 pub fn main() -> i32 {
@@ -98,6 +101,7 @@ pub fn main() -> i32 {
         Cmd::Inspect { pack, verify } => ("inspect", cmd_inspect(pack, verify)),
         Cmd::Generate(args) => ("generate", generate::run(args)),
         Cmd::Bench(args) => ("bench", bench::run(args)),
+        Cmd::Profile(args) => ("profile", profile::run(args)),
     };
     match res {
         Ok(()) => 0,

@@ -238,3 +238,41 @@ pub struct ExpertStats {
     /// Measured, never used for a decision.
     pub wait_ns: u64,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capacity_comes_from_the_budgets_and_never_exceeds_them() {
+        let c = crate::pack::synth::preset(crate::model::Arch::Qwen3Moe, "tiny").unwrap(); // 2 x 8, top 2
+        let (blob, copy) = (8192, 5000);
+        let plan = |o: ExpertCacheOptions| Capacity::plan(&o, &c, blob, copy);
+        // (budget - reserve) / blob = 10 blobs: 4 ring + 6 slots.
+        let o = ExpertCacheOptions { vram_budget: Some(11 * blob + 100), vram_reserve: blob, ..Default::default() };
+        let cap = plan(o).unwrap();
+        assert_eq!((cap.slots, cap.ring_slots, cap.host_blobs, cap.staging_blobs), (6, 4, 0, 0));
+        assert!((cap.slots + cap.ring_slots) as u64 * blob <= 11 * blob + 100 - blob);
+        // More than one slot per (layer, expert) is not allocated.
+        let o = ExpertCacheOptions { vram_budget: Some(100 * blob), ring_slots: 1, ..Default::default() };
+        assert_eq!(plan(o).unwrap().slots, 16);
+        assert_eq!(plan(ExpertCacheOptions { slots: Some(40), ..Default::default() }).unwrap().slots, 16);
+        // Host: staging first, then whole blobs.
+        let o = ExpertCacheOptions {
+            slots: Some(2),
+            host_budget: Some(5 * blob + blob / 2),
+            pool_workers: 2,
+            ..Default::default()
+        };
+        assert_eq!((plan(o.clone()).unwrap().host_blobs, plan(o).unwrap().staging_blobs), (3, 2));
+        for bad in [
+            ExpertCacheOptions { ring_slots: 0, slots: Some(4), ..Default::default() },
+            ExpertCacheOptions { vram_budget: Some(5 * blob), ..Default::default() },
+            ExpertCacheOptions::default(),
+        ] {
+            assert!(matches!(plan(bad), Err(Error::InvalidArgument(_))));
+        }
+        let o = ExpertCacheOptions { slots: Some(2), adapt_decay: 0.0, ..Default::default() };
+        assert!(o.policy().unwrap_err().to_string().contains("adapt_decay 0"));
+    }
+}
