@@ -134,7 +134,7 @@ fn budgets_are_hard_and_a_small_one_names_budget_and_need() {
     let msg = err.to_string();
     assert!(matches!(err, Error::InvalidArgument(_)), "{msg}");
     assert!(msg.contains("VRAM budget") && msg.contains(&format!("({} bytes)", stride * 6)), "{msg}");
-    assert!(msg.contains(&format!("the minimum is 2 slots for one token's experts + the ring: ")), "{msg}");
+    assert!(msg.contains("the minimum is 2 slots for one token's experts + the ring: "), "{msg}");
     // Explicit slots beyond the budget are refused too.
     let cache = ExpertCacheOptions { slots: Some(8), vram_budget: Some(stride * 11), ..Default::default() };
     let msg = load(cache).err().unwrap().to_string();

@@ -109,7 +109,7 @@ impl ExpertCacheOptions {
         if !(self.adapt_decay > 0.0 && self.adapt_decay <= 1.0) {
             return bad(format!("adapt_decay {} is not in (0, 1]", self.adapt_decay));
         }
-        if !(self.ring_threshold >= 0.0) {
+        if self.ring_threshold.is_nan() || self.ring_threshold < 0.0 {
             return bad(format!("ring_threshold {} is not a fraction >= 0", self.ring_threshold));
         }
         Ok(Policy {
