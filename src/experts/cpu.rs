@@ -12,7 +12,7 @@ use super::tiers::{Fills, Place, Planner, SlotFill, Source};
 use super::{Capacity, ExpertCacheOptions, ExpertKey, ExpertStats};
 use crate::backend::{Backend, ExpertRows};
 use crate::error::{Error, Result};
-use crate::moe::{self, ExpertSource, MoeLayer, Routing};
+use crate::moe::{self, ExpertCompute, ExpertGroup, ExpertSource, MoeLayer, Routing};
 use crate::pack::{ExpertLayout, ExpertView, Pack};
 
 /// One engine's expert cache on the CPU backend.
@@ -106,12 +106,7 @@ impl CpuExpertCache {
         TieredSource { cache: self, pack }
     }
 
-    /// `moe::forward` with the experts placed by the planner: routes, plans
-    /// the step, copies its misses into slots, then computes the groups in
-    /// waves, each holding at most `ring_slots` streamed experts (copied
-    /// into the ring before the wave computes). Without streamed experts
-    /// that is one wave, the pipeline's single `expert_ffn`; the backend
-    /// computes each row on its own, so waves give the same bits.
+    /// `moe::forward` with the experts placed by the planner (`CacheCompute`).
     pub fn moe_forward(
         &mut self,
         backend: &dyn Backend,
@@ -120,29 +115,55 @@ impl CpuExpertCache {
         h: &[f32],
         out: &mut [f32],
     ) -> Result<Routing> {
-        let (num_experts, hidden) = (layer.router.rows, layer.router.cols);
-        let tokens = h.len() / hidden;
-        let mut logits = vec![0.0f32; tokens * num_experts];
-        backend.matmul(h, layer.router, &mut logits);
-        let routing = moe::route(&logits, num_experts, layer.top_k, layer.norm_topk_prob);
-        let groups = moe::group_by_expert(&routing);
-        let x = moe::gather(h, hidden, &groups);
+        moe::forward_with(backend, &mut CacheCompute { cache: self, pack }, layer, h, out)
+    }
+
+    pub fn stats(&self) -> ExpertStats {
+        self.planner.stats()
+    }
+
+    pub fn planner(&self) -> &Planner {
+        &self.planner
+    }
+}
+
+/// The expert step of `moe::forward_with` through the cache: plans the
+/// step, copies its misses into slots, then computes the groups in waves,
+/// each holding at most `ring_slots` streamed experts (copied into the ring
+/// before the wave computes). Without streamed experts that is one wave, the
+/// pipeline's single `expert_ffn`; the backend computes each row on its own,
+/// so waves give the same bits.
+struct CacheCompute<'a> {
+    cache: &'a mut CpuExpertCache,
+    pack: &'a Pack,
+}
+
+impl ExpertCompute for CacheCompute<'_> {
+    fn compute(
+        &mut self,
+        backend: &dyn Backend,
+        layer: usize,
+        groups: &[ExpertGroup],
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<()> {
+        let (cache, pack) = (&mut *self.cache, self.pack);
+        let hidden = cache.layout.hidden as usize;
         let routed: Vec<(usize, usize)> = groups.iter().map(|g| (g.expert, g.tokens.len())).collect();
-        let plan = self.planner.plan_step(layer.layer, &routed);
+        let plan = cache.planner.plan_step(layer, &routed);
 
         let t = Instant::now();
         for f in &plan.fills {
-            self.fill_slot(pack, f)?;
+            cache.fill_slot(pack, f)?;
         }
         let mut wait = t.elapsed();
-        let mut y = vec![0.0f32; x.len()];
         let (mut g, mut row) = (0, 0);
         while g < groups.len() {
             let mut end = g;
             let mut streamed = 0;
             while end < groups.len() {
                 if let Place::Ring(_) = plan.experts[end].1 {
-                    if streamed == self.ring.len() {
+                    if streamed == cache.ring.len() {
                         break;
                     }
                     streamed += 1;
@@ -154,11 +175,11 @@ impl CpuExpertCache {
                 if let Place::Ring(n) = place {
                     let entry = plan.ring[n];
                     let key = ExpertKey::new(plan.layer, e);
-                    self.ring[entry.ring_slot].copy_from_slice(read(&self.host, pack, key, entry.from)?);
+                    cache.ring[entry.ring_slot].copy_from_slice(read(&cache.host, pack, key, entry.from)?);
                 }
             }
             wait += t.elapsed();
-            let src = self.source(pack);
+            let src = cache.source(pack);
             let work = plan.experts[g..end]
                 .iter()
                 .zip(&groups[g..end])
@@ -171,7 +192,7 @@ impl CpuExpertCache {
                         Place::Ring(n) => {
                             let what =
                                 format!("layer {} expert {e} in ring slot {}", plan.layer, plan.ring[n].ring_slot);
-                            ExpertView::from_blob(&self.layout, &self.ring[plan.ring[n].ring_slot], &what)?
+                            ExpertView::from_blob(&cache.layout, &cache.ring[plan.ring[n].ring_slot], &what)?
                         }
                     };
                     Ok(ExpertRows { weights, rows: grp.tokens.len() })
@@ -182,18 +203,8 @@ impl CpuExpertCache {
             backend.expert_ffn(&work, &x[span.clone()], &mut y[span]);
             (g, row) = (end, row + rows);
         }
-        self.planner.record_wait(wait.as_nanos() as u64);
-        out.fill(0.0);
-        moe::combine(&groups, &y, hidden, out);
-        Ok(routing)
-    }
-
-    pub fn stats(&self) -> ExpertStats {
-        self.planner.stats()
-    }
-
-    pub fn planner(&self) -> &Planner {
-        &self.planner
+        cache.planner.record_wait(wait.as_nanos() as u64);
+        Ok(())
     }
 }
 

@@ -137,11 +137,60 @@ pub struct MoeLayer<'a> {
     pub norm_topk_prob: bool,
 }
 
+/// Step 4 of the pipeline: `y` gets, group after group, the rows of `x`
+/// (`gather` order) through each group's expert. Where the experts live is
+/// the implementor's business: `SourceCompute` reads them from an
+/// `ExpertSource` in one `expert_ffn`; the expert cache plans its copies
+/// first and computes in waves (`experts::CpuExpertCache`).
+pub trait ExpertCompute {
+    fn compute(
+        &mut self,
+        backend: &dyn Backend,
+        layer: usize,
+        groups: &[ExpertGroup],
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<()>;
+}
+
+/// `ExpertCompute` over an `ExpertSource`: every group in one `expert_ffn`.
+pub struct SourceCompute<'a>(pub &'a dyn ExpertSource);
+
+impl ExpertCompute for SourceCompute<'_> {
+    fn compute(
+        &mut self,
+        backend: &dyn Backend,
+        layer: usize,
+        groups: &[ExpertGroup],
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<()> {
+        let work = groups
+            .iter()
+            .map(|g| Ok(ExpertRows { weights: self.0.expert(layer, g.expert)?, rows: g.tokens.len() }))
+            .collect::<Result<Vec<_>>>()?;
+        backend.expert_ffn(&work, x, y);
+        Ok(())
+    }
+}
+
 /// The whole pipeline for `h [T, hidden]` (already normalized): writes the
 /// MoE output into `out [T, hidden]` and returns the routing.
 pub fn forward(
     backend: &dyn Backend,
     experts: &dyn ExpertSource,
+    moe: &MoeLayer<'_>,
+    h: &[f32],
+    out: &mut [f32],
+) -> Result<Routing> {
+    forward_with(backend, &mut SourceCompute(experts), moe, h, out)
+}
+
+/// `forward` with the expert step given as an `ExpertCompute`: the one
+/// orchestration of route, group, gather, compute and combine.
+pub fn forward_with(
+    backend: &dyn Backend,
+    experts: &mut dyn ExpertCompute,
     moe: &MoeLayer<'_>,
     h: &[f32],
     out: &mut [f32],
@@ -153,12 +202,8 @@ pub fn forward(
     let routing = route(&logits, num_experts, moe.top_k, moe.norm_topk_prob);
     let groups = group_by_expert(&routing);
     let x = gather(h, hidden, &groups);
-    let work = groups
-        .iter()
-        .map(|g| Ok(ExpertRows { weights: experts.expert(moe.layer, g.expert)?, rows: g.tokens.len() }))
-        .collect::<Result<Vec<_>>>()?;
     let mut y = vec![0.0f32; x.len()];
-    backend.expert_ffn(&work, &x, &mut y);
+    experts.compute(backend, moe.layer, &groups, &x, &mut y)?;
     out.fill(0.0);
     combine(&groups, &y, hidden, out);
     Ok(routing)
