@@ -21,6 +21,11 @@
 //     (flash-decoding) it writes per-split partials (max, sum, acc) that
 //     attn_combine merges in split order (deterministic).
 //   attn_combine: merges split partials.
+//   attn_mma_* (prefill) and attn_dec_* (a few rows): tensor cores, sm_80+.
+//   attn_row_hd{HD}_{i8,bf16}_g{1,2,4,8,16}: one row (batch-1 decode), f32
+//     on CUDA cores, the split merge fused in (see its section).
+//   attn_qkv_prep_{i8,bf16}: q/k norm + RoPE, gate split and KV append of
+//     one qkv projection in one launch (see its section).
 //
 // Step pointer (CUDA-graph replay of a decode step): every kernel takes a
 // last argument `const int* step`. Null: the launch's own start_pos and
@@ -38,6 +43,34 @@
 
 // ---------------------------------------------------------------- append --
 
+// One (position, kv head) block of head_dim values -> the cache, by one warp
+// (the single definition of the cache's rounding: attn_kv_append_* and
+// attn_qkv_prep_* both call it). int8: amax over the block, scale = amax /
+// 127, value = rint(x / scale) clamped to +-127 (0 when the scale is 0);
+// bf16: round to nearest even.
+static __device__ __forceinline__ void attn_append_row(const float* src, int8_t* __restrict__ cache,
+                                                       float* __restrict__ scales, size_t block, int head_dim,
+                                                       int lane) {
+    float amax = 0.0f;
+    for (int d = lane; d < head_dim; d += 32) amax = fmaxf(amax, fabsf(src[d]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float scale = amax / 127.0f;
+    int8_t* dst = cache + block * (size_t)head_dim;
+    for (int d = lane; d < head_dim; d += 32) {
+        float qv = 0.0f;
+        if (scale > 0.0f) qv = fminf(fmaxf(rintf(src[d] / scale), -127.0f), 127.0f);
+        dst[d] = (int8_t)(int)qv;
+    }
+    if (lane == 0) scales[block] = scale;
+}
+
+static __device__ __forceinline__ void attn_append_row(const float* src, __nv_bfloat16* __restrict__ cache, float*,
+                                                       size_t block, int head_dim, int lane) {
+    __nv_bfloat16* dst = cache + block * (size_t)head_dim;
+    for (int d = lane; d < head_dim; d += 32) dst[d] = __float2bfloat16_rn(src[d]);
+}
+
 // One warp per (row, kv head, K or V): amax over head_dim, scale, quantize.
 extern "C" __global__ void attn_kv_append_i8(const float* __restrict__ k, const float* __restrict__ v,
                                              int8_t* __restrict__ kc, int8_t* __restrict__ vc,
@@ -50,20 +83,9 @@ extern "C" __global__ void attn_kv_append_i8(const float* __restrict__ k, const 
     const int which = (int)(warp & 1);  // 0: K, 1: V
     const long long rh = warp >> 1;     // t * kv_heads + h
     const float* src = (which ? v : k) + rh * head_dim;
-    float amax = 0.0f;
-    for (int d = lane; d < head_dim; d += 32) amax = fmaxf(amax, fabsf(src[d]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = amax / 127.0f;
     const long long t = rh / kv_heads, h = rh % kv_heads;
     const size_t block = (size_t)(start_pos + t) * (size_t)kv_heads + (size_t)h;
-    int8_t* dst = (which ? vc : kc) + block * (size_t)head_dim;
-    for (int d = lane; d < head_dim; d += 32) {
-        float qv = 0.0f;
-        if (scale > 0.0f) qv = fminf(fmaxf(rintf(src[d] / scale), -127.0f), 127.0f);
-        dst[d] = (int8_t)(int)qv;
-    }
-    if (lane == 0) (which ? vs : ks)[block] = scale;
+    attn_append_row(src, which ? vc : kc, which ? vs : ks, block, head_dim, lane);
 }
 
 // Elementwise: row t of k/v -> position start_pos + t (rows are contiguous).
@@ -1142,3 +1164,599 @@ static __device__ __forceinline__ void attn_dec(const float* __restrict__ q, con
 ATTN_DEC_INSTANCES(64)
 ATTN_DEC_INSTANCES(128)
 ATTN_DEC_INSTANCES(256)
+
+// ------------------------------------------------ one-row decode (split-K) --
+//
+// attn_row_hd{HD}_{i8,bf16}_g{GB}: batch-1 decode (rows == 1), f32 on CUDA
+// cores, any compute capability. grid (splits, kv_heads); block
+// ATTN_ROW_THREADS; one block = the `group` (<= GB) query heads of one kv
+// head over the keys [split * chunk, min((split + 1) * chunk, start_pos + 1)),
+// so every K/V byte is read once. Blocks past the key range exit at once.
+//
+// A block streams its keys in tiles of TK (16 KB of K and 16 KB of V): each
+// thread issues its 16-byte loads of the next tile (and, first of all, of q)
+// before it computes on the current one. Per tile: K and V bytes -> shared
+// memory (K rows cut into DSQ segments, each padded by 16 bytes: conflict-free
+// 16-byte reads); scores: thread = (key, segment), the dot products of its
+// DPT dims with every query, summed over the DSQ threads of the key (xor
+// shuffles), times the key's int8 scale and head_dim^-0.5; the block's
+// online softmax (max and sum per query over the warps in warp order); P
+// (times the key's V scale) -> shared memory; P V: thread = (key subset, DV
+// dims), every query. Then the key subsets are summed in subset order.
+// Cache values enter exactly (int8 integers and bf16 are exact in f32); the
+// int8 scales multiply the dot product (K) and the probability (V) instead of
+// each value: the same products up to one f32 rounding.
+//
+// Several splits: each writes its partial (max, sum, acc) to part_ml /
+// part_acc rows `split * heads + h`; the splits are merged in a two-level
+// tree fixed by the split index (deterministic): groups of ATTN_ROW_GS
+// splits, whose last-arriving block (a per-(kv head, group) arrival counter:
+// __threadfence, atomicAdd) merges the group in split order into a group
+// partial (rows `(gridDim.x + group) * heads + h`), and the last-arriving
+// group merger of the kv head merges the groups in group order into `out`
+// (one group: its merger writes `out`). Each merger resets its counter to 0
+// for the next launch. counters: kv_heads * (1 + ceil(gridDim.x / GS)) u32,
+// zero before the launch (and after it). One split: the block writes `out`.
+//
+// Step pointer (non-null): start_pos = step[0], chunk = step[1]; the grid has
+// a fixed split count and the splits past ceil((start_pos + 1) / chunk) exit:
+// the same operations, in the same order, as the null-step launch with
+// gridDim.x = ceil((start_pos + 1) / chunk) (bit-identical results).
+
+#define ATTN_ROW_THREADS 256
+#define ATTN_ROW_WARPS (ATTN_ROW_THREADS / 32)
+#define ATTN_ROW_GS 8
+
+// Tiles, thread maps and the dynamic shared memory (bytes) of attn_row:
+// mirrored by the Rust wrapper (row_smem_bytes).
+template <int HD, typename KV, int GB>
+struct AttnRowShape {
+    static constexpr int NT = ATTN_ROW_THREADS;
+    static constexpr int VB = (int)sizeof(KV);
+    static constexpr int TK0 = 16384 / (HD * VB);
+    static constexpr int TK = TK0 < NT ? TK0 : NT;  // keys per tile
+    static constexpr int DSQ = NT / TK;              // score threads per key
+    static constexpr int DPT = HD / DSQ;             // dims of one score thread
+    static constexpr int SEGB = DPT * VB;            // bytes of a K segment (16, 32 or 64)
+    static constexpr int CPS = SEGB / 16;            // 16-byte vectors per segment
+    static constexpr int KRS = DSQ * (SEGB + 16);    // bytes of a K row in shared memory
+    static constexpr int EPV = 16 / VB;              // values per 16-byte vector
+    static constexpr int ROWV = HD / EPV;            // vectors per cache row
+    static constexpr int NLD = TK * ROWV / NT;       // vectors per thread per tile (K, and V)
+    static constexpr int DV = HD >= 128 ? 4 : 2;     // dims of one P V thread
+    static constexpr int LPR = HD / DV;              // P V threads per V row
+    static constexpr int KSUB = NT / LPR;            // key subsets of P V
+    static constexpr int QGS = DSQ * (DPT + 4);      // floats of one query in shared memory
+    static constexpr int RQ = GB < 8 ? GB : 8;       // queries per round of the subset sum
+    static constexpr int oK = GB * QGS * 4;
+    static constexpr int oV = oK + TK * KRS;
+    static constexpr int oP = oV + TK * HD * VB;
+    static constexpr int oSc = oP + TK * GB * 4;
+    static constexpr int kTile = oSc + 2 * TK * 4;
+    static constexpr int kRed = KSUB * RQ * HD * 4;
+    static constexpr int oStat = kTile > kRed ? kTile : kRed;
+    static constexpr int kBytes = oStat + (ATTN_ROW_WARPS * GB + 3 * GB + 4) * 4;
+    static_assert(DSQ * TK == NT && NLD * NT == TK * ROWV && NLD >= 1, "tile map");
+    static_assert(SEGB % 16 == 0 && DPT % 4 == 0 && HD % DV == 0, "segments");
+    static_assert(LPR <= 32 ? 32 % LPR == 0 : LPR % 32 == 0, "P V map");
+};
+
+// 16 bytes of cache values -> exact floats (16 int8 integers, unscaled, or 8 bf16).
+static __device__ __forceinline__ void attn_row_vals16(const int8_t*, uint4 raw, float* out) {
+    attn_i8x4_to_f32(raw.x, out);
+    attn_i8x4_to_f32(raw.y, out + 4);
+    attn_i8x4_to_f32(raw.z, out + 8);
+    attn_i8x4_to_f32(raw.w, out + 12);
+}
+static __device__ __forceinline__ void attn_row_vals16(const __nv_bfloat16* p, uint4 raw, float* out) {
+    attn_dequant16(p, raw, 1.0f, out);
+}
+
+// DV values of a V row in shared memory -> exact floats.
+template <int DV>
+static __device__ __forceinline__ void attn_row_vals(const int8_t*, const unsigned char* src, float* out) {
+    if (DV == 4) {
+        attn_i8x4_to_f32(*reinterpret_cast<const uint32_t*>(src), out);
+    } else {
+        float f[4];
+        attn_i8x4_to_f32((uint32_t)*reinterpret_cast<const uint16_t*>(src), f);
+        out[0] = f[0];
+        out[1] = f[1];
+    }
+}
+template <int DV>
+static __device__ __forceinline__ void attn_row_vals(const __nv_bfloat16*, const unsigned char* src, float* out) {
+    if (DV == 4) {
+        const uint2 w = *reinterpret_cast<const uint2*>(src);
+        out[0] = __uint_as_float(w.x << 16);
+        out[1] = __uint_as_float(w.x & 0xffff0000u);
+        out[2] = __uint_as_float(w.y << 16);
+        out[3] = __uint_as_float(w.y & 0xffff0000u);
+    } else {
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(src);
+        out[0] = __uint_as_float(w << 16);
+        out[1] = __uint_as_float(w & 0xffff0000u);
+    }
+}
+
+// Merges the partial rows r0 .. r0 + n - 1 (in row order) of the `group`
+// queries h0 .. h0 + group - 1: max, then sum and acc weighted by
+// exp(m - max). Writes out = acc / sum (final) or the partial row dst_row.
+// Partials are read through L2 (__ldcg): other blocks wrote them.
+template <int HD>
+static __device__ __forceinline__ void attn_row_merge(float* __restrict__ part_acc, float* __restrict__ part_ml,
+                                                      int r0, int n, int heads, int h0, int group, bool final_out,
+                                                      float* __restrict__ out, int dst_row) {
+    constexpr int C = HD / 4;
+    for (int item = threadIdx.x; item < group * C; item += ATTN_ROW_THREADS) {
+        const int g = item / C, d = (item % C) * 4;
+        const size_t h = (size_t)(h0 + g);
+        float mx = ATTN_NEG_INF;
+        for (int i = 0; i < n; ++i) mx = fmaxf(mx, __ldcg(part_ml + ((size_t)(r0 + i) * heads + h) * 2));
+        float sum = 0.0f;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int i0 = 0; i0 < n; i0 += 8) {
+            float mm[8], ll[8];
+            float4 aa[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                mm[j] = ATTN_NEG_INF;
+                ll[j] = 0.0f;
+                aa[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (i0 + j < n) {
+                    const size_t row = (size_t)(r0 + i0 + j) * heads + h;
+                    mm[j] = __ldcg(part_ml + row * 2);
+                    ll[j] = __ldcg(part_ml + row * 2 + 1);
+                    aa[j] = __ldcg(reinterpret_cast<const float4*>(part_acc + row * HD + d));
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (i0 + j < n) {
+                    const float w = expf(mm[j] - mx);
+                    sum = fmaf(ll[j], w, sum);
+                    a.x = fmaf(aa[j].x, w, a.x);
+                    a.y = fmaf(aa[j].y, w, a.y);
+                    a.z = fmaf(aa[j].z, w, a.z);
+                    a.w = fmaf(aa[j].w, w, a.w);
+                }
+            }
+        }
+        if (final_out) {
+            const float inv = 1.0f / sum;
+            *reinterpret_cast<float4*>(out + h * HD + d) = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+        } else {
+            const size_t row = (size_t)dst_row * heads + h;
+            *reinterpret_cast<float4*>(part_acc + row * HD + d) = a;
+            if (d == 0) {
+                part_ml[row * 2] = mx;
+                part_ml[row * 2 + 1] = sum;
+            }
+        }
+    }
+}
+
+// The arrival protocol of a merge level: every thread's partial stores are
+// made visible (fence), then one atomicAdd on `counter`; true in every thread
+// of the block that arrived last of `expected` (which resets the counter).
+static __device__ __forceinline__ bool attn_row_arrive(unsigned int* counter, unsigned int expected, int* flag) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int ticket = atomicAdd(counter, 1u);
+        const int last = ticket == expected - 1u;
+        if (last) {
+            atomicExch(counter, 0u);  // ready for the next launch
+            __threadfence();          // the others' partials are read after their arrivals
+        }
+        *flag = last;
+    }
+    __syncthreads();
+    return *flag != 0;
+}
+
+template <int HD, typename KV, int GB>
+static __device__ __forceinline__ void attn_row(const float* __restrict__ q, const KV* __restrict__ kc,
+                                                const KV* __restrict__ vc, const float* __restrict__ ks,
+                                                const float* __restrict__ vs, float* __restrict__ out,
+                                                float* __restrict__ part_acc, float* __restrict__ part_ml,
+                                                unsigned int* __restrict__ counters, int heads, int kv_heads,
+                                                int start_pos, int chunk, float scale, const int* __restrict__ step) {
+    using S = AttnRowShape<HD, KV, GB>;
+    constexpr int NT = ATTN_ROW_THREADS, NW = ATTN_ROW_WARPS;
+    constexpr int TK = S::TK, DSQ = S::DSQ, DPT = S::DPT, SEGB = S::SEGB, CPS = S::CPS, KRS = S::KRS;
+    constexpr int EPV = S::EPV, ROWV = S::ROWV, NLD = S::NLD, DV = S::DV, LPR = S::LPR, KSUB = S::KSUB;
+    constexpr int QGS = S::QGS, RQ = S::RQ;
+    constexpr bool I8 = sizeof(KV) == 1;
+    constexpr int QV = GB * HD / 4;             // float4 of the block's queries
+    constexpr int QPT = (QV + NT - 1) / NT;     // per thread
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int split = blockIdx.x, kvh = blockIdx.y;
+    const int group = heads / kv_heads;  // <= GB (checked by the wrapper)
+
+    // The queries first (independent of the step values): in flight with the rest.
+    float4 qr[QPT];
+#pragma unroll
+    for (int i = 0; i < QPT; ++i) {
+        const int idx = tid + NT * i;
+        qr[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (idx < QV && idx / (HD / 4) < group)
+            qr[i] = reinterpret_cast<const float4*>(q + (size_t)(kvh * group) * HD)[idx];
+    }
+    if (step != nullptr) {
+        start_pos = step[0];
+        chunk = step[1];
+    }
+    const int kend = start_pos + 1;
+    // Non-empty splits (a chunk too small for the grid drops the keys past it:
+    // the caller's duty, kept from corrupting the counters).
+    const int nsplit = min((kend + chunk - 1) / chunk, (int)gridDim.x);
+    if (split >= nsplit) return;
+    const int kbeg = split * chunk;
+    const int kstop = min(kbeg + chunk, kend);
+
+    extern __shared__ float4 attn_smem4[];
+    unsigned char* base = reinterpret_cast<unsigned char*>(attn_smem4);
+    float* q_s = reinterpret_cast<float*>(base);
+    unsigned char* k_s = base + S::oK;
+    unsigned char* v_s = base + S::oV;
+    float* p_s = reinterpret_cast<float*>(base + S::oP);  // [TK][GB]
+    float* ksc_s = reinterpret_cast<float*>(base + S::oSc);
+    float* vsc_s = ksc_s + TK;
+    float* red_o = reinterpret_cast<float*>(base);  // after the keys: [KSUB][RQ][HD]
+    float* red_s = reinterpret_cast<float*>(base + S::oStat);  // [NW][GB]
+    float* m_s = red_s + NW * GB;
+    float* l_s = m_s + GB;
+    float* corr_s = l_s + GB;
+    int* flag_s = reinterpret_cast<int*>(corr_s + GB);
+
+    // Raw K/V vectors (and int8 scales) of one tile, loaded ahead of their use.
+    uint4 kr[NLD], vr[NLD];
+    float ksr = 1.0f, vsr = 1.0f;
+    auto load_tile = [&](int k0) {
+#pragma unroll
+        for (int j = 0; j < NLD; ++j) {
+            const int i = tid + NT * j;
+            const int r = i / ROWV, c = i % ROWV;
+            kr[j] = vr[j] = make_uint4(0u, 0u, 0u, 0u);
+            if (k0 + r < kstop) {
+                const size_t blk = (size_t)(k0 + r) * (size_t)kv_heads + (size_t)kvh;
+                kr[j] = reinterpret_cast<const uint4*>(kc + blk * HD)[c];
+                vr[j] = reinterpret_cast<const uint4*>(vc + blk * HD)[c];
+            }
+        }
+        if (I8 && tid < TK) {
+            ksr = vsr = 0.0f;
+            if (k0 + tid < kstop) {
+                const size_t blk = (size_t)(k0 + tid) * (size_t)kv_heads + (size_t)kvh;
+                ksr = ks[blk];
+                vsr = vs[blk];
+            }
+        }
+    };
+    load_tile(kbeg);
+
+    // Queries -> q_s [GB][DSQ][DPT + 4] (the padding makes the DSQ segments' reads conflict-free).
+#pragma unroll
+    for (int i = 0; i < QPT; ++i) {
+        const int idx = tid + NT * i;
+        if (idx < QV) {
+            const int g = idx / (HD / 4), d = (idx % (HD / 4)) * 4;
+            *reinterpret_cast<float4*>(q_s + g * QGS + (d / DPT) * (DPT + 4) + d % DPT) = qr[i];
+        }
+    }
+    if (tid < GB) {
+        m_s[tid] = ATTN_NEG_INF;
+        l_s[tid] = 0.0f;
+    }
+
+    const int kk = tid / DSQ, seg = tid % DSQ;    // scores: key of the tile, K segment
+    const int ksb = tid / LPR, d0 = (tid % LPR) * DV;  // P V: key subset, first dim
+    float acc[GB][DV];
+#pragma unroll
+    for (int g = 0; g < GB; ++g)
+#pragma unroll
+        for (int j = 0; j < DV; ++j) acc[g][j] = 0.0f;
+
+    for (int k0 = kbeg; k0 < kstop; k0 += TK) {
+        __syncthreads();  // the previous tile is consumed (and q_s, m_s, l_s written)
+#pragma unroll
+        for (int j = 0; j < NLD; ++j) {
+            const int i = tid + NT * j;
+            const int r = i / ROWV, c = i % ROWV;
+            *reinterpret_cast<uint4*>(k_s + r * KRS + (c / CPS) * (SEGB + 16) + (c % CPS) * 16) = kr[j];
+            *reinterpret_cast<uint4*>(v_s + (r * ROWV + c) * 16) = vr[j];
+        }
+        if (tid < TK) {
+            ksc_s[tid] = ksr;
+            vsc_s[tid] = vsr;
+        }
+        __syncthreads();
+        if (k0 + TK < kstop) load_tile(k0 + TK);  // in flight during this tile's math
+        const int nvalid = min(TK, kstop - k0);
+
+        // Scores of key kk: this thread's DPT dims, then the sum over the key's DSQ threads.
+        float s[GB];
+#pragma unroll
+        for (int g = 0; g < GB; ++g) s[g] = 0.0f;
+        {
+            const unsigned char* krow = k_s + kk * KRS + seg * (SEGB + 16);
+            const float* qb = q_s + seg * (DPT + 4);
+#pragma unroll
+            for (int c = 0; c < CPS; ++c) {
+                float kf[EPV];
+                attn_row_vals16(kc, *reinterpret_cast<const uint4*>(krow + c * 16), kf);
+#pragma unroll
+                for (int e = 0; e < EPV; e += 4) {
+#pragma unroll
+                    for (int g = 0; g < GB; ++g) {
+                        const float4 q4 = *reinterpret_cast<const float4*>(qb + g * QGS + c * EPV + e);
+                        s[g] = fmaf(q4.x, kf[e], s[g]);
+                        s[g] = fmaf(q4.y, kf[e + 1], s[g]);
+                        s[g] = fmaf(q4.z, kf[e + 2], s[g]);
+                        s[g] = fmaf(q4.w, kf[e + 3], s[g]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int o = 1; o < DSQ; o <<= 1)
+#pragma unroll
+            for (int g = 0; g < GB; ++g) s[g] += __shfl_xor_sync(0xffffffffu, s[g], o);
+        const bool valid = kk < nvalid;
+        const float kscale = ksc_s[kk];
+        float red[GB];
+#pragma unroll
+        for (int g = 0; g < GB; ++g) {
+            s[g] = valid ? s[g] * kscale * scale : ATTN_NEG_INF;
+            red[g] = s[g];
+        }
+        // Max over the tile: the warp's keys (lanes DSQ apart), then the warps in order.
+#pragma unroll
+        for (int o = DSQ; o < 32; o <<= 1)
+#pragma unroll
+            for (int g = 0; g < GB; ++g) red[g] = fmaxf(red[g], __shfl_xor_sync(0xffffffffu, red[g], o));
+        if (lane == 0)
+#pragma unroll
+            for (int g = 0; g < GB; ++g) red_s[warp * GB + g] = red[g];
+        __syncthreads();
+        if (tid < GB) {
+            float t = red_s[tid];
+#pragma unroll
+            for (int w = 1; w < NW; ++w) t = fmaxf(t, red_s[w * GB + tid]);
+            const float m_old = m_s[tid];
+            const float m_new = fmaxf(m_old, t);  // finite: the tile has a valid key
+            corr_s[tid] = expf(m_old - m_new);
+            m_s[tid] = m_new;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int g = 0; g < GB; ++g) red[g] = valid ? expf(s[g] - m_s[g]) : 0.0f;
+        if (seg == 0) {
+            const float vscale = vsc_s[kk];
+#pragma unroll
+            for (int g = 0; g < GB; ++g) p_s[kk * GB + g] = red[g] * vscale;
+        }
+#pragma unroll
+        for (int o = DSQ; o < 32; o <<= 1)
+#pragma unroll
+            for (int g = 0; g < GB; ++g) red[g] += __shfl_xor_sync(0xffffffffu, red[g], o);
+        if (lane == 0)
+#pragma unroll
+            for (int g = 0; g < GB; ++g) red_s[warp * GB + g] = red[g];
+        __syncthreads();
+        if (tid < GB) {
+            float t = red_s[tid];
+#pragma unroll
+            for (int w = 1; w < NW; ++w) t += red_s[w * GB + tid];
+            l_s[tid] = l_s[tid] * corr_s[tid] + t;
+        }
+
+        // acc = acc * corr + P V over this thread's key subset.
+#pragma unroll
+        for (int g = 0; g < GB; ++g) {
+            const float c = corr_s[g];
+#pragma unroll
+            for (int j = 0; j < DV; ++j) acc[g][j] *= c;
+        }
+        for (int k = ksb; k < nvalid; k += KSUB) {
+            float vf[DV];
+            attn_row_vals<DV>(vc, v_s + (k * HD + d0) * S::VB, vf);
+            float pk[GB];
+            if (GB % 4 == 0) {
+#pragma unroll
+                for (int g = 0; g < GB; g += 4)
+                    *reinterpret_cast<float4*>(pk + g) = *reinterpret_cast<const float4*>(p_s + k * GB + g);
+            } else {
+#pragma unroll
+                for (int g = 0; g < GB; ++g) pk[g] = p_s[k * GB + g];
+            }
+#pragma unroll
+            for (int g = 0; g < GB; ++g)
+#pragma unroll
+                for (int j = 0; j < DV; ++j) acc[g][j] = fmaf(pk[g], vf[j], acc[g][j]);
+        }
+    }
+
+    // Sum of the key subsets (in subset order), RQ queries per round; then
+    // the output (one split) or this split's partial.
+    const bool single = nsplit == 1;
+#pragma unroll
+    for (int g0 = 0; g0 < GB; g0 += RQ) {
+        if (g0 < group) {
+            __syncthreads();  // the tile (or the previous round) is consumed
+#pragma unroll
+            for (int gi = 0; gi < RQ; ++gi) {
+                float* dst = red_o + (ksb * RQ + gi) * HD + d0;
+#pragma unroll
+                for (int j = 0; j < DV; ++j) dst[j] = acc[g0 + gi][j];
+            }
+            __syncthreads();
+            for (int item = tid; item < RQ * (HD / 4); item += NT) {
+                const int gi = item / (HD / 4), d = (item % (HD / 4)) * 4, g = g0 + gi;
+                if (g >= group) continue;
+                float4 o = *reinterpret_cast<const float4*>(red_o + gi * HD + d);
+#pragma unroll
+                for (int sb = 1; sb < KSUB; ++sb) {
+                    const float4 x = *reinterpret_cast<const float4*>(red_o + (sb * RQ + gi) * HD + d);
+                    o.x += x.x;
+                    o.y += x.y;
+                    o.z += x.z;
+                    o.w += x.w;
+                }
+                const size_t h = (size_t)(kvh * group + g);
+                if (single) {
+                    const float inv = 1.0f / l_s[g];
+                    *reinterpret_cast<float4*>(out + h * HD + d) =
+                        make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+                } else {
+                    const size_t row = (size_t)split * heads + h;
+                    *reinterpret_cast<float4*>(part_acc + row * HD + d) = o;
+                    if (d == 0) {
+                        part_ml[row * 2] = m_s[g];
+                        part_ml[row * 2 + 1] = l_s[g];
+                    }
+                }
+            }
+        }
+    }
+    if (single) return;
+
+    // Merge: the group's last block merges its splits, the kv head's last group merger the groups.
+    const int ngroups = (nsplit + ATTN_ROW_GS - 1) / ATTN_ROW_GS;
+    const int grp = split / ATTN_ROW_GS;
+    const int gbeg = grp * ATTN_ROW_GS, gn = min(ATTN_ROW_GS, nsplit - gbeg);
+    unsigned int* cnt = counters + (size_t)kvh * (1 + (gridDim.x + ATTN_ROW_GS - 1) / ATTN_ROW_GS);
+    if (!attn_row_arrive(cnt + 1 + grp, (unsigned int)gn, flag_s)) return;
+    const int h0 = kvh * group;
+    attn_row_merge<HD>(part_acc, part_ml, gbeg, gn, heads, h0, group, ngroups == 1, out, gridDim.x + grp);
+    if (ngroups == 1) return;
+    if (!attn_row_arrive(cnt, (unsigned int)ngroups, flag_s)) return;
+    attn_row_merge<HD>(part_acc, part_ml, gridDim.x, ngroups, heads, h0, group, true, out, 0);
+}
+
+#define ATTN_ROW_INSTANCE(HD, KVNAME, KV, GB)                                                                     \
+    extern "C" __global__ void __launch_bounds__(ATTN_ROW_THREADS, 1) attn_row_hd##HD##_##KVNAME##_g##GB(          \
+        const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,                        \
+        const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                      \
+        float* __restrict__ part_acc, float* __restrict__ part_ml, unsigned int* __restrict__ counters, int heads, \
+        int kv_heads, int start_pos, int chunk, float scale, const int* __restrict__ step) {                      \
+        attn_row<HD, KV, GB>(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads, start_pos,     \
+                             chunk, scale, step);                                                                 \
+    }
+
+#define ATTN_ROW_INSTANCES(HD)                      \
+    ATTN_ROW_INSTANCE(HD, i8, int8_t, 1)            \
+    ATTN_ROW_INSTANCE(HD, i8, int8_t, 2)            \
+    ATTN_ROW_INSTANCE(HD, i8, int8_t, 4)            \
+    ATTN_ROW_INSTANCE(HD, i8, int8_t, 8)            \
+    ATTN_ROW_INSTANCE(HD, i8, int8_t, 16)           \
+    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 1)   \
+    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 2)   \
+    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 4)   \
+    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 8)   \
+    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 16)
+
+ATTN_ROW_INSTANCES(16)
+ATTN_ROW_INSTANCES(32)
+ATTN_ROW_INSTANCES(64)
+ATTN_ROW_INSTANCES(128)
+ATTN_ROW_INSTANCES(256)
+
+// ------------------------------------------------- q / k / v preparation --
+//
+// attn_qkv_prep_{i8,bf16}: the attention block's per-row preparation in one
+// launch, from one projection qkv [rows, W], row = [q' | k | v], W = q'dim +
+// 2 * kv_heads * head_dim, q' = q [heads * head_dim] or (gated) per head
+// [q_h | gate_h]:
+//   qn [rows, heads, head_dim] = rope(rmsnorm(q, q_norm)),
+//   gate [rows, heads * head_dim] = the gate halves (gated only),
+//   K = rope(rmsnorm(k, k_norm)) and V appended at positions start_pos + t.
+// One warp per (row, head): warps j < heads of a row take query head j,
+// the others kv head j - heads (K through a per-warp shared row, then V).
+// The arithmetic is dense_rmsnorm_rope's (kernels/dense.cu), operation for
+// operation, and the append is attn_append_row (attn_kv_append_*'s): the
+// same bits as split_q_gate + rmsnorm_rope (q, k) + kv_append.
+
+#define ATTN_PREP_WARPS 8
+
+// out[0..head_dim) = rope(rmsnorm(x)) of one head row at position pos, by
+// one warp: a copy of dense_rmsnorm_rope's arithmetic (keep them identical).
+static __device__ __forceinline__ void attn_rmsnorm_rope_row(const float* __restrict__ xr,
+                                                             const float* __restrict__ w, float* orow,
+                                                             int head_dim, float eps,
+                                                             const float* __restrict__ inv_freq, int half,
+                                                             unsigned long long pos, float attention_factor,
+                                                             int lane) {
+    float ss = 0.0f;
+    for (int i = lane; i < head_dim; i += 32) ss = fmaf(xr[i], xr[i], ss);
+    ss = attn_warp_sum(ss);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)head_dim), eps)));
+    for (int i = lane; i < half; i += 32) {
+        const float a = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+        const float b = __fmul_rn(__fmul_rn(xr[i + half], inv), w[i + half]);
+        const float angle = __fmul_rn(__ull2float_rn(pos), inv_freq[i]);
+        float sn, c;
+        sincosf(angle, &sn, &c);
+        c = __fmul_rn(c, attention_factor);
+        sn = __fmul_rn(sn, attention_factor);
+        orow[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sn));
+        orow[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn));
+    }
+    for (int i = 2 * half + lane; i < head_dim; i += 32) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+}
+
+template <typename KV>
+static __device__ __forceinline__ void attn_qkv_prep(const float* __restrict__ qkv, const float* __restrict__ q_norm,
+                                                     const float* __restrict__ k_norm, float eps,
+                                                     const float* __restrict__ inv_freq, int half,
+                                                     float attention_factor, float* __restrict__ qn,
+                                                     float* __restrict__ gate, KV* __restrict__ kc,
+                                                     KV* __restrict__ vc, float* __restrict__ ks,
+                                                     float* __restrict__ vs, int rows, int heads, int kv_heads,
+                                                     int head_dim, int gated, unsigned long long start_pos,
+                                                     const int* __restrict__ step) {
+    __shared__ float krow_s[ATTN_PREP_WARPS][256];
+    if (step != nullptr) start_pos = (unsigned long long)step[0];  // (CUDA-graph replay) start_pos on the device
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const long long warp = (long long)blockIdx.x * ATTN_PREP_WARPS + wib;
+    const int per_row = heads + kv_heads;
+    if (warp >= (long long)rows * per_row) return;
+    const long long t = warp / per_row;
+    const int j = (int)(warp % per_row);
+    const int qhd = gated ? 2 * head_dim : head_dim;  // floats of one query head in qkv
+    const size_t qw = (size_t)heads * qhd, kv_dim = (size_t)kv_heads * head_dim;
+    const float* row = qkv + (size_t)t * (qw + 2 * kv_dim);
+    const unsigned long long pos = start_pos + (unsigned long long)t;
+    if (j < heads) {
+        const float* xr = row + (size_t)j * qhd;
+        const size_t orow = ((size_t)t * heads + j) * head_dim;
+        attn_rmsnorm_rope_row(xr, q_norm, qn + orow, head_dim, eps, inv_freq, half, pos, attention_factor, lane);
+        if (gated)
+            for (int d = lane; d < head_dim; d += 32) gate[orow + d] = xr[head_dim + d];
+    } else {
+        const int kh = j - heads;
+        float* kb = krow_s[wib];
+        attn_rmsnorm_rope_row(row + qw + (size_t)kh * head_dim, k_norm, kb, head_dim, eps, inv_freq, half, pos,
+                              attention_factor, lane);
+        __syncwarp();
+        const size_t block = (size_t)pos * (size_t)kv_heads + (size_t)kh;
+        attn_append_row(kb, kc, ks, block, head_dim, lane);
+        attn_append_row(row + qw + kv_dim + (size_t)kh * head_dim, vc, vs, block, head_dim, lane);
+    }
+}
+
+#define ATTN_PREP_INSTANCE(KVNAME, KV)                                                                            \
+    extern "C" __global__ void __launch_bounds__(ATTN_PREP_WARPS * 32) attn_qkv_prep_##KVNAME(                    \
+        const float* __restrict__ qkv, const float* __restrict__ q_norm, const float* __restrict__ k_norm,        \
+        float eps, const float* __restrict__ inv_freq, int half, float attention_factor, float* __restrict__ qn,  \
+        float* __restrict__ gate, KV* __restrict__ kc, KV* __restrict__ vc, float* __restrict__ ks,               \
+        float* __restrict__ vs, int rows, int heads, int kv_heads, int head_dim, int gated,                       \
+        unsigned long long start_pos, const int* __restrict__ step) {                                             \
+        attn_qkv_prep<KV>(qkv, q_norm, k_norm, eps, inv_freq, half, attention_factor, qn, gate, kc, vc, ks, vs,   \
+                          rows, heads, kv_heads, head_dim, gated, start_pos, step);                               \
+    }
+
+ATTN_PREP_INSTANCE(i8, int8_t)
+ATTN_PREP_INSTANCE(bf16, __nv_bfloat16)

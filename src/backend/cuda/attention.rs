@@ -234,6 +234,167 @@ fn kv_append_launch(
     Ok(())
 }
 
+/// What `qkv_prepare` needs besides its buffers: the query heads, whether the projection carries an output gate
+/// per query head (Qwen3-Next), the per-head q and k RMSNorm weights (`[head_dim]` each), their epsilon and the
+/// RoPE table (partial rotary: `rope.rotary_dim <= head_dim`, the dims past it pass through).
+pub struct QkvPrep<'a> {
+    pub heads: usize,
+    pub gated: bool,
+    pub q_norm: &'a CudaSlice<f32>,
+    pub k_norm: &'a CudaSlice<f32>,
+    pub eps: f32,
+    pub rope: &'a crate::backend::cuda::dense::RopeTable,
+}
+
+/// The attention block's preparation of `rows` rows in one launch, from one projection `qkv [rows, W]` whose row
+/// is `[q' | k | v]`, `W = q'dim + 2 * kv_heads * head_dim`, `q'` = q `[heads * head_dim]` or (gated) per head
+/// `[q_h | gate_h]` (`[heads][2 * head_dim]`): `qn [rows, heads, head_dim] = rope(rmsnorm(q))`, `gate
+/// [rows, heads * head_dim]` (gated only, else None), and K = rope(rmsnorm(k)) and V appended to `kv` at positions
+/// `start_pos..start_pos + rows` (int8-quantized or bf16-rounded exactly as `kv_append`). The same bits as
+/// `dense::split_q_gate` + `dense::rmsnorm_rope` (q, then k) + `kv_append`. head_dim and kv_heads come from `kv`;
+/// buffers may be longer than needed.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_prepare(
+    gpu: &Gpu,
+    p: &QkvPrep,
+    qkv: &CudaSlice<f32>,
+    rows: usize,
+    kv: &mut DeviceKv,
+    start_pos: usize,
+    qn: &mut CudaSlice<f32>,
+    gate: Option<&mut CudaSlice<f32>>,
+) -> Result<()> {
+    check_qkv_prep("qkv_prepare", p, qkv, rows, kv, qn, gate.as_deref())?;
+    if start_pos.checked_add(rows).is_none_or(|end| end > kv.capacity) {
+        return Err(Error::InvalidArgument(format!(
+            "qkv_prepare: positions {start_pos}..{start_pos}+{rows} past the capacity {}",
+            kv.capacity
+        )));
+    }
+    qkv_prep_launch(gpu, p, qkv, rows, kv, start_pos as u64, None, qn, gate)
+}
+
+/// `qkv_prepare` with start_pos read from `pos.buf[0]` on the device (a captured decode step): positions
+/// `start_pos..start_pos + rows` must lie within the capacity (the caller's duty). No allocation, synchronization
+/// or host copy.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_prepare_at(
+    gpu: &Gpu,
+    p: &QkvPrep,
+    qkv: &CudaSlice<f32>,
+    rows: usize,
+    kv: &mut DeviceKv,
+    pos: &StepPos,
+    qn: &mut CudaSlice<f32>,
+    gate: Option<&mut CudaSlice<f32>>,
+) -> Result<()> {
+    check_qkv_prep("qkv_prepare_at", p, qkv, rows, kv, qn, gate.as_deref())?;
+    if rows > kv.capacity || pos.buf.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "qkv_prepare_at: {rows} rows, capacity {}, a step buffer of {} ints",
+            kv.capacity,
+            pos.buf.len()
+        )));
+    }
+    qkv_prep_launch(gpu, p, qkv, rows, kv, 0, Some(&pos.buf), qn, gate)
+}
+
+/// The shape and length checks of `qkv_prepare` (everything but the positions).
+fn check_qkv_prep(
+    what: &str,
+    p: &QkvPrep,
+    qkv: &CudaSlice<f32>,
+    rows: usize,
+    kv: &DeviceKv,
+    qn: &CudaSlice<f32>,
+    gate: Option<&CudaSlice<f32>>,
+) -> Result<()> {
+    let (hd, kv_dim) = (kv.head_dim, kv.kv_dim());
+    let q_dim = p.heads * hd;
+    let width = if p.gated { 2 * q_dim } else { q_dim } + 2 * kv_dim;
+    let rot = p.rope.rotary_dim;
+    let bad = if p.heads == 0 || p.heads > i32::MAX as usize / 2 {
+        Some(format!("{} query heads", p.heads))
+    } else if p.q_norm.len() != hd || p.k_norm.len() != hd {
+        Some(format!("q/k norm weights of {}/{} values, head_dim {hd}", p.q_norm.len(), p.k_norm.len()))
+    } else if rot % 2 != 0 || rot > hd || p.rope.inv_freq.len() < rot / 2 {
+        Some(format!("rotary_dim {rot} ({} frequencies) with head_dim {hd}", p.rope.inv_freq.len()))
+    } else if qkv.len() < rows * width {
+        Some(format!("qkv holds {} values, {rows} rows of {width} need {}", qkv.len(), rows * width))
+    } else if qn.len() < rows * q_dim {
+        Some(format!("qn holds {} values, {rows} rows need {}", qn.len(), rows * q_dim))
+    } else if p.gated != gate.is_some() {
+        Some(format!("gated {} with{} a gate buffer", p.gated, if gate.is_some() { "" } else { "out" }))
+    } else if gate.is_some_and(|g| g.len() < rows * q_dim) {
+        Some(format!("the gate holds {} values, {rows} rows need {}", gate.map_or(0, |g| g.len()), rows * q_dim))
+    } else if rows.checked_mul(p.heads + kv.kv_heads).is_none_or(|w| w > i32::MAX as usize) {
+        Some(format!("{rows} rows is too many for one launch"))
+    } else {
+        None
+    };
+    match bad {
+        Some(msg) => Err(Error::InvalidArgument(format!("{what}: {msg}"))),
+        None => Ok(()),
+    }
+}
+
+/// attn_qkv_prep_{i8,bf16}; `step`: None (start_pos `start64`) or the StepPos buffer.
+#[allow(clippy::too_many_arguments)]
+fn qkv_prep_launch(
+    gpu: &Gpu,
+    p: &QkvPrep,
+    qkv: &CudaSlice<f32>,
+    rows: usize,
+    kv: &mut DeviceKv,
+    start64: u64,
+    step: Option<&CudaSlice<i32>>,
+    qn: &mut CudaSlice<f32>,
+    gate: Option<&mut CudaSlice<f32>>,
+) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let warps = rows * (p.heads + kv.kv_heads);
+    let blocks = u32::try_from(warps.div_ceil(PREP_WARPS)).map_err(|e| launch_err("qkv_prepare grid", e))?;
+    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (PREP_WARPS as u32 * 32, 1, 1), shared_mem_bytes: 0 };
+    let f = gpu.function(&format!("attn_qkv_prep_{}", kv.dtype.kernel_tag()))?;
+    let (half, nr, h, kvh, hd, gated) = (
+        (p.rope.rotary_dim / 2) as i32,
+        rows as i32,
+        p.heads as i32,
+        kv.kv_heads as i32,
+        kv.head_dim as i32,
+        p.gated as i32,
+    );
+    let null = 0u64;
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(qkv).arg(p.q_norm).arg(p.k_norm).arg(&p.eps).arg(&p.rope.inv_freq).arg(&half);
+    b.arg(&p.rope.attention_factor).arg(qn);
+    match gate {
+        Some(g) => b.arg(g),
+        None => b.arg(&null),
+    };
+    b.arg(&mut kv.k).arg(&mut kv.v).arg(&mut kv.k_scale).arg(&mut kv.v_scale);
+    b.arg(&nr).arg(&h).arg(&kvh).arg(&hd).arg(&gated).arg(&start64);
+    match step {
+        Some(s) => b.arg(s),
+        None => b.arg(&null),
+    };
+    // SAFETY: attn_qkv_prep_{i8,bf16}(const float* qkv, const float* q_norm, const float* k_norm, float eps,
+    // const float* inv_freq, int half, float attention_factor, float* qn, float* gate, KV* kc, KV* vc, float* ks,
+    // float* vs, int rows, int heads, int kv_heads, int head_dim, int gated, u64 start_pos, const int* step): one
+    // warp per (row, head) reads rows*W floats of qkv, head_dim of each norm, half (<= head_dim / 2) frequencies,
+    // and writes rows*heads*head_dim of qn and (gated, else null and untouched) gate (all checked by
+    // check_qkv_prep), and positions start_pos..start_pos+rows (<= capacity: checked by qkv_prepare, kept by
+    // qkv_prepare_at's caller) of the [capacity, kv_heads, head_dim] caches and (int8) [capacity, kv_heads] scales;
+    // head_dim <= 256 (DeviceKv) fits the kernel's per-warp row; step null or a StepPos's ints.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// Warps per block of attn_qkv_prep_* (ATTN_PREP_WARPS).
+const PREP_WARPS: usize = 8;
+
 /// The cache's positions `0..len` dequantized to f32 `[len, kv_heads * head_dim]`
 /// (K, V): for checkpoints and tests. Synchronizes the stream.
 pub fn kv_read_f32(gpu: &Gpu, kv: &DeviceKv, len: usize) -> Result<(Vec<f32>, Vec<f32>)> {
@@ -282,6 +443,16 @@ const DEC_THREADS: u32 = 128;
 const DEC_WARPS: usize = 4;
 /// Most query vectors per kv head the decode kernel takes (two n-blocks of 8).
 pub const DEC_MAX_QUERIES: usize = 16;
+/// Threads of a block of the one-row decode kernel (attn_row_*).
+const ROW_THREADS: u32 = 256;
+/// Splits merged per group by attn_row_* (the first level of its two-level merge).
+const ROW_GROUP_SPLITS: usize = 8;
+/// A chunk (keys per split) of attn_row_* is a multiple of this ...
+const ROW_ALIGN: usize = 32;
+/// ... and at least this many keys (below that the merge costs more than the split saves).
+const ROW_MIN_CHUNK: usize = 64;
+/// Most query heads per kv head the one-row decode kernel takes.
+pub const ROW_MAX_GROUP: usize = 16;
 /// Fewest key tiles one split covers (below that the combine costs more than the split saves).
 const MIN_TILES_PER_SPLIT: usize = 4;
 /// Blocks per SM the split count aims for.
@@ -327,6 +498,56 @@ fn dec_smem_bytes(head_dim: usize, nqb: usize) -> usize {
     2 * q_part + (DEC_WARPS * warp).max(merge)
 }
 
+/// Dynamic shared memory of attn_row_hd{HD}_{tag}_g{gb}: mirrors AttnRowShape in attention.cu.
+fn row_smem_bytes(head_dim: usize, dtype: KvDtype, gb: usize) -> usize {
+    let nt = ROW_THREADS as usize;
+    let vb = dtype.value_bytes();
+    let tk = (16384 / (head_dim * vb)).min(nt);
+    let dsq = nt / tk;
+    let dpt = head_dim / dsq;
+    let krs = dsq * (dpt * vb + 16);
+    let dv = if head_dim >= 128 { 4 } else { 2 };
+    let ksub = nt / (head_dim / dv);
+    let qgs = dsq * (dpt + 4);
+    let rq = gb.min(8);
+    let tile = gb * qgs * 4 + tk * krs + tk * head_dim * vb + tk * gb * 4 + 2 * tk * 4;
+    let red = ksub * rq * head_dim * 4;
+    tile.max(red) + (nt / 32 * gb + 3 * gb + 4) * 4
+}
+
+/// The split count attn_row_* aims for: one block per SM (about one wave).
+fn row_target_splits(kv_heads: usize, sm_count: usize) -> usize {
+    sm_count.max(1).div_ceil(kv_heads.max(1)).max(1)
+}
+
+/// Keys per split of attn_row_* for keys `0..kend` with `target` splits at most: a multiple of ROW_ALIGN, at
+/// least ROW_MIN_CHUNK.
+fn row_chunk(kend: usize, target: usize) -> usize {
+    kend.div_ceil(target.max(1)).next_multiple_of(ROW_ALIGN).max(ROW_MIN_CHUNK)
+}
+
+/// The split of keys `0..kend` for the one-row decode kernel (attn_row_*): at most one block per SM over the
+/// kv heads, each split at least ROW_MIN_CHUNK keys; `splits = ceil(kend / chunk)` (none empty).
+pub fn plan_row_splits(kend: usize, kv_heads: usize, sm_count: usize) -> SplitPlan {
+    let chunk = row_chunk(kend, row_target_splits(kv_heads, sm_count));
+    SplitPlan { splits: kend.max(1).div_ceil(chunk), chunk }
+}
+
+/// Partial rows (`[rows, heads, head_dim]` in part_acc, `[rows, heads, 2]` in part_ml) of an attn_row_* launch
+/// over a grid of `grid_splits` splits: one per split and one per merge group (none for one split).
+fn row_partial_rows(grid_splits: usize) -> usize {
+    if grid_splits <= 1 {
+        0
+    } else {
+        grid_splits + grid_splits.div_ceil(ROW_GROUP_SPLITS)
+    }
+}
+
+/// Arrival counters of an attn_row_* launch: per kv head, one for the groups and one per group.
+fn row_counters(kv_heads: usize, grid_splits: usize) -> usize {
+    kv_heads * (1 + grid_splits.div_ceil(ROW_GROUP_SPLITS))
+}
+
 /// The SIMT kernel for `nq_total` query vectors per kv head: the largest
 /// query tile that is needed and fits `smem_max` (kernels exist for 8, 32,
 /// 64 query vectors; 8 and 32 for head_dim 256).
@@ -368,12 +589,19 @@ pub fn plan_splits(kend: usize, base_blocks: usize, sm_count: usize, tile: usize
 /// Which attention kernel runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum AttnKernel {
-    /// On compute capability 8.0 and later: the tensor-core decode kernel
-    /// for up to DEC_MAX_QUERIES query vectors per kv head (rows x heads per
-    /// kv head), the tensor-core prefill kernel above that; SIMT before 8.0
-    /// and for head_dim 16 and 32 (the tensor-core kernels take 64, 128, 256).
+    /// One row (batch-1 decode) with at most ROW_MAX_GROUP query heads per kv
+    /// head: the one-row decode kernel (`Row`) on every device, unless its
+    /// shared memory exceeds the device's. Otherwise, on compute capability
+    /// 8.0 and later: the tensor-core decode kernel for up to
+    /// DEC_MAX_QUERIES query vectors per kv head (rows x heads per kv head),
+    /// the tensor-core prefill kernel above that; SIMT before 8.0 and for
+    /// head_dim 16 and 32 (the tensor-core kernels take 64, 128, 256).
     #[default]
     Auto,
+    /// The one-row decode kernel (rows == 1 only, at most ROW_MAX_GROUP query
+    /// heads per kv head, any device): flash-decoding in f32 on CUDA cores,
+    /// all query heads of a kv head in one block, the split merge fused in.
+    Row,
     /// The f32 CUDA-core kernel (any device).
     Simt,
     /// The tensor-core prefill kernel, 64 query vectors per block (compute capability 8.0 and later,
@@ -407,9 +635,14 @@ pub struct AttnConfig {
 /// more and are never shrunk, so once sized, a call allocates nothing. Use a
 /// scratch on the stream of the `Gpu` it was made on (launches on one stream
 /// are ordered, so one scratch serves every layer in turn).
+///
+/// It also holds the arrival counters of the one-row decode kernel's fused
+/// merge (u32, zeroed at creation; every launch leaves them at zero), so a
+/// scratch must not serve two launches that run at the same time.
 pub struct AttnScratch {
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
+    counters: CudaSlice<u32>,
 }
 
 impl AttnScratch {
@@ -419,10 +652,20 @@ impl AttnScratch {
     /// costs about `4 * sm_count / kv_heads * heads * head_dim * 4` bytes;
     /// 0 makes an empty one that grows on first use.
     pub fn new(gpu: &Gpu, shape: AttentionShape, max_rows: usize) -> Result<AttnScratch> {
-        let most_splits = (BLOCKS_PER_SM * (gpu.sm_count() as usize).max(1)).div_ceil(shape.kv_heads.max(1));
+        let sms = (gpu.sm_count() as usize).max(1);
+        let mut most_splits = (BLOCKS_PER_SM * sms).div_ceil(shape.kv_heads.max(1));
+        let row_splits = row_target_splits(shape.kv_heads, sms);
+        if max_rows >= 1 {
+            // The one-row kernel's split and group partials.
+            most_splits = most_splits.max(row_partial_rows(row_splits));
+        }
         let n_queries = max_rows * shape.heads;
         let (acc, ml) = (most_splits * n_queries * shape.head_dim, most_splits * n_queries * 2);
-        Ok(AttnScratch { part_acc: Self::alloc(gpu, acc.max(1))?, part_ml: Self::alloc(gpu, ml.max(2))? })
+        Ok(AttnScratch {
+            part_acc: Self::alloc(gpu, acc.max(1))?,
+            part_ml: Self::alloc(gpu, ml.max(2))?,
+            counters: gpu.alloc_zeros::<u32>(row_counters(shape.kv_heads, row_splits).max(1))?,
+        })
     }
 
     fn alloc(gpu: &Gpu, n: usize) -> Result<CudaSlice<f32>> {
@@ -431,20 +674,32 @@ impl AttnScratch {
         Ok(unsafe { gpu.stream().alloc::<f32>(n) }?)
     }
 
-    /// Grows the buffers to at least `acc` / `ml` floats.
-    fn reserve(&mut self, gpu: &Gpu, acc: usize, ml: usize) -> Result<()> {
+    /// Grows the buffers to at least `acc` / `ml` floats and `counters` counters (new counters are zero).
+    fn reserve(&mut self, gpu: &Gpu, acc: usize, ml: usize, counters: usize) -> Result<()> {
         if self.part_acc.len() < acc {
             self.part_acc = Self::alloc(gpu, acc)?;
         }
         if self.part_ml.len() < ml {
             self.part_ml = Self::alloc(gpu, ml)?;
         }
+        if self.counters.len() < counters {
+            self.counters = gpu.alloc_zeros::<u32>(counters)?;
+        }
         Ok(())
+    }
+
+    /// Whether the buffers hold what an attn_row_* launch over `grid_splits` splits needs.
+    fn fits_row(&self, shape: AttentionShape, grid_splits: usize) -> bool {
+        let rows = row_partial_rows(grid_splits) * shape.heads;
+        grid_splits <= 1
+            || (self.part_acc.len() >= rows * shape.head_dim
+                && self.part_ml.len() >= rows * 2
+                && self.counters.len() >= row_counters(shape.kv_heads, grid_splits))
     }
 
     /// Device bytes held.
     pub fn bytes(&self) -> usize {
-        4 * (self.part_acc.len() + self.part_ml.len())
+        4 * (self.part_acc.len() + self.part_ml.len() + self.counters.len())
     }
 }
 
@@ -522,24 +777,31 @@ pub fn attention_with_scratch(
         )));
     }
     let choice = choose_kernel(gpu, shape, rows, kv.dtype, config)?;
-    let plan = plan_splits(kend, kv_heads * choice.qtiles, gpu.sm_count() as usize, choice.tile);
     let sp = i32_arg("start_pos", start_pos)?;
+    let f = gpu.function(&choice.name(head_dim, kv.dtype))?;
+    set_smem(&f, choice.smem)?;
+    if choice.kernel == AttnKernel::Row {
+        let plan = plan_row_splits(kend, kv_heads, gpu.sm_count() as usize);
+        let prow = row_partial_rows(plan.splits) * heads;
+        scratch.reserve(gpu, prow * head_dim, prow * 2, row_counters(kv_heads, plan.splits))?;
+        return launch_row(gpu, &f, q, kv, shape, out, &choice, plan, sp, None, scratch);
+    }
+    let plan = plan_splits(kend, kv_heads * choice.qtiles, gpu.sm_count() as usize, choice.tile);
     // Partials only when the key range is split (else the kernel never touches them).
     if plan.splits > 1 {
         let n_queries = rows * heads;
-        scratch.reserve(gpu, plan.splits * n_queries * head_dim, plan.splits * n_queries * 2)?;
+        scratch.reserve(gpu, plan.splits * n_queries * head_dim, plan.splits * n_queries * 2, 0)?;
     }
-    let f = gpu.function(&choice.name(head_dim, kv.dtype))?;
-    set_smem(&f, choice.smem)?;
     launch_attention(gpu, &f, q, kv, shape, rows, out, &choice, plan, sp, None, scratch)
 }
 
 /// A resolved kernel of one launch shape (everything but the split of the key range).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct KernelChoice {
-    /// Simt, Mma or Decode (never Auto).
+    /// Simt, Mma, Decode or Row (never Auto).
     kernel: AttnKernel,
-    /// Simt: query vectors per block (8, 32, 64); Decode: n-blocks of 8 (1, 2); Mma: 1 = f32 (hi/lo), 0 = bf16.
+    /// Simt: query vectors per block (8, 32, 64); Decode: n-blocks of 8 (1, 2); Mma: 1 = f32 (hi/lo), 0 = bf16;
+    /// Row: query heads per block (1, 2, 4, 8, 16).
     variant: usize,
     threads: u32,
     /// Query tiles (grid z).
@@ -558,6 +820,7 @@ impl KernelChoice {
                 format!("attn_mma_hd{head_dim}_{tag}_{}", if self.variant == 1 { "f32" } else { "bf16" })
             }
             AttnKernel::Decode => format!("attn_dec_hd{head_dim}_{tag}_n{}", self.variant),
+            AttnKernel::Row => format!("attn_row_hd{head_dim}_{tag}_g{}", self.variant),
             _ => format!("attn_simt_hd{head_dim}_{tag}_q{}", self.variant),
         }
     }
@@ -577,7 +840,19 @@ fn choose_kernel(
     let nq_total = rows * group;
     let has_mma = gpu.compute_capability().0 >= 8;
     let tc_head_dim = TC_HEAD_DIMS.contains(&head_dim);
+    // Shared memory a block may opt into (227 KB on sm_90, 99 KB on sm_86/89, 64 KB on sm_75).
+    let smem_max =
+        gpu.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize;
+    let row_gb = group.next_power_of_two();
+    let row_ok = rows == 1 && group <= ROW_MAX_GROUP;
     let kernel = match config.kernel {
+        AttnKernel::Auto if row_ok && row_smem_bytes(head_dim, dtype, row_gb) <= smem_max => AttnKernel::Row,
+        AttnKernel::Row if !row_ok => {
+            return Err(Error::InvalidArgument(format!(
+                "attention: the one-row decode kernel takes 1 row of at most {ROW_MAX_GROUP} query heads per kv \
+                 head, not {rows} rows of {group}"
+            )))
+        }
         AttnKernel::Auto if !has_mma || !tc_head_dim => AttnKernel::Simt,
         AttnKernel::Auto if nq_total <= DEC_MAX_QUERIES => AttnKernel::Decode,
         AttnKernel::Auto => AttnKernel::Mma,
@@ -596,11 +871,11 @@ fn choose_kernel(
         }
         k => k,
     };
-    // Shared memory a block may opt into (227 KB on sm_90, 99 KB on sm_86/89, 64 KB on sm_75).
-    let smem_max =
-        gpu.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize;
     // (kernel, variant, block threads, query vectors per block, key tile of a split, shared memory bytes)
     let mut choice = match kernel {
+        AttnKernel::Row => {
+            (AttnKernel::Row, row_gb, ROW_THREADS, row_gb, ROW_ALIGN, row_smem_bytes(head_dim, dtype, row_gb))
+        }
         AttnKernel::Mma => {
             let split = config.precision == AttnPrecision::F32;
             (AttnKernel::Mma, split as usize, MMA_THREADS, MMA_BQ, mma_tile(head_dim), mma_smem_bytes(head_dim, split))
@@ -664,7 +939,7 @@ fn launch_attention(
     );
     let n_queries = rows * heads;
     let null_step = 0u64;
-    let AttnScratch { part_acc, part_ml } = scratch;
+    let AttnScratch { part_acc, part_ml, .. } = scratch;
     {
         let mut b = gpu.stream().launch_builder(f);
         b.arg(q).arg(&kv.k).arg(&kv.v).arg(&kv.k_scale).arg(&kv.v_scale).arg(&mut *out);
@@ -705,6 +980,58 @@ fn launch_attention(
     Ok(())
 }
 
+/// The one-row decode kernel over `plan.splits` splits (grid fixed), the split merge fused in. `step`: None
+/// (start_pos `sp`, chunk `plan.chunk`, and then `plan.splits` must be `ceil((sp + 1) / chunk)`) or the StepPos
+/// buffer (both read on the device). The partials and counters must fit `scratch` (checked by the callers).
+#[allow(clippy::too_many_arguments)]
+fn launch_row(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    q: &CudaSlice<f32>,
+    kv: &DeviceKv,
+    shape: AttentionShape,
+    out: &mut CudaSlice<f32>,
+    choice: &KernelChoice,
+    plan: SplitPlan,
+    sp: i32,
+    step: Option<&CudaSlice<i32>>,
+    scratch: &mut AttnScratch,
+) -> Result<()> {
+    let AttentionShape { heads, kv_heads, head_dim } = shape;
+    let splits = u32::try_from(plan.splits).ok().filter(|&s| s <= 65535);
+    let kvh_grid = u32::try_from(kv_heads).ok().filter(|&k| k <= 65535);
+    let (Some(splits), Some(kvh_grid)) = (splits, kvh_grid) else {
+        return Err(Error::InvalidArgument(format!("attention: grid of {} splits x {kv_heads} kv heads", plan.splits)));
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (splits, kvh_grid, 1),
+        block_dim: (choice.threads, 1, 1),
+        shared_mem_bytes: choice.smem as u32,
+    };
+    let scale = 1.0f32 / (head_dim as f32).sqrt();
+    let (h, kvh, chunk) = (i32_arg("heads", heads)?, i32_arg("kv_heads", kv_heads)?, i32_arg("chunk", plan.chunk)?);
+    let null_step = 0u64;
+    let AttnScratch { part_acc, part_ml, counters } = scratch;
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(q).arg(&kv.k).arg(&kv.v).arg(&kv.k_scale).arg(&kv.v_scale).arg(&mut *out);
+    b.arg(&mut *part_acc).arg(&mut *part_ml).arg(&mut *counters);
+    b.arg(&h).arg(&kvh).arg(&sp).arg(&chunk).arg(&scale);
+    match step {
+        Some(s) => b.arg(s),
+        None => b.arg(&null_step),
+    };
+    // SAFETY: attn_row_hd{HD}_{tag}_g{GB}(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads,
+    // start_pos, chunk, scale, step): reads q[0..heads*HD] (checked), cache positions 0..=start_pos (< capacity:
+    // checked by attention, kept by attention_at's caller) of kv heads < kv_heads (= the cache's, checked), and
+    // writes out[0..heads*HD]; with more than one split it writes and reads part_acc/part_ml rows
+    // < splits + ceil(splits / 8) of heads*HD / heads*2 floats and counters[kv_heads * (1 + ceil(splits / 8))]
+    // (all held by the scratch: reserved or checked by the callers; the counters are zero between launches);
+    // heads / kv_heads <= GB (choose_kernel); dynamic shared memory as the kernel's AttnRowShape (row_smem_bytes,
+    // attribute set by the callers); step null or a StepPos's 2 ints.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
 // ------------------------------------------------------------------------
 // A captured decode step (CUDA-graph replay): the per-step values on the device.
 
@@ -738,7 +1065,8 @@ impl StepPos {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepPlan {
     /// Splits of the grid (fixed): `(BLOCKS_PER_SM * sm_count).div_ceil(kv_heads * query tiles)`, the most
-    /// `plan_splits` ever gives for this shape, so every key range splits exactly as the plain `attention` does.
+    /// `plan_splits` ever gives for this shape, so every key range splits exactly as the plain `attention` does
+    /// (the one-row kernel: `sm_count.div_ceil(kv_heads)`, the most `plan_row_splits` gives).
     pub splits: usize,
     /// Key tile: a chunk is a multiple of it.
     pub tile: usize,
@@ -750,16 +1078,21 @@ pub struct StepPlan {
 
 /// The plan for `rows` query rows (1 for decode) of `shape` over a cache of `kv_dtype` on this device: the kernel
 /// `AttnKernel::Auto` picks for that many rows and a fixed split count (the most `plan_splits` gives for this shape:
-/// `4 * sm_count / (kv_heads * query tiles)`, rounded up, which `AttnScratch::new(gpu, shape, rows)` holds). Also
-/// sets the kernel's shared-memory attribute (so `attention_at` makes no such call).
+/// `4 * sm_count / (kv_heads * query tiles)`, rounded up; for the one-row kernel, which Auto picks for one row,
+/// the most `plan_row_splits` gives: `sm_count / kv_heads` rounded up; `AttnScratch::new(gpu, shape, rows)` holds
+/// either). Also sets the kernel's shared-memory attribute (so `attention_at` makes no such call).
 pub fn step_plan(gpu: &Gpu, shape: AttentionShape, rows: usize, kv_dtype: KvDtype) -> Result<StepPlan> {
     let AttentionShape { heads, kv_heads, head_dim } = shape;
     if kv_heads == 0 || heads == 0 || heads % kv_heads != 0 || !HEAD_DIMS.contains(&head_dim) || rows == 0 {
         return Err(Error::InvalidArgument(format!("step_plan: shape {shape:?}, {rows} rows")));
     }
     let choice = choose_kernel(gpu, shape, rows, kv_dtype, AttnConfig::default())?;
-    let target = BLOCKS_PER_SM * (gpu.sm_count() as usize).max(1);
-    let splits = target.div_ceil(kv_heads * choice.qtiles).max(1);
+    let sms = (gpu.sm_count() as usize).max(1);
+    let splits = if choice.kernel == AttnKernel::Row {
+        row_target_splits(kv_heads, sms)
+    } else {
+        (BLOCKS_PER_SM * sms).div_ceil(kv_heads * choice.qtiles).max(1)
+    };
     if splits > 65535 {
         return Err(Error::InvalidArgument(format!("step_plan: {splits} splits")));
     }
@@ -773,6 +1106,9 @@ pub fn step_plan(gpu: &Gpu, shape: AttentionShape, rows: usize, kv_dtype: KvDtyp
 /// `plan.splits` splits: exactly `plan_splits`'s chunk for that key range, so the ranges of the non-empty splits
 /// are those of the plain `attention`; splits past the end are empty. `kend <= plan.splits * chunk`.
 pub fn step_chunk(plan: &StepPlan, kend: usize) -> usize {
+    if plan.choice.kernel == AttnKernel::Row {
+        return row_chunk(kend, plan.splits);
+    }
     let tiles = kend.div_ceil(plan.tile).max(1);
     let most = tiles.div_ceil(MIN_TILES_PER_SPLIT);
     let splits = plan.splits.clamp(1, most.max(1));
@@ -781,7 +1117,8 @@ pub fn step_chunk(plan: &StepPlan, kend: usize) -> usize {
 
 /// `attention` with start_pos = `pos.buf[0]` and chunk = `pos.buf[1]` read on the device (`StepPos::set` with
 /// `step_chunk(plan, start_pos + rows)` first), launched with `plan.splits` splits (grid fixed), then the combine
-/// over `plan.splits` partials (a no-op on the device when split 0 holds every key). Same bits as `attention`
+/// over `plan.splits` partials (a no-op on the device when split 0 holds every key; the one-row kernel merges
+/// its splits itself, and its splits past the key range exit at once). Same bits as `attention`
 /// at that start_pos. Positions `0..start_pos + rows` must lie within the cache (the caller's duty). Checks only
 /// the shapes and buffer sizes: no allocation, synchronization or host copy (capturable).
 #[allow(clippy::too_many_arguments)]
@@ -799,6 +1136,12 @@ pub fn attention_at(
     let AttentionShape { heads, kv_heads, head_dim } = shape;
     let n = rows * heads * head_dim;
     let parts = plan.splits * rows * heads;
+    let row = plan.choice.kernel == AttnKernel::Row;
+    let scratch_ok = if row {
+        scratch.fits_row(shape, plan.splits)
+    } else {
+        plan.splits <= 1 || (scratch.part_acc.len() >= parts * head_dim && scratch.part_ml.len() >= parts * 2)
+    };
     if shape != plan.shape
         || rows != plan.rows
         || kv.dtype != plan.dtype
@@ -807,7 +1150,7 @@ pub fn attention_at(
         || q.len() < n
         || out.len() < n
         || pos.buf.len() < 2
-        || (plan.splits > 1 && (scratch.part_acc.len() < parts * head_dim || scratch.part_ml.len() < parts * 2))
+        || !scratch_ok
     {
         return Err(Error::InvalidArgument(format!(
             "attention_at: shape {shape:?} x {rows} rows over a {:?} cache of {} kv heads of {}, plan {plan:?}, \
@@ -823,6 +1166,9 @@ pub fn attention_at(
     }
     let f = gpu.function(&plan.choice.name(head_dim, kv.dtype))?;
     let split_plan = SplitPlan { splits: plan.splits, chunk: plan.tile };
+    if row {
+        return launch_row(gpu, &f, q, kv, shape, out, &plan.choice, split_plan, 0, Some(&pos.buf), scratch);
+    }
     launch_attention(gpu, &f, q, kv, shape, rows, out, &plan.choice, split_plan, 0, Some(&pos.buf), scratch)
 }
 
