@@ -11,11 +11,13 @@ use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 use strata::backend::cpu::ops;
 use strata::backend::cuda::attention::{
-    attention, attention_at, attention_with, attention_with_scratch, kv_append, kv_append_at, kv_read_f32, step_chunk,
-    step_plan, AttnConfig, AttnKernel, AttnPrecision, AttnScratch, DeviceKv, KvDtype, StepPlan, StepPos,
+    attention, attention_at, attention_with, attention_with_scratch, kv_append, kv_append_at, kv_read_f32, qkv_prepare,
+    qkv_prepare_at, step_chunk, step_plan, AttnConfig, AttnKernel, AttnPrecision, AttnScratch, DeviceKv, KvDtype,
+    QkvPrep, StepPlan, StepPos,
 };
+use strata::backend::cuda::dense::{self, RopeTable};
 use strata::backend::cuda::{CudaSlice, Gpu};
-use strata::backend::AttentionShape;
+use strata::backend::{AttentionShape, Rope};
 
 use super::common::{check_close, e, poisoned, rand_f32, GpuTest};
 
@@ -43,6 +45,17 @@ pub const TESTS: &[GpuTest] = &[
     ("attention_step_pointer_bf16", step_pointer_bf16),
     ("attention_step_graph_replay", step_graph_replay),
     ("attention_timing", timing),
+    ("attention_row_int8", row_int8),
+    ("attention_row_bf16", row_bf16),
+    ("attention_row_auto_picks_row", row_auto_picks_row),
+    ("attention_row_scratch_counters_reset", row_counters_reset),
+    ("attention_row_step_pointer_int8", row_step_pointer_int8),
+    ("attention_row_step_pointer_bf16", row_step_pointer_bf16),
+    ("attention_row_rejects_bad_arguments", row_rejects_bad_arguments),
+    ("attention_qkv_prepare_int8_exact", qkv_prepare_int8_exact),
+    ("attention_qkv_prepare_bf16_exact", qkv_prepare_bf16_exact),
+    ("attention_qkv_prepare_rejects_bad_arguments", qkv_prepare_rejects_bad_arguments),
+    ("attention_row_timing", row_timing),
 ];
 
 /// Shapes (heads, kv_heads, head_dim): Qwen3-30B-A3B, Qwen3-Next, a small
@@ -601,11 +614,22 @@ fn all_finite(what: &str, x: &[f32]) -> Result<(), String> {
 /// non-empty splits cover the same ranges; the extra splits are empty and their neutral partials change nothing
 /// in the combine; a range within split 0 is written by split 0 as the one-split launch does.)
 fn step_pointer(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
-    for (si, &sh) in STEP_SHAPES.iter().enumerate() {
+    step_pointer_at(gpu, dtype, &STEP_SHAPES, &STEP_POSITIONS, STEP_CAPACITY)
+}
+
+/// `step_pointer` over `shapes` at `positions` (each < capacity) on caches of `capacity` positions.
+fn step_pointer_at(
+    gpu: &Arc<Gpu>,
+    dtype: KvDtype,
+    shapes: &[(usize, usize, usize)],
+    positions: &[usize],
+    capacity: usize,
+) -> Result<(), String> {
+    for (si, &sh) in shapes.iter().enumerate() {
         let shape = shape_of(sh);
         let seed = 900 + si as u64 * 10;
-        let (mut kv_plain, ..) = filled_cache(gpu, dtype, shape, STEP_CAPACITY, STEP_CAPACITY, seed)?;
-        let (mut kv_step, ..) = filled_cache(gpu, dtype, shape, STEP_CAPACITY, STEP_CAPACITY, seed)?;
+        let (mut kv_plain, ..) = filled_cache(gpu, dtype, shape, capacity, capacity, seed)?;
+        let (mut kv_step, ..) = filled_cache(gpu, dtype, shape, capacity, capacity, seed)?;
         let plan: StepPlan = step_plan(gpu, shape, 1, dtype).map_err(e)?;
         if plan.splits < 2 || plan.tile == 0 {
             return Err(format!("{sh:?}: step plan {plan:?} (want a split launch)"));
@@ -615,7 +639,7 @@ fn step_pointer(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
         let mut scratch_step = AttnScratch::new(gpu, shape, 1).map_err(e)?;
         let qn = shape.q_dim();
         let mut out_step = poisoned(gpu, qn)?;
-        for (pi, &sp) in STEP_POSITIONS.iter().enumerate() {
+        for (pi, &sp) in positions.iter().enumerate() {
             let what = format!("{dtype:?} {sh:?} start_pos {sp} plan {plan:?}");
             let chunk = step_chunk(&plan, sp + 1);
             if chunk % plan.tile != 0 || chunk * plan.splits < sp + 1 {
@@ -644,8 +668,8 @@ fn step_pointer(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
             exact(&what, &got, &want)?;
         }
         // The whole caches agree (nothing written elsewhere).
-        let (ka, va) = kv_read_f32(gpu, &kv_step, STEP_CAPACITY).map_err(e)?;
-        let (kb, vb) = kv_read_f32(gpu, &kv_plain, STEP_CAPACITY).map_err(e)?;
+        let (ka, va) = kv_read_f32(gpu, &kv_step, capacity).map_err(e)?;
+        let (kb, vb) = kv_read_f32(gpu, &kv_plain, capacity).map_err(e)?;
         exact(&format!("{dtype:?} {sh:?} whole K cache"), &ka, &kb)?;
         exact(&format!("{dtype:?} {sh:?} whole V cache"), &va, &vb)?;
     }
@@ -721,4 +745,391 @@ fn step_graph_replay(gpu: &Arc<Gpu>) -> Result<(), String> {
         drop(graph);
     }
     Ok(())
+}
+
+// ------------------------------------------------------------------------
+// The one-row decode kernel (attn_row_*).
+
+const ROW: AttnConfig = AttnConfig { kernel: AttnKernel::Row, precision: AttnPrecision::F32 };
+
+/// Shapes (heads, kv_heads, head_dim) of the one-row kernel: Qwen3-30B-A3B (group 8, hd 128), Qwen3-Next
+/// (group 8, hd 256), MHA (group 1), group 16 on one kv head (two rounds of the subset sum, 132 splits at long
+/// contexts: a level-2 merge of 17 groups), the fixture head dims 16 and 32, a group of 3 (padded to 4) and of 10
+/// (padded to 16: the second round partly empty).
+const ROW_SHAPES: [(usize, usize, usize); 8] =
+    [(32, 4, 128), (16, 2, 256), (8, 8, 64), (16, 1, 128), (4, 4, 16), (8, 2, 32), (12, 4, 64), (10, 1, 32)];
+
+/// Keys of the one-row cases (the row sits at position kend - 1): one and two keys, 17, the 64-key minimum split
+/// and its edges (63, 64, 65: one split, then two), 1000 (16 splits of 64 for 4 kv heads: two merge groups), the
+/// profiled 4128 (33 splits, 5 groups) and 8192 + 3 (a last split of 3 keys).
+const ROW_CONTEXTS: [usize; 9] = [1, 2, 17, 63, 64, 65, 1000, 4128, 8195];
+
+/// The one-row kernel forced, against `cpu::ops::attention` on the cache's dequantized contents, with
+/// `tight_tol`: both sides are f32 throughout (cache values enter exactly; the kernel applies the int8 K scale
+/// to the dot product and the V scale to the probability instead of to each value, which moves each product by
+/// at most one f32 rounding, 6e-8 relative); what differs is the summation order (dims in segments, keys in
+/// tiles, subsets and splits, the merge's rescaling) against the CPU's sequential sums: the same error sources
+/// as the SIMT kernel's, bounded by the same 2e-5 (5e-5 past 4096 keys) of max |out|, while a dropped key or
+/// split (~1e-3 at 1000 keys, more at fewer), a lost scale or a wrong head fails by orders of magnitude.
+fn row_cases(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
+    for (si, &sh) in ROW_SHAPES.iter().enumerate() {
+        let shape = shape_of(sh);
+        for (ci, &kend) in ROW_CONTEXTS.iter().enumerate() {
+            let seed = 7000 + (si * 100 + ci) as u64;
+            let (got, want, ..) = run_case(gpu, dtype, shape, kend - 1, 1, seed, ROW)?;
+            check_close(&format!("{dtype:?} row kernel {sh:?} keys {kend}"), &got, &want, tight_tol(kend))?;
+        }
+    }
+    Ok(())
+}
+
+fn row_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
+    row_cases(gpu, KvDtype::Int8)
+}
+
+fn row_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
+    row_cases(gpu, KvDtype::Bf16)
+}
+
+/// `Auto` runs the one-row kernel for one row (the same bits as `Row` forced; the tensor-core decode kernel's
+/// bf16 hi/lo operands would differ in the low bits), on the model shapes at short and long contexts.
+fn row_auto_picks_row(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for dtype in [KvDtype::Int8, KvDtype::Bf16] {
+        for (si, &sh) in [(32usize, 4usize, 128usize), (16, 2, 256), (4, 2, 32)].iter().enumerate() {
+            let shape = shape_of(sh);
+            for kend in [16usize, 4128] {
+                let (kv, ..) = filled_cache(gpu, dtype, shape, kend, kend, 7500 + si as u64)?;
+                let qd = gpu.upload(&rand_f32(7600 + kend as u64, shape.q_dim(), 2.0)).map_err(e)?;
+                let mut outs = Vec::new();
+                for config in [AUTO, ROW] {
+                    let mut out = poisoned(gpu, shape.q_dim())?;
+                    attention_with(gpu, &qd, &kv, shape, kend - 1, 1, &mut out, config).map_err(e)?;
+                    outs.push(gpu.download(&out).map_err(e)?);
+                }
+                let what = format!("{dtype:?} {sh:?} keys {kend}: Auto vs Row");
+                all_finite(&what, &outs[1])?;
+                exact(&what, &outs[0], &outs[1])?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One scratch reused by a sequence of one-row launches whose split and group counts change (many splits, one
+/// split, two, a level-2 merge of many groups...): every launch must find its arrival counters at zero (each
+/// launch's mergers reset them), so each output is the same bits as a launch with a fresh scratch, and a
+/// decode-sized scratch never grows.
+fn row_counters_reset(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for (si, &sh) in [(32usize, 4usize, 128usize), (16, 1, 128), (10, 1, 32)].iter().enumerate() {
+        let shape = shape_of(sh);
+        let len = 8195;
+        let (kv, ..) = filled_cache(gpu, KvDtype::Int8, shape, len, len, 7700 + si as u64)?;
+        let mut scratch = AttnScratch::new(gpu, shape, 1).map_err(e)?;
+        let bytes = scratch.bytes();
+        for (ci, &kend) in [4128usize, 8195, 65, 1000, 1, 4128, 8195, 513, 8195].iter().enumerate() {
+            let qd = gpu.upload(&rand_f32(7800 + ci as u64, shape.q_dim(), 2.0)).map_err(e)?;
+            let mut want = poisoned(gpu, shape.q_dim())?;
+            attention_with(gpu, &qd, &kv, shape, kend - 1, 1, &mut want, ROW).map_err(e)?;
+            let mut got = poisoned(gpu, shape.q_dim())?;
+            attention_with_scratch(gpu, &qd, &kv, shape, kend - 1, 1, &mut got, ROW, &mut scratch).map_err(e)?;
+            let what = format!("{sh:?} launch {ci} (keys {kend}) with a reused scratch");
+            let want = gpu.download(&want).map_err(e)?;
+            all_finite(&what, &want)?;
+            exact(&what, &gpu.download(&got).map_err(e)?, &want)?;
+            if scratch.bytes() != bytes {
+                return Err(format!("{what}: the scratch grew from {bytes} to {} bytes", scratch.bytes()));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The captured step (kv_append_at + attention_at through the one-row kernel's StepPlan) against the plain path,
+/// bit for bit, at positions where the split count changes (for 4 kv heads: 1 split up to 64 keys, 2 at 65,
+/// 8 at 512 (one merge group), 9 at 513 (two), 33 at 2112, 23 at 2113 (chunk 96), 33 at 4128 and 8195).
+const ROW_STEP_POSITIONS: [usize; 9] = [0, 63, 64, 511, 512, 2111, 2112, 4127, 8194];
+const ROW_STEP_SHAPES: [(usize, usize, usize); 4] = [(32, 4, 128), (16, 2, 256), (16, 1, 128), (10, 1, 32)];
+
+fn row_step_pointer_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
+    step_pointer_at(gpu, KvDtype::Int8, &ROW_STEP_SHAPES, &ROW_STEP_POSITIONS, 8195)
+}
+
+fn row_step_pointer_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
+    step_pointer_at(gpu, KvDtype::Bf16, &ROW_STEP_SHAPES, &ROW_STEP_POSITIONS, 8195)
+}
+
+/// The one-row kernel forced on more than one row or more than 16 query heads per kv head is refused (and takes
+/// 16); a step plan for one row uses it (a chunk step_chunk gives is a multiple of its tile and covers the keys).
+fn row_rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
+    let mut failures = Vec::new();
+    let shape = shape_of((8, 2, 64));
+    let kv = DeviceKv::new(gpu, KvDtype::Int8, 16, 2, 64).map_err(e)?;
+    let q = gpu.upload(&rand_f32(1, 2 * shape.q_dim(), 1.0)).map_err(e)?;
+    let mut out = poisoned(gpu, 2 * shape.q_dim())?;
+    if attention_with(gpu, &q, &kv, shape, 0, 2, &mut out, ROW).is_ok() {
+        failures.push("the one-row kernel with 2 rows".to_string());
+    }
+    let kv1 = DeviceKv::new(gpu, KvDtype::Bf16, 16, 1, 64).map_err(e)?;
+    let q32 = gpu.upload(&rand_f32(2, 32 * 64, 1.0)).map_err(e)?;
+    let mut out32 = poisoned(gpu, 32 * 64)?;
+    if attention_with(gpu, &q32, &kv1, shape_of((32, 1, 64)), 0, 1, &mut out32, ROW).is_ok() {
+        failures.push("the one-row kernel with 32 query heads per kv head".to_string());
+    }
+    if let Err(err) = attention_with(gpu, &q32, &kv1, shape_of((16, 1, 64)), 3, 1, &mut out32, ROW) {
+        failures.push(format!("the one-row kernel with 16 query heads per kv head refused: {err}"));
+    }
+    let plan = step_plan(gpu, shape, 1, KvDtype::Int8).map_err(e)?;
+    for kend in [1usize, 63, 64, 65, 4128, 40000] {
+        let chunk = step_chunk(&plan, kend);
+        if chunk == 0 || chunk % plan.tile != 0 || chunk * plan.splits < kend {
+            failures.push(format!("step_chunk {chunk} for {kend} keys with {plan:?}"));
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("failures: {}", failures.join(", ")))
+    }
+}
+
+/// Median per-launch time of the one-row kernel at the Qwen3-30B-A3B shape (and Qwen3-Next's) at contexts 16 and
+/// 4128: 20 attention_at launches captured in one CUDA graph (as the engine's decode step runs them), the graph
+/// timed with CUDA events 50 times; printed with the KV bytes read and their time at 4.25 TB/s. The output is
+/// checked against the plain launch (same bits).
+fn row_timing(gpu: &Arc<Gpu>) -> Result<(), String> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    const LAUNCHES: usize = 20;
+    let runs =
+        [((32usize, 4usize, 128usize), KvDtype::Int8), ((32, 4, 128), KvDtype::Bf16), ((16, 2, 256), KvDtype::Int8)];
+    for (sh, dtype) in runs {
+        for ctx in [16usize, 4128] {
+            let shape = shape_of(sh);
+            let (kv, ..) = filled_cache(gpu, dtype, shape, ctx, ctx, 97)?;
+            let qd = gpu.upload(&rand_f32(98, shape.q_dim(), 2.0)).map_err(e)?;
+            let mut out = poisoned(gpu, shape.q_dim())?;
+            let plan = step_plan(gpu, shape, 1, dtype).map_err(e)?;
+            let mut pos = StepPos::new(gpu).map_err(e)?;
+            pos.set(gpu, ctx - 1, step_chunk(&plan, ctx)).map_err(e)?;
+            let mut scratch = AttnScratch::new(gpu, shape, 1).map_err(e)?;
+            gpu.sync().map_err(e)?;
+            let stream = gpu.stream().clone();
+            stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(e)?;
+            let captured = (0..LAUNCHES)
+                .try_for_each(|_| attention_at(gpu, &qd, &kv, shape, 1, &mut out, &plan, &pos, &mut scratch));
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(e)?;
+            captured.map_err(e)?;
+            let graph = graph.ok_or_else(|| format!("{sh:?}: the capture gave no graph"))?;
+            let secs = median_seconds(gpu, 50, || graph.launch().map_err(e))? / LAUNCHES as f64;
+            let bytes = ctx * kv.bytes_per_position();
+            println!(
+                "     timing: attention row {dtype:?} {sh:?} ctx {ctx} ({} splits of {}): {:.2} us per launch, KV {} KB \
+                 = {:.2} us at 4.25 TB/s",
+                ctx.div_ceil(step_chunk(&plan, ctx)),
+                step_chunk(&plan, ctx),
+                secs * 1e6,
+                bytes / 1000,
+                bytes as f64 / 4.25e12 * 1e6
+            );
+            let got = gpu.download(&out).map_err(e)?;
+            let mut want = poisoned(gpu, shape.q_dim())?;
+            attention_with(gpu, &qd, &kv, shape, ctx - 1, 1, &mut want, AUTO).map_err(e)?;
+            exact(&format!("timing run {dtype:?} {sh:?} ctx {ctx}"), &got, &gpu.download(&want).map_err(e)?)?;
+            drop(graph);
+        }
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------
+// qkv_prepare (attn_qkv_prep_*).
+
+/// A RoPE table of `rotary_dim` rotated dims (base 1e6) with attention factor 1.1 (a dropped factor fails).
+fn test_rope(gpu: &Arc<Gpu>, rotary_dim: usize) -> Result<RopeTable, String> {
+    let inv_freq =
+        (0..rotary_dim / 2).map(|i| (1.0 / 1e6f64.powf(2.0 * i as f64 / rotary_dim as f64)) as f32).collect();
+    RopeTable::new(gpu, &Rope { rotary_dim, inv_freq, attention_factor: 1.1 }).map_err(e)
+}
+
+/// (heads, kv_heads, head_dim, rotary_dim): Qwen3-30B-A3B (full rotary), Qwen3-Next (partial: 64 of 256), and
+/// small ones (half rotary; head_dim 16).
+const PREP_SHAPES: [(usize, usize, usize, usize); 4] =
+    [(32, 4, 128, 128), (16, 2, 256, 64), (8, 2, 64, 32), (6, 1, 16, 16)];
+
+/// Every byte of a cache (K, V values and, for int8, the scales).
+fn cache_bytes(gpu: &Arc<Gpu>, kv: &DeviceKv) -> Result<Vec<u8>, String> {
+    let stream = gpu.stream();
+    let mut out = stream.clone_dtoh(&kv.k).map_err(e)?;
+    out.extend(stream.clone_dtoh(&kv.v).map_err(e)?);
+    for sc in [&kv.k_scale, &kv.v_scale] {
+        out.extend(stream.clone_dtoh(sc).map_err(e)?.iter().flat_map(|f| f.to_le_bytes()));
+    }
+    gpu.sync().map_err(e)?;
+    Ok(out)
+}
+
+/// `qkv_prepare` and `qkv_prepare_at` against the unfused sequence (`dense::split_q_gate` when gated,
+/// `dense::rmsnorm_rope` of q and of k, `kv_append`) on the same projection: qn, the gate and the cache must be
+/// the same bits (exact compare), for plain and gated rows, 1, 3 and 17 rows, at positions 0, 1234 and 40000
+/// (angles past the fast sincosf range), full and partial rotary. Row 0 has an all-zero K head and V head (an
+/// int8 scale of 0 after the norm); the cache rows around the appended ones (and the whole cache when small)
+/// must be untouched.
+fn qkv_prepare_exact(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
+    let eps = 1e-6f32;
+    for (si, &(heads, kv_heads, hd, rot)) in PREP_SHAPES.iter().enumerate() {
+        let table = test_rope(gpu, rot)?;
+        let shape = AttentionShape { heads, kv_heads, head_dim: hd };
+        let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
+        let norm = |seed| rand_f32(seed, hd, 0.3).iter().map(|x| 1.0 + x).collect::<Vec<f32>>();
+        let q_norm = gpu.upload(&norm(8000 + si as u64)).map_err(e)?;
+        let k_norm = gpu.upload(&norm(8100 + si as u64)).map_err(e)?;
+        for gated in [false, true] {
+            let prep = QkvPrep { heads, gated, q_norm: &q_norm, k_norm: &k_norm, eps, rope: &table };
+            let qw = if gated { 2 * qd } else { qd };
+            let width = qw + 2 * kvd;
+            for rows in [1usize, 3, 17] {
+                for start in [0usize, 1234, 40000] {
+                    let what =
+                        format!("{dtype:?} {heads}/{kv_heads}x{hd} rot {rot} gated {gated} rows {rows} at {start}");
+                    let seed = 8200 + (si * 1000 + rows * 10 + start % 7) as u64 + gated as u64 * 500;
+                    let mut qkv = rand_f32(seed, rows * width, 1.0);
+                    qkv[qw..qw + hd].fill(0.0);
+                    qkv[qw + kvd..qw + kvd + hd].fill(0.0);
+                    let capacity = start + rows + 2;
+                    let mut kv_ref = DeviceKv::new(gpu, dtype, capacity, kv_heads, hd).map_err(e)?;
+                    let mut kv_fused = DeviceKv::new(gpu, dtype, capacity, kv_heads, hd).map_err(e)?;
+                    let mut kv_at = DeviceKv::new(gpu, dtype, capacity, kv_heads, hd).map_err(e)?;
+
+                    // The unfused sequence on the host-split parts.
+                    let part = |lo: usize, n: usize| -> Vec<f32> {
+                        qkv.chunks_exact(width).flat_map(|r| r[lo..lo + n].iter().copied()).collect()
+                    };
+                    let qg_d = gpu.upload(&part(0, qw)).map_err(e)?;
+                    let k_d = gpu.upload(&part(qw, kvd)).map_err(e)?;
+                    let v_d = gpu.upload(&part(qw + kvd, kvd)).map_err(e)?;
+                    let mut gate_ref = poisoned(gpu, rows * qd)?;
+                    let q_d = if gated {
+                        let mut q = poisoned(gpu, rows * qd)?;
+                        dense::split_q_gate(gpu, &qg_d, heads, hd, &mut q, &mut gate_ref).map_err(e)?;
+                        q
+                    } else {
+                        qg_d
+                    };
+                    let mut qn_ref = poisoned(gpu, rows * qd)?;
+                    let mut kn_ref = poisoned(gpu, rows * kvd)?;
+                    dense::rmsnorm_rope(gpu, &q_d, &q_norm, eps, heads, start, &table, &mut qn_ref).map_err(e)?;
+                    dense::rmsnorm_rope(gpu, &k_d, &k_norm, eps, kv_heads, start, &table, &mut kn_ref).map_err(e)?;
+                    kv_append(gpu, &mut kv_ref, &kn_ref, &v_d, start, rows).map_err(e)?;
+
+                    // Fused, host position and device position.
+                    let qkv_d = gpu.upload(&qkv).map_err(e)?;
+                    let mut qn = poisoned(gpu, rows * qd)?;
+                    let mut gate = if gated { Some(poisoned(gpu, rows * qd)?) } else { None };
+                    qkv_prepare(gpu, &prep, &qkv_d, rows, &mut kv_fused, start, &mut qn, gate.as_mut()).map_err(e)?;
+                    let mut pos = StepPos::new(gpu).map_err(e)?;
+                    pos.set(gpu, start, 1).map_err(e)?;
+                    let mut qn_at = poisoned(gpu, rows * qd)?;
+                    let mut gate_at = if gated { Some(poisoned(gpu, rows * qd)?) } else { None };
+                    qkv_prepare_at(gpu, &prep, &qkv_d, rows, &mut kv_at, &pos, &mut qn_at, gate_at.as_mut())
+                        .map_err(e)?;
+
+                    let qn_want = gpu.download(&qn_ref).map_err(e)?;
+                    all_finite(&format!("{what}: reference qn"), &qn_want)?;
+                    exact(&format!("{what}: qn"), &gpu.download(&qn).map_err(e)?, &qn_want)?;
+                    exact(&format!("{what}: qn (at)"), &gpu.download(&qn_at).map_err(e)?, &qn_want)?;
+                    if let (Some(g), Some(ga)) = (&gate, &gate_at) {
+                        let gate_want = gpu.download(&gate_ref).map_err(e)?;
+                        exact(&format!("{what}: gate"), &gpu.download(g).map_err(e)?, &gate_want)?;
+                        exact(&format!("{what}: gate (at)"), &gpu.download(ga).map_err(e)?, &gate_want)?;
+                    }
+                    let first = start.saturating_sub(1);
+                    for p in first..capacity {
+                        let want = cache_row(gpu, &kv_ref, p)?;
+                        if cache_row(gpu, &kv_fused, p)? != want {
+                            return Err(format!("{what}: cache position {p} differs from kv_append's"));
+                        }
+                        if cache_row(gpu, &kv_at, p)? != want {
+                            return Err(format!("{what}: cache position {p} (at) differs from kv_append's"));
+                        }
+                    }
+                    if capacity < 2000 {
+                        let want = cache_bytes(gpu, &kv_ref)?;
+                        if cache_bytes(gpu, &kv_fused)? != want || cache_bytes(gpu, &kv_at)? != want {
+                            return Err(format!("{what}: the whole cache differs from kv_append's"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn qkv_prepare_int8_exact(gpu: &Arc<Gpu>) -> Result<(), String> {
+    qkv_prepare_exact(gpu, KvDtype::Int8)
+}
+
+fn qkv_prepare_bf16_exact(gpu: &Arc<Gpu>) -> Result<(), String> {
+    qkv_prepare_exact(gpu, KvDtype::Bf16)
+}
+
+/// Wrong lengths, a missing or extra gate, positions past the capacity and a rotary_dim past head_dim are refused
+/// before any launch (and a correct call is accepted).
+fn qkv_prepare_rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
+    let (heads, kv_heads, hd) = (8usize, 2usize, 64usize);
+    let (qd, kvd) = (heads * hd, kv_heads * hd);
+    let table = test_rope(gpu, 64)?;
+    let wide = test_rope(gpu, 128)?;
+    let q_norm = gpu.upload(&rand_f32(1, hd, 1.0)).map_err(e)?;
+    let short_norm = gpu.upload(&rand_f32(2, hd - 1, 1.0)).map_err(e)?;
+    let rows = 3;
+    let width = qd + 2 * kvd;
+    let gated_width = 2 * qd + 2 * kvd;
+    let qkv = gpu.upload(&rand_f32(3, rows * gated_width, 1.0)).map_err(e)?;
+    let qkv_short = gpu.upload(&rand_f32(4, rows * width - 1, 1.0)).map_err(e)?;
+    let mut kv = DeviceKv::new(gpu, KvDtype::Int8, 8, kv_heads, hd).map_err(e)?;
+    let mut qn = poisoned(gpu, rows * qd)?;
+    let mut qn_short = poisoned(gpu, rows * qd - 1)?;
+    let mut gate = poisoned(gpu, rows * qd)?;
+    let mut gate_short = poisoned(gpu, rows * qd - 1)?;
+    let mut pos = StepPos::new(gpu).map_err(e)?;
+    pos.set(gpu, 0, 1).map_err(e)?;
+    let plain = QkvPrep { heads, gated: false, q_norm: &q_norm, k_norm: &q_norm, eps: 1e-6, rope: &table };
+    let gated = QkvPrep { gated: true, ..plain };
+    let mut failures = Vec::new();
+    if let Err(err) = qkv_prepare(gpu, &plain, &qkv, rows, &mut kv, 5, &mut qn, None) {
+        failures.push(format!("a correct call refused: {err}"));
+    }
+    if let Err(err) = qkv_prepare(gpu, &gated, &qkv, rows, &mut kv, 0, &mut qn, Some(&mut gate)) {
+        failures.push(format!("a correct gated call refused: {err}"));
+    }
+    let bad_norm = QkvPrep { q_norm: &short_norm, ..plain };
+    let bad_k_norm = QkvPrep { k_norm: &short_norm, ..plain };
+    let bad_rope = QkvPrep { rope: &wide, ..plain };
+    let no_heads = QkvPrep { heads: 0, ..plain };
+    let cases: [(&str, bool); 12] = [
+        ("q_norm of head_dim - 1", qkv_prepare(gpu, &bad_norm, &qkv, rows, &mut kv, 0, &mut qn, None).is_ok()),
+        ("k_norm of head_dim - 1", qkv_prepare(gpu, &bad_k_norm, &qkv, rows, &mut kv, 0, &mut qn, None).is_ok()),
+        ("rotary_dim 128 > head_dim 64", qkv_prepare(gpu, &bad_rope, &qkv, rows, &mut kv, 0, &mut qn, None).is_ok()),
+        ("0 heads", qkv_prepare(gpu, &no_heads, &qkv, rows, &mut kv, 0, &mut qn, None).is_ok()),
+        ("qkv one value short", qkv_prepare(gpu, &plain, &qkv_short, rows, &mut kv, 0, &mut qn, None).is_ok()),
+        (
+            "gated qkv of plain width",
+            qkv_prepare(gpu, &gated, &qkv_short, rows, &mut kv, 0, &mut qn, Some(&mut gate)).is_ok(),
+        ),
+        ("qn one value short", qkv_prepare(gpu, &plain, &qkv, rows, &mut kv, 0, &mut qn_short, None).is_ok()),
+        ("gated without a gate", qkv_prepare(gpu, &gated, &qkv, rows, &mut kv, 0, &mut qn, None).is_ok()),
+        ("plain with a gate", qkv_prepare(gpu, &plain, &qkv, rows, &mut kv, 0, &mut qn, Some(&mut gate)).is_ok()),
+        (
+            "a gate one value short",
+            qkv_prepare(gpu, &gated, &qkv, rows, &mut kv, 0, &mut qn, Some(&mut gate_short)).is_ok(),
+        ),
+        ("positions past the capacity", qkv_prepare(gpu, &plain, &qkv, rows, &mut kv, 6, &mut qn, None).is_ok()),
+        ("(at) rows past the capacity", qkv_prepare_at(gpu, &plain, &qkv, 9, &mut kv, &pos, &mut qn, None).is_ok()),
+    ];
+    failures.extend(cases.iter().filter(|c| c.1).map(|c| format!("accepted: {}", c.0)));
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join(", "))
+    }
 }
