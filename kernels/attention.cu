@@ -1282,7 +1282,9 @@ static __device__ __forceinline__ void attn_row_vals(const __nv_bfloat16*, const
 // Merges the partial rows r0 .. r0 + n - 1 (in row order) of the `group`
 // queries h0 .. h0 + group - 1: max, then sum and acc weighted by
 // exp(m - max). Writes out = acc / sum (final) or the partial row dst_row.
-// Partials are read through L2 (__ldcg): other blocks wrote them.
+// Partials are read through L2 (__ldcg): other blocks wrote them. The first
+// 8 rows are loaded at once (one round trip for a merge group); rows past
+// them (the groups of a long context) 8 at a time.
 template <int HD>
 static __device__ __forceinline__ void attn_row_merge(float* __restrict__ part_acc, float* __restrict__ part_ml,
                                                       int r0, int n, int heads, int h0, int group, bool final_out,
@@ -1291,23 +1293,43 @@ static __device__ __forceinline__ void attn_row_merge(float* __restrict__ part_a
     for (int item = threadIdx.x; item < group * C; item += ATTN_ROW_THREADS) {
         const int g = item / C, d = (item % C) * 4;
         const size_t h = (size_t)(h0 + g);
+        float mm[8], ll[8];
+        float4 aa[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            mm[j] = ATTN_NEG_INF;
+            ll[j] = 0.0f;
+            aa[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (j < n) {
+                const size_t row = (size_t)(r0 + j) * heads + h;
+                mm[j] = __ldcg(part_ml + row * 2);
+                ll[j] = __ldcg(part_ml + row * 2 + 1);
+                aa[j] = __ldcg(reinterpret_cast<const float4*>(part_acc + row * HD + d));
+            }
+        }
         float mx = ATTN_NEG_INF;
-        for (int i = 0; i < n; ++i) mx = fmaxf(mx, __ldcg(part_ml + ((size_t)(r0 + i) * heads + h) * 2));
+#pragma unroll
+        for (int j = 0; j < 8; ++j) mx = fmaxf(mx, mm[j]);
+        for (int i0 = 8; i0 < n; i0 += 8) {
+            float m2[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                m2[j] = i0 + j < n ? __ldcg(part_ml + ((size_t)(r0 + i0 + j) * heads + h) * 2) : ATTN_NEG_INF;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) mx = fmaxf(mx, m2[j]);
+        }
         float sum = 0.0f;
         float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
         for (int i0 = 0; i0 < n; i0 += 8) {
-            float mm[8], ll[8];
-            float4 aa[8];
+            if (i0 > 0) {
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                mm[j] = ATTN_NEG_INF;
-                ll[j] = 0.0f;
-                aa[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (i0 + j < n) {
-                    const size_t row = (size_t)(r0 + i0 + j) * heads + h;
-                    mm[j] = __ldcg(part_ml + row * 2);
-                    ll[j] = __ldcg(part_ml + row * 2 + 1);
-                    aa[j] = __ldcg(reinterpret_cast<const float4*>(part_acc + row * HD + d));
+                for (int j = 0; j < 8; ++j) {
+                    if (i0 + j < n) {
+                        const size_t row = (size_t)(r0 + i0 + j) * heads + h;
+                        mm[j] = __ldcg(part_ml + row * 2);
+                        ll[j] = __ldcg(part_ml + row * 2 + 1);
+                        aa[j] = __ldcg(reinterpret_cast<const float4*>(part_acc + row * HD + d));
+                    }
                 }
             }
 #pragma unroll
@@ -1560,6 +1582,7 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
 #pragma unroll
             for (int j = 0; j < DV; ++j) acc[g][j] *= c;
         }
+#pragma unroll 4
         for (int k = ksb; k < nvalid; k += KSUB) {
             float vf[DV];
             attn_row_vals<DV>(vc, v_s + (k * HD + d0) * S::VB, vf);

@@ -1089,6 +1089,8 @@ fn qkv_prepare_rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
     let mut kv = DeviceKv::new(gpu, KvDtype::Int8, 8, kv_heads, hd).map_err(e)?;
     let mut qn = poisoned(gpu, rows * qd)?;
     let mut qn_short = poisoned(gpu, rows * qd - 1)?;
+    let qkv9 = gpu.upload(&rand_f32(5, 9 * width, 1.0)).map_err(e)?;
+    let mut qn9 = poisoned(gpu, 9 * qd)?;
     let mut gate = poisoned(gpu, rows * qd)?;
     let mut gate_short = poisoned(gpu, rows * qd - 1)?;
     let mut pos = StepPos::new(gpu).map_err(e)?;
@@ -1124,7 +1126,7 @@ fn qkv_prepare_rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
             qkv_prepare(gpu, &gated, &qkv, rows, &mut kv, 0, &mut qn, Some(&mut gate_short)).is_ok(),
         ),
         ("positions past the capacity", qkv_prepare(gpu, &plain, &qkv, rows, &mut kv, 6, &mut qn, None).is_ok()),
-        ("(at) rows past the capacity", qkv_prepare_at(gpu, &plain, &qkv, 9, &mut kv, &pos, &mut qn, None).is_ok()),
+        ("(at) rows past the capacity", qkv_prepare_at(gpu, &plain, &qkv9, 9, &mut kv, &pos, &mut qn9, None).is_ok()),
     ];
     failures.extend(cases.iter().filter(|c| c.1).map(|c| format!("accepted: {}", c.0)));
     if failures.is_empty() {
