@@ -1175,9 +1175,10 @@ ATTN_DEC_INSTANCES(256)
 //
 // A block streams its keys in tiles of TK (16 KB of K and 16 KB of V): each
 // thread issues its 16-byte loads of the next tile (and, first of all, of q)
-// before it computes on the current one. Per tile: K and V bytes -> shared
-// memory (K rows cut into DSQ segments, each padded by 16 bytes: conflict-free
-// 16-byte reads); scores: thread = (key, segment), the dot products of its
+// before it computes on the current one. Per tile: K bytes -> shared memory
+// (K rows cut into DSQ segments, each padded by 16 bytes: conflict-free
+// 16-byte reads; V follows after the scores, so its loads land meanwhile);
+// scores: thread = (key, segment), the dot products of its
 // DPT dims with every query, summed over the DSQ threads of the key (xor
 // shuffles), times the key's int8 scale and head_dim^-0.5; the block's
 // online softmax (max and sum per query over the warps in warp order); P
@@ -1438,23 +1439,28 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     float ksr = 1.0f, vsr = 1.0f;
     auto load_tile = [&](int k0) {
 #pragma unroll
+        for (int j = 0; j < NLD; ++j) {  // K first: the scores need it first
+            const int i = tid + NT * j;
+            const int r = i / ROWV, c = i % ROWV;
+            kr[j] = make_uint4(0u, 0u, 0u, 0u);
+            if (k0 + r < kstop)
+                kr[j] = reinterpret_cast<const uint4*>(kc + ((size_t)(k0 + r) * (size_t)kv_heads + kvh) * HD)[c];
+        }
+        if (I8 && tid < TK) {
+            ksr = 0.0f;
+            if (k0 + tid < kstop) ksr = ks[(size_t)(k0 + tid) * (size_t)kv_heads + kvh];
+        }
+#pragma unroll
         for (int j = 0; j < NLD; ++j) {
             const int i = tid + NT * j;
             const int r = i / ROWV, c = i % ROWV;
-            kr[j] = vr[j] = make_uint4(0u, 0u, 0u, 0u);
-            if (k0 + r < kstop) {
-                const size_t blk = (size_t)(k0 + r) * (size_t)kv_heads + (size_t)kvh;
-                kr[j] = reinterpret_cast<const uint4*>(kc + blk * HD)[c];
-                vr[j] = reinterpret_cast<const uint4*>(vc + blk * HD)[c];
-            }
+            vr[j] = make_uint4(0u, 0u, 0u, 0u);
+            if (k0 + r < kstop)
+                vr[j] = reinterpret_cast<const uint4*>(vc + ((size_t)(k0 + r) * (size_t)kv_heads + kvh) * HD)[c];
         }
         if (I8 && tid < TK) {
-            ksr = vsr = 0.0f;
-            if (k0 + tid < kstop) {
-                const size_t blk = (size_t)(k0 + tid) * (size_t)kv_heads + (size_t)kvh;
-                ksr = ks[blk];
-                vsr = vs[blk];
-            }
+            vsr = 0.0f;
+            if (k0 + tid < kstop) vsr = vs[(size_t)(k0 + tid) * (size_t)kv_heads + kvh];
         }
     };
     load_tile(kbeg);
@@ -1483,26 +1489,22 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
 
     for (int k0 = kbeg; k0 < kstop; k0 += TK) {
         __syncthreads();  // the previous tile is consumed (and q_s, m_s, l_s written)
+        // K now; V after the scores (its loads land while they are computed).
 #pragma unroll
         for (int j = 0; j < NLD; ++j) {
             const int i = tid + NT * j;
             const int r = i / ROWV, c = i % ROWV;
             *reinterpret_cast<uint4*>(k_s + r * KRS + (c / CPS) * (SEGB + 16) + (c % CPS) * 16) = kr[j];
-            *reinterpret_cast<uint4*>(v_s + (r * ROWV + c) * 16) = vr[j];
         }
-        if (tid < TK) {
-            ksc_s[tid] = ksr;
-            vsc_s[tid] = vsr;
-        }
+        if (tid < TK) ksc_s[tid] = ksr;
         __syncthreads();
-        if (k0 + TK < kstop) load_tile(k0 + TK);  // in flight during this tile's math
         const int nvalid = min(TK, kstop - k0);
 
         // Scores of key kk: this thread's DPT dims, then the sum over the key's DSQ threads.
         float s[GB];
 #pragma unroll
         for (int g = 0; g < GB; ++g) s[g] = 0.0f;
-        {
+        if (warp * (32 / DSQ) < nvalid) {  // (warp-uniform) a warp whose keys are all past the range skips this
             const unsigned char* krow = k_s + kk * KRS + seg * (SEGB + 16);
             const float* qb = q_s + seg * (DPT + 4);
 #pragma unroll
@@ -1542,7 +1544,14 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
         if (lane == 0)
 #pragma unroll
             for (int g = 0; g < GB; ++g) red_s[warp * GB + g] = red[g];
+#pragma unroll
+        for (int j = 0; j < NLD; ++j) {
+            const int i = tid + NT * j;
+            *reinterpret_cast<uint4*>(v_s + i * 16) = vr[j];  // row i / ROWV, vector i % ROWV
+        }
+        if (tid < TK) vsc_s[tid] = vsr;
         __syncthreads();
+        if (k0 + TK < kstop) load_tile(k0 + TK);  // the next tile, in flight during this one's math
         if (tid < GB) {
             float t = red_s[tid];
 #pragma unroll

@@ -1240,6 +1240,57 @@ mod tests {
         }
     }
 
+    /// The one-row kernel's split plan covers the keys with no empty split, in chunks of whole ROW_ALIGN keys of
+    /// at least ROW_MIN_CHUNK, never more splits than its StepPlan's fixed grid (which AttnScratch::new sizes), and
+    /// step_chunk with that grid gives the same chunk as the plain launch's plan.
+    #[test]
+    fn row_splits_cover_the_key_range() {
+        for sms in [1usize, 46, 132] {
+            for kv_heads in [1usize, 2, 3, 4, 8] {
+                let target = row_target_splits(kv_heads, sms);
+                let choice = KernelChoice {
+                    kernel: AttnKernel::Row,
+                    variant: 8,
+                    threads: ROW_THREADS,
+                    qtiles: 1,
+                    tile: ROW_ALIGN,
+                    smem: 0,
+                };
+                let plan = StepPlan {
+                    splits: target,
+                    tile: ROW_ALIGN,
+                    choice,
+                    shape: AttentionShape { heads: 8 * kv_heads, kv_heads, head_dim: 128 },
+                    rows: 1,
+                    dtype: KvDtype::Int8,
+                };
+                for kend in (1usize..=3000).chain([4128, 8195, 40001, 262144]) {
+                    let p = plan_row_splits(kend, kv_heads, sms);
+                    let what = format!("{sms} SMs, {kv_heads} kv heads, {kend} keys: {p:?}");
+                    assert!(p.chunk % ROW_ALIGN == 0 && p.chunk >= ROW_MIN_CHUNK, "{what}");
+                    assert!(p.splits * p.chunk >= kend && (p.splits - 1) * p.chunk < kend, "{what}");
+                    assert!(p.splits <= target, "{what}: more than {target} splits");
+                    assert_eq!(step_chunk(&plan, kend), p.chunk, "{what}");
+                    assert!(row_partial_rows(p.splits) <= row_partial_rows(target));
+                    assert!(row_counters(kv_heads, p.splits) <= row_counters(kv_heads, target));
+                }
+            }
+        }
+    }
+
+    /// Every one-row kernel fits the 64 KB of shared memory sm_75 allows (so Auto picks it on every device).
+    #[test]
+    fn row_kernels_fit_every_device() {
+        for hd in HEAD_DIMS {
+            for dtype in [KvDtype::Int8, KvDtype::Bf16] {
+                for gb in [1usize, 2, 4, 8, 16] {
+                    let bytes = row_smem_bytes(hd, dtype, gb);
+                    assert!(bytes <= 64 * 1024, "head_dim {hd} {dtype:?} group {gb}: {bytes} bytes");
+                }
+            }
+        }
+    }
+
     #[test]
     fn int8_block_quantization() {
         let x = [0.5f32, -1.27, 0.0, 1.27, 0.004];
