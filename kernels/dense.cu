@@ -224,13 +224,15 @@ extern "C" __global__ void dense_rmsnorm_block(const float* __restrict__ x, cons
     for (int i = threadIdx.x; i < width; i += blockDim.x) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
 }
 
-// Wide rows, width % 4 == 0, width <= 4 * 8 * blockDim.x: one block per row,
+// Wide rows, width % 4 == 0, width <= 4 * 8 * blockDim.x (blockDim.x <= 512):
+// one block per row,
 // every thread's float4s of x and w loaded before the first use (one memory
 // round trip, not a chain of dependent loads). flags != null: also the
 // non-finite guard of x (dense_first_nonfinite's flags[slot] = min flat
 // index of a NaN/inf), fused so a decode step spends no launch on it.
 #define DENSE_NORM_VEC 8
-extern "C" __global__ void dense_rmsnorm_vec(const float* __restrict__ x, const float* __restrict__ w,
+#define DENSE_NORM_VEC_THREADS 512
+extern "C" __global__ void __launch_bounds__(DENSE_NORM_VEC_THREADS) dense_rmsnorm_vec(const float* __restrict__ x, const float* __restrict__ w,
                                              float* __restrict__ out, int width, float eps,
                                              unsigned int* __restrict__ flags, int slot) {
     __shared__ float scratch[32];
@@ -540,22 +542,4 @@ extern "C" __global__ void dense_argmax_final(const float* __restrict__ part_v, 
     }
     dense_argmax_warp(bv, bi);
     if (lane == 0) out[row] = bi;
-}
-
-// ---------------------------------------------------------------------------
-// L2 prefetch: asks the copy engine of each SM (the bulk-copy unit) to bring
-// bytes [0, bytes) of p into L2 without registers or shared memory, so a
-// weight matrix can be fetched while latency-bound kernels run (a decode
-// step's attention and MoE leave most of the HBM bandwidth idle). sm_90 and
-// later; a no-op before. p 16-byte aligned; a tail under 16 bytes is skipped.
-#define DENSE_PREFETCH_CHUNK 65536ull
-extern "C" __global__ void dense_prefetch_l2(const char* __restrict__ p, unsigned long long bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x * DENSE_PREFETCH_CHUNK;
-    for (unsigned long long off = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) * DENSE_PREFETCH_CHUNK;
-         off < bytes; off += stride) {
-        const unsigned int size = (unsigned int)min(DENSE_PREFETCH_CHUNK, bytes - off) & ~15u;
-        if (size != 0u) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(size) : "memory");
-    }
-#endif
 }

@@ -29,7 +29,7 @@ use half::bf16;
 
 use super::{deltanet_shape, linear_layers, Engine, GpuPrecision, Logits};
 use crate::backend::cuda::attention::{
-    self, AttnConfig, AttnPrecision, AttnScratch, DeviceKv, KvDtype, StepPlan, StepPos,
+    self, AttnConfig, AttnPrecision, AttnScratch, DeviceKv, KvDtype, QkvPrep, StepPlan, StepPos,
 };
 use crate::backend::cuda::deltanet::{
     deltanet_core_with, DeltaNetDeviceWeights, DeltaNetScratch, DeltaRuleForm, DeviceDeltaState,
@@ -114,9 +114,9 @@ struct GpuLayer {
 
 enum GpuMixer {
     Attention {
-        q_proj: CudaSlice<bf16>,
-        k_proj: CudaSlice<bf16>,
-        v_proj: CudaSlice<bf16>,
+        /// q_proj, k_proj and v_proj stacked: `[q_proj_dim + 2 * kv_dim, hidden]`,
+        /// one projection whose rows are `[q' | k | v]` (`attention::qkv_prepare`).
+        qkv: CudaSlice<bf16>,
         o_proj: CudaSlice<bf16>,
         q_norm: CudaSlice<f32>,
         k_norm: CudaSlice<f32>,
@@ -422,7 +422,11 @@ impl GpuModel {
         for (l, lw) in self.layers.iter().enumerate() {
             // Each block adds its output to the residual stream x itself
             // (the projections and expert kernels accumulate).
-            dense::rmsnorm(gpu, &s.x, &lw.input_norm, eps, &mut s.h)?;
+            // Layer l - 1's output is checked for NaN/inf by this norm (slot l - 1).
+            match l.checked_sub(1) {
+                Some(prev) => dense::rmsnorm_checked(gpu, &s.x, &lw.input_norm, eps, &mut s.h, &mut cache.flags, prev)?,
+                None => dense::rmsnorm(gpu, &s.x, &lw.input_norm, eps, &mut s.h)?,
+            }
             match &lw.mixer {
                 GpuMixer::Attention { .. } => self.attention(l, lw, cache, s, start, step)?,
                 GpuMixer::Linear { .. } => self.linear(l, lw, cache, s)?,
@@ -433,7 +437,9 @@ impl GpuModel {
             if let Some(row) = engine.take_nan(l, start, t) {
                 gpu.stream().memcpy_htod(&[f32::NAN], &mut s.x.slice_mut(row * h..row * h + 1))?;
             }
-            dense::first_nonfinite(gpu, &s.x, h, &mut cache.flags, l)?;
+            if l + 1 == self.layers.len() {
+                dense::first_nonfinite(gpu, &s.x, h, &mut cache.flags, l)?;
+            }
         }
         if rows > 0 {
             let head = self.lm_head.as_ref().unwrap_or(&self.embed);
@@ -499,28 +505,22 @@ impl GpuModel {
     ) -> Result<()> {
         let c = &self.config;
         let gpu = &*self.gpu;
-        let GpuMixer::Attention { q_proj, k_proj, v_proj, o_proj, q_norm, k_norm } = &lw.mixer else {
+        let GpuMixer::Attention { qkv, o_proj, q_norm, k_norm } = &lw.mixer else {
             unreachable!("attention on a linear layer")
         };
         let (t, h, eps) = (s.t, c.hidden_size, c.rms_norm_eps as f32);
         let shape = attention_shape(c);
-        let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
-        if c.has_attention_gate() {
-            self.proj(Write::Store, &s.h, q_proj, t, 2 * qd, h, &mut s.qg, &mut s.bf)?;
-            dense::split_q_gate(gpu, &s.qg, shape.heads, shape.head_dim, &mut s.q, &mut s.gate)?;
-        } else {
-            self.proj(Write::Store, &s.h, q_proj, t, qd, h, &mut s.q, &mut s.bf)?;
-        }
-        self.proj(Write::Store, &s.h, k_proj, t, kvd, h, &mut s.k, &mut s.bf)?;
-        self.proj(Write::Store, &s.h, v_proj, t, kvd, h, &mut s.v, &mut s.bf)?;
-        // Per-head q/k RMSNorm and RoPE in one launch each; in a captured
-        // decode step the position comes from the device.
+        let qd = shape.q_dim();
+        let width = c.q_proj_dim() + 2 * shape.kv_dim();
+        self.proj(Write::Store, &s.h, qkv, t, width, h, &mut s.qkv, &mut s.bf)?;
+        // The q/k norms, RoPE, the gate split and the KV append in one
+        // launch; in a captured decode step the position comes from the device.
+        let prep = QkvPrep { heads: shape.heads, gated: c.has_attention_gate(), q_norm, k_norm, eps, rope: &self.rope };
+        let gate = if prep.gated { Some(&mut s.gate) } else { None };
         let kv = cache.kv[l].as_mut().expect("an attention layer has KV");
         match step {
             None => {
-                dense::rmsnorm_rope(gpu, &s.q, q_norm, eps, shape.heads, start, &self.rope, &mut s.qn)?;
-                dense::rmsnorm_rope(gpu, &s.k, k_norm, eps, shape.kv_heads, start, &self.rope, &mut s.kn)?;
-                attention::kv_append(gpu, kv, &s.kn, &s.v, start, t)?;
+                attention::qkv_prepare(gpu, &prep, &s.qkv, t, kv, start, &mut s.qn, gate)?;
                 attention::attention_with_scratch(
                     gpu,
                     &s.qn,
@@ -534,9 +534,7 @@ impl GpuModel {
                 )?;
             }
             Some(st) => {
-                dense::rmsnorm_rope_at(gpu, &s.q, q_norm, eps, shape.heads, &st.pos, &self.rope, &mut s.qn)?;
-                dense::rmsnorm_rope_at(gpu, &s.k, k_norm, eps, shape.kv_heads, &st.pos, &self.rope, &mut s.kn)?;
-                attention::kv_append_at(gpu, kv, &s.kn, &s.v, &st.pos, t)?;
+                attention::qkv_prepare_at(gpu, &prep, &s.qkv, t, kv, &st.pos, &mut s.qn, gate)?;
                 attention::attention_at(gpu, &s.qn, kv, shape, t, &mut s.attn, &st.plan, &st.pos, &mut s.attn_split)?;
             }
         }
@@ -582,9 +580,23 @@ impl GpuModel {
         let gpu = &*self.gpu;
         let (t, h, e, k) = (s.t, c.hidden_size, c.num_experts, c.num_experts_per_tok);
         self.proj(Write::Store, &s.h, &lw.router, t, e, h, &mut s.router, &mut s.bf)?;
-        moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
         let p = self.grouped_precision();
-        run_experts(gpu, &s.h, &s.ids, &s.weights, &self.tables[l], &self.layout, t, k, &mut s.moe, &mut s.x, true, p)?;
+        let (table, layout) = (&self.tables[l], &self.layout);
+        if t <= MOE_GEMV_MAX_ROWS {
+            // Decode: the routing runs inside the gate/up GEMV (one launch fewer).
+            let route = moe::Route {
+                logits: &s.router,
+                num_experts: e,
+                norm_topk_prob: c.norm_topk_prob,
+                ids: &mut s.ids,
+                weights: &mut s.weights,
+            };
+            moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
+            moe::expert_down_gemv(gpu, &s.moe.act, &s.ids, &s.weights, table, layout, t, k, &mut s.x, true)?;
+        } else {
+            moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
+            run_experts(gpu, &s.h, &s.ids, &s.weights, table, layout, t, k, &mut s.moe, &mut s.x, true, p)?;
+        }
         if let Some(sh) = &lw.shared {
             let sx = s.shared.as_mut().expect("a shared expert's scratch");
             self.proj(Write::Store, &s.h, &sh.gate, t, 1, h, &mut sx.logit, &mut s.bf)?;
@@ -646,9 +658,12 @@ impl GpuLayer {
         let n = |role| layer_tensor_name(l, role);
         let mixer = if c.is_full_attention(l) {
             GpuMixer::Attention {
-                q_proj: upload_bf16(gpu, pack, &n(Role::QProj), &[c.q_proj_dim(), h])?,
-                k_proj: upload_bf16(gpu, pack, &n(Role::KProj), &[c.kv_dim(), h])?,
-                v_proj: upload_bf16(gpu, pack, &n(Role::VProj), &[c.kv_dim(), h])?,
+                qkv: {
+                    let mut w = to_bf16(pack, &n(Role::QProj), &[c.q_proj_dim(), h])?;
+                    w.extend(to_bf16(pack, &n(Role::KProj), &[c.kv_dim(), h])?);
+                    w.extend(to_bf16(pack, &n(Role::VProj), &[c.kv_dim(), h])?);
+                    gpu.upload(&w)?
+                },
                 o_proj: upload_bf16(gpu, pack, &n(Role::OProj), &[h, c.q_dim()])?,
                 q_norm: upload_f32(gpu, pack, &n(Role::QNorm), c.head_dim, zc)?,
                 k_norm: upload_f32(gpu, pack, &n(Role::KNorm), c.head_dim, zc)?,
@@ -816,13 +831,10 @@ struct Scratch {
     tokens: CudaSlice<u32>,
     x: CudaSlice<f32>,
     h: CudaSlice<f32>,
-    q: CudaSlice<f32>,
-    qg: CudaSlice<f32>,
+    /// The stacked projection's rows `[q' | k | v]`.
+    qkv: CudaSlice<f32>,
     gate: CudaSlice<f32>,
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
     qn: CudaSlice<f32>,
-    kn: CudaSlice<f32>,
     attn: CudaSlice<f32>,
     /// The split partials of the attention kernels.
     attn_split: AttnScratch,
@@ -878,13 +890,9 @@ impl Scratch {
             tokens: gpu.alloc_zeros(t)?,
             x: z(t * h)?,
             h: z(t * h)?,
-            q: z(t * qd)?,
-            qg: z(if gated { 2 * t * qd } else { 0 })?,
+            qkv: z(t * (c.q_proj_dim() + 2 * kvd))?,
             gate: z(if gated { t * qd } else { 0 })?,
-            k: z(t * kvd)?,
-            v: z(t * kvd)?,
             qn: z(t * qd)?,
-            kn: z(t * kvd)?,
             attn: z(t * qd)?,
             attn_split: AttnScratch::new(gpu, attention_shape(c), t)?,
             router: z(t * e)?,

@@ -11,7 +11,7 @@
 
 use half::bf16;
 
-use super::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, Gpu, LaunchConfig, PushKernelArg};
+use super::{CudaSlice, DevicePtr, DevicePtrMut, Gpu, LaunchConfig, PushKernelArg};
 use crate::backend::Rope;
 use crate::error::{Error, Result};
 
@@ -437,7 +437,7 @@ pub fn rmsnorm_checked(
         return Err(invalid(format!("rmsnorm_checked: {} elements do not fit a 32-bit index", x.len())));
     }
     let width = w.len();
-    if width % 4 != 0 || width.div_ceil(4) > NORM_VEC * 1024 {
+    if width % 4 != 0 || width.div_ceil(4) > NORM_VEC * NORM_VEC_THREADS {
         // No vector kernel for this width: the two launches.
         rmsnorm_launch(gpu, x, w, eps, out, None)?;
         return first_nonfinite(gpu, x, width, flags, slot);
@@ -445,8 +445,10 @@ pub fn rmsnorm_checked(
     rmsnorm_launch(gpu, x, w, eps, out, Some((flags, slot)))
 }
 
-/// float4s a thread of dense_rmsnorm_vec holds (DENSE_NORM_VEC).
+/// float4s a thread of dense_rmsnorm_vec holds (DENSE_NORM_VEC), and its
+/// most threads a block (DENSE_NORM_VEC_THREADS).
 const NORM_VEC: usize = 8;
+const NORM_VEC_THREADS: usize = 512;
 
 fn rmsnorm_launch(
     gpu: &Gpu,
@@ -462,9 +464,9 @@ fn rmsnorm_launch(
     }
     let width = w.len();
     let n4 = width / 4;
-    if width % 4 == 0 && (width > 512 || check.is_some()) && n4 <= NORM_VEC * 1024 {
+    if width % 4 == 0 && (width > 512 || check.is_some()) && n4 <= NORM_VEC * NORM_VEC_THREADS {
         // Two float4s a thread where the block allows (every load issued up front).
-        let threads = n4.div_ceil(2).next_multiple_of(32).clamp(32, 1024);
+        let threads = n4.div_ceil(2).next_multiple_of(32).clamp(32, NORM_VEC_THREADS);
         let threads = threads.max(n4.div_ceil(NORM_VEC).next_multiple_of(32));
         let cfg =
             LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: 0 };
@@ -852,29 +854,6 @@ pub fn embed(
     // SAFETY: dense_embed(const bf16* table [V,H], const u32* ids [T], float* out [T,H], u64 n, int H, u32 V);
     // ids >= V are not read through.
     unsafe { b.launch(gpu.grid_stride_config(n)) }?;
-    Ok(())
-}
-
-// ---------------------------------------------------------------------------
-// L2 prefetch.
-
-/// Queues on `stream` a request that brings `w` into the L2 cache (sm_90 and
-/// later; a no-op on older devices): a hint with no effect on any result. The
-/// engine issues it on a side stream for a weight matrix a decode step needs
-/// soon, while latency-bound kernels leave the HBM bandwidth idle.
-pub fn prefetch_l2<T>(gpu: &Gpu, stream: &CudaStream, w: &CudaSlice<T>) -> Result<()> {
-    let bytes = (w.len() * std::mem::size_of::<T>()) as u64;
-    if bytes < 16 {
-        return Ok(());
-    }
-    let f = gpu.function("dense_prefetch_l2")?;
-    // One 64 KiB request per thread and round: 32 threads cover 2 MiB a round.
-    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
-    let mut b = stream.launch_builder(&f);
-    b.arg(w).arg(&bytes);
-    // SAFETY: dense_prefetch_l2(const char* p, u64 bytes) only issues L2 prefetches of [p, p + bytes), a whole
-    // allocation (256-byte aligned); it reads and writes nothing.
-    unsafe { b.launch(cfg) }?;
     Ok(())
 }
 
