@@ -1674,6 +1674,8 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
         const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                      \
         float* __restrict__ part_acc, float* __restrict__ part_ml, unsigned int* __restrict__ counters, int heads, \
         int kv_heads, int start_pos, int chunk, float scale, const int* __restrict__ step) {                      \
+        strata_pdl_trigger();                                                                                     \
+        strata_pdl_wait();                                                                                        \
         attn_row<HD, KV, GB>(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads, start_pos,     \
                              chunk, scale, step);                                                                 \
     }
@@ -1786,6 +1788,8 @@ static __device__ __forceinline__ void attn_qkv_prep(const float* __restrict__ q
         float* __restrict__ gate, KV* __restrict__ kc, KV* __restrict__ vc, float* __restrict__ ks,               \
         float* __restrict__ vs, int rows, int heads, int kv_heads, int head_dim, int gated,                       \
         unsigned long long start_pos, const int* __restrict__ step) {                                             \
+        strata_pdl_trigger();                                                                                     \
+        strata_pdl_wait();                                                                                        \
         attn_qkv_prep<KV>(qkv, q_norm, k_norm, eps, inv_freq, half, attention_factor, qn, gate, kc, vc, ks, vs,   \
                           rows, heads, kv_heads, head_dim, gated, start_pos, step);                               \
     }

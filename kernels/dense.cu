@@ -85,6 +85,17 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
         for (int t = 0; t < T; ++t) acc[r][t] = 0.0f;
 
     const int kvec = K >> 3;  // groups of 8 weights per row
+    // Launched as a programmatic dependent launch: W is constant, so this
+    // warp's share of it is requested into L2 (one prefetch per 128-byte
+    // line) before waiting for the kernel that writes x.
+    strata_pdl_trigger();
+    if ((lane & 7) == 0) {
+        for (int v = part * 32 + lane; v < kvec; v += ksplit * 32) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow[r] + v));
+        }
+    }
+    strata_pdl_wait();
     const float4* x4 = reinterpret_cast<const float4*>(x);
     const int xstride4 = K >> 2;
 #pragma unroll UNROLL
@@ -242,13 +253,19 @@ extern "C" __global__ void __launch_bounds__(DENSE_NORM_VEC_THREADS) dense_rmsno
     float4* orow = reinterpret_cast<float4*>(out + row * width);
     const int n4 = width >> 2;
     float4 v[DENSE_NORM_VEC], g[DENSE_NORM_VEC];
+    // Programmatic dependent launch: the (constant) norm weights are read
+    // before waiting for the kernel that writes x.
+    strata_pdl_trigger();
 #pragma unroll
     for (int u = 0; u < DENSE_NORM_VEC; ++u) {
         const int i = threadIdx.x + u * blockDim.x;
-        if (i < n4) {
-            v[u] = xr[i];
-            g[u] = __ldg(w4 + i);
-        }
+        if (i < n4) g[u] = __ldg(w4 + i);
+    }
+    strata_pdl_wait();
+#pragma unroll
+    for (int u = 0; u < DENSE_NORM_VEC; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < n4) v[u] = xr[i];
     }
     float ss = 0.0f;
     unsigned int bad = 0xffffffffu;
@@ -441,6 +458,8 @@ extern "C" __global__ void dense_embed(const __nv_bfloat16* __restrict__ table, 
 // x[i] NaN or inf). flags start at 0xffffffff (dense_fill_u32).
 extern "C" __global__ void dense_first_nonfinite(const float* __restrict__ x, unsigned long long n,
                                                  unsigned int* __restrict__ flags, int slot) {
+    strata_pdl_trigger();
+    strata_pdl_wait();
     DENSE_FOR_EACH(i, n) {
         // The lanes of a warp hold consecutive i: only the warp's first bad
         // lane competes (an all-NaN tensor costs one atomic per warp, not

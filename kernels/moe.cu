@@ -356,6 +356,8 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 3)
                      const float* __restrict__ logits, int num_experts, int norm_topk_prob,
                      uint32_t* __restrict__ ids_out, float* __restrict__ weights_out) {
     extern __shared__ float4 moe_gu_xs[];
+    strata_pdl_trigger();  // programmatic dependent launch: wait before any access
+    strata_pdl_wait();
     __shared__ uint32_t routed_ids[MOE_MAX_TOP_K];
     __shared__ float routed_w[MOE_MAX_TOP_K];
     const int a = blockIdx.x, t = a / top_k, j = a - t * top_k;
@@ -549,6 +551,8 @@ extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
     extern __shared__ float4 moe_down_acts[];
     __shared__ float red[MOE_MAX_TOP_K][MOE_DN_ROWS];
     __shared__ float coefs[MOE_MAX_TOP_K];
+    strata_pdl_trigger();  // programmatic dependent launch: wait before any access
+    strata_pdl_wait();
     const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate, nchunk = I >> 5;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane & (MOE_DOWN_LANES - 1);
     const int rw = warp % MOE_DN_RW, jw = warp / MOE_DN_RW;

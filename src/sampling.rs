@@ -34,13 +34,41 @@ pub struct Sampler {
 /// Index of the largest value; the lowest index on ties. `values` must be
 /// non-empty and finite.
 fn argmax(values: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &v) in values.iter().enumerate() {
-        if v > values[best] {
-            best = i;
+    // Per block of 64, the largest value in 8 independent lanes
+    // (vectorized: a decode step scans the whole vocabulary); the first
+    // block whose maximum is strictly larger than every earlier one holds
+    // the answer, found there by position. The same result as a scan that
+    // keeps the first strictly larger value, for finite input (callers
+    // check that first).
+    const B: usize = 64;
+    let (mut best, mut block) = (f32::NEG_INFINITY, 0usize);
+    for (bi, c) in values.chunks(B).enumerate() {
+        let mut lanes = [f32::NEG_INFINITY; 8];
+        let eights = c.chunks_exact(8);
+        let tail = eights.remainder();
+        for q in eights {
+            for (m, &v) in lanes.iter_mut().zip(q) {
+                *m = if v > *m { v } else { *m };
+            }
+        }
+        let m = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+        if m > best {
+            (best, block) = (m, bi);
         }
     }
-    best
+    let c = &values[(block * B).min(values.len())..(block * B + B).min(values.len())];
+    block * B + c.iter().position(|&v| v == best).unwrap_or(0)
+}
+
+/// The index of the first NaN or infinity in `values`, if any: checked 64
+/// at a time (vectorized), the exact index found only in a failing block.
+pub(crate) fn first_nonfinite(values: &[f32]) -> Option<usize> {
+    const B: usize = 64;
+    values
+        .chunks(B)
+        .enumerate()
+        .find(|(_, c)| !c.iter().fold(true, |ok, v| ok & v.is_finite()))
+        .and_then(|(b, c)| c.iter().position(|v| !v.is_finite()).map(|i| b * B + i))
 }
 
 impl Sampler {
@@ -87,7 +115,8 @@ impl Sampler {
         if logits.is_empty() {
             return Err(Error::InvalidArgument("no logits to sample from".into()));
         }
-        if let Some((i, v)) = logits.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        if let Some(i) = first_nonfinite(logits) {
+            let v = logits[i];
             return Err(Error::InvalidArgument(format!("logit {i} is {v}: cannot sample from non-finite logits")));
         }
         let p = &self.params;
@@ -163,6 +192,32 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn argmax_and_first_nonfinite_match_plain_scans() {
+        let mut rng = crate::rng::Rng::new(3);
+        for n in [1usize, 7, 8, 9, 63, 64, 65, 1000, 151_936] {
+            let mut x: Vec<f32> = (0..n).map(|_| (rng.next_u64() % 1000) as f32 - 500.0).collect();
+            let plain = |x: &[f32]| {
+                let mut best = 0;
+                for (i, &v) in x.iter().enumerate() {
+                    if v > x[best] {
+                        best = i;
+                    }
+                }
+                best
+            };
+            // Many ties (1000 distinct values): the first index of the maximum wins.
+            assert_eq!(argmax(&x), plain(&x), "n = {n}");
+            assert_eq!(first_nonfinite(&x), None);
+            for (bad, v) in [(n - 1, f32::NAN), (n / 2, f32::INFINITY), (n / 3, f32::NEG_INFINITY)] {
+                x[bad] = v;
+                let want = x.iter().position(|v| !v.is_finite());
+                assert_eq!(first_nonfinite(&x), want, "n = {n}, bad at {bad}");
+            }
+        }
+        assert_eq!(argmax(&[f32::NEG_INFINITY; 5]), 0);
+    }
 
     fn sampler(temperature: f32, top_k: usize, top_p: f32, min_p: f32, seed: u64) -> Sampler {
         Sampler::new(SamplingParams { temperature, top_k, top_p, min_p, seed }).unwrap()

@@ -125,7 +125,8 @@ enum GpuMixer {
         in_proj_qkvz: CudaSlice<bf16>,
         in_proj_ba: CudaSlice<bf16>,
         out_proj: CudaSlice<bf16>,
-        small: DeltaNetDeviceWeights,
+        /// Boxed: the variants' sizes stay close.
+        small: Box<DeltaNetDeviceWeights>,
     },
 }
 
@@ -467,12 +468,14 @@ impl GpuModel {
         let gpu = &*self.gpu;
         let (h, t, vocab) = (c.hidden_size, s.t, c.vocab_size);
         let queued = started.elapsed();
-        let out = if rows > 0 {
-            gpu.download(&LogitScratch::get(&mut s.head, gpu, rows, h, vocab)?.logits)?
-        } else {
-            Vec::new()
-        };
-        let flags = gpu.download(&cache.flags)?;
+        // Both copies queued, then one wait.
+        let mut out = vec![0.0f32; rows * vocab];
+        if rows > 0 {
+            gpu.stream().memcpy_dtoh(&LogitScratch::get(&mut s.head, gpu, rows, h, vocab)?.logits, &mut out)?;
+        }
+        let mut flags = vec![0u32; cache.flags.len()];
+        gpu.stream().memcpy_dtoh(&cache.flags, &mut flags)?;
+        gpu.sync()?;
         if trace_forward() {
             eprintln!(
                 "strata: forward of {t} rows: queued in {:.3} ms, done in {:.3} ms",
@@ -681,14 +684,14 @@ impl GpuLayer {
                 in_proj_qkvz: upload_bf16(gpu, pack, &n(Role::LinearInProjQkvz), &[s.qkvz_dim(), h])?,
                 in_proj_ba: upload_bf16(gpu, pack, &n(Role::LinearInProjBa), &[s.ba_dim(), h])?,
                 out_proj: upload_bf16(gpu, pack, &n(Role::LinearOutProj), &[h, s.value_dim()])?,
-                small: DeltaNetDeviceWeights::new(
+                small: Box::new(DeltaNetDeviceWeights::new(
                     gpu,
                     &f32s(Role::LinearConv1d, s.conv_dim() * s.conv_kernel)?,
                     &f32s(Role::LinearDtBias, s.value_heads)?,
                     &f32s(Role::LinearALog, s.value_heads)?,
                     &f32s(Role::LinearNorm, s.value_head_dim)?,
                     s,
-                )?,
+                )?),
             }
         };
         let shared = match c.shared_expert_intermediate_size() {

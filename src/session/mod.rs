@@ -247,10 +247,11 @@ impl Session {
             )));
         };
         self.check_room(1)?;
-        if let Some((i, v)) = logits.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        if let Some(i) = crate::sampling::first_nonfinite(logits) {
             return Err(Error::NonFinite(format!(
-                "logit {i} of position {} is {v}: cannot sample",
-                self.tokens.len() - 1
+                "logit {i} of position {} is {}: cannot sample",
+                self.tokens.len() - 1,
+                logits[i]
             )));
         }
         let before = sampler.clone();

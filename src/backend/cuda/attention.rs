@@ -5,7 +5,7 @@
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute_enum};
 
-use super::{CudaFunction, CudaSlice, Gpu, LaunchConfig, PushKernelArg};
+use super::{CudaFunction, CudaSlice, Gpu, KernelArgs, LaunchConfig, PushKernelArg};
 use crate::backend::AttentionShape;
 use crate::error::{Error, Result};
 
@@ -366,19 +366,18 @@ fn qkv_prep_launch(
         kv.head_dim as i32,
         p.gated as i32,
     );
-    let null = 0u64;
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(qkv).arg(p.q_norm).arg(p.k_norm).arg(&p.eps).arg(&p.rope.inv_freq).arg(&half);
-    b.arg(&p.rope.attention_factor).arg(qn);
+    let mut a = KernelArgs::new();
+    a.buf(gpu, qkv).buf(gpu, p.q_norm).buf(gpu, p.k_norm).val(p.eps).buf(gpu, &p.rope.inv_freq).val(half);
+    a.val(p.rope.attention_factor).buf_mut(gpu, qn);
     match gate {
-        Some(g) => b.arg(g),
-        None => b.arg(&null),
+        Some(g) => a.buf_mut(gpu, g),
+        None => a.null(),
     };
-    b.arg(&mut kv.k).arg(&mut kv.v).arg(&mut kv.k_scale).arg(&mut kv.v_scale);
-    b.arg(&nr).arg(&h).arg(&kvh).arg(&hd).arg(&gated).arg(&start64);
+    a.buf_mut(gpu, &mut kv.k).buf_mut(gpu, &mut kv.v).buf_mut(gpu, &mut kv.k_scale).buf_mut(gpu, &mut kv.v_scale);
+    a.val(nr).val(h).val(kvh).val(hd).val(gated).val(start64);
     match step {
-        Some(s) => b.arg(s),
-        None => b.arg(&null),
+        Some(s) => a.buf(gpu, s),
+        None => a.null(),
     };
     // SAFETY: attn_qkv_prep_{i8,bf16}(const float* qkv, const float* q_norm, const float* k_norm, float eps,
     // const float* inv_freq, int half, float attention_factor, float* qn, float* gate, KV* kc, KV* vc, float* ks,
@@ -387,8 +386,9 @@ fn qkv_prep_launch(
     // and writes rows*heads*head_dim of qn and (gated, else null and untouched) gate (all checked by
     // check_qkv_prep), and positions start_pos..start_pos+rows (<= capacity: checked by qkv_prepare, kept by
     // qkv_prepare_at's caller) of the [capacity, kv_heads, head_dim] caches and (int8) [capacity, kv_heads] scales;
-    // head_dim <= 256 (DeviceKv) fits the kernel's per-warp row; step null or a StepPos's ints.
-    unsafe { b.launch(cfg) }?;
+    // head_dim <= 256 (DeviceKv) fits the kernel's per-warp row; step null or a StepPos's ints. The kernel waits
+    // for its predecessor (strata_pdl_wait) before touching memory.
+    unsafe { gpu.launch(&f, cfg, &mut a) }?;
     Ok(())
 }
 
@@ -1010,15 +1010,14 @@ fn launch_row(
     };
     let scale = 1.0f32 / (head_dim as f32).sqrt();
     let (h, kvh, chunk) = (i32_arg("heads", heads)?, i32_arg("kv_heads", kv_heads)?, i32_arg("chunk", plan.chunk)?);
-    let null_step = 0u64;
     let AttnScratch { part_acc, part_ml, counters } = scratch;
-    let mut b = gpu.stream().launch_builder(f);
-    b.arg(q).arg(&kv.k).arg(&kv.v).arg(&kv.k_scale).arg(&kv.v_scale).arg(&mut *out);
-    b.arg(&mut *part_acc).arg(&mut *part_ml).arg(&mut *counters);
-    b.arg(&h).arg(&kvh).arg(&sp).arg(&chunk).arg(&scale);
+    let mut a = KernelArgs::new();
+    a.buf(gpu, q).buf(gpu, &kv.k).buf(gpu, &kv.v).buf(gpu, &kv.k_scale).buf(gpu, &kv.v_scale).buf_mut(gpu, out);
+    a.buf_mut(gpu, part_acc).buf_mut(gpu, part_ml).buf_mut(gpu, counters);
+    a.val(h).val(kvh).val(sp).val(chunk).val(scale);
     match step {
-        Some(s) => b.arg(s),
-        None => b.arg(&null_step),
+        Some(s) => a.buf(gpu, s),
+        None => a.null(),
     };
     // SAFETY: attn_row_hd{HD}_{tag}_g{GB}(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads,
     // start_pos, chunk, scale, step): reads q[0..heads*HD] (checked), cache positions 0..=start_pos (< capacity:
@@ -1027,8 +1026,9 @@ fn launch_row(
     // < splits + ceil(splits / 8) of heads*HD / heads*2 floats and counters[kv_heads * (1 + ceil(splits / 8))]
     // (all held by the scratch: reserved or checked by the callers; the counters are zero between launches);
     // heads / kv_heads <= GB (choose_kernel); dynamic shared memory as the kernel's AttnRowShape (row_smem_bytes,
-    // attribute set by the callers); step null or a StepPos's 2 ints.
-    unsafe { b.launch(cfg) }?;
+    // attribute set by the callers); step null or a StepPos's 2 ints. The kernel waits for its predecessor
+    // (strata_pdl_wait) before touching memory.
+    unsafe { gpu.launch(f, cfg, &mut a) }?;
     Ok(())
 }
 

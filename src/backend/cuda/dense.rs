@@ -11,7 +11,7 @@
 
 use half::bf16;
 
-use super::{CudaSlice, DevicePtr, DevicePtrMut, Gpu, LaunchConfig, PushKernelArg};
+use super::{CudaSlice, DevicePtr, DevicePtrMut, Gpu, KernelArgs, LaunchConfig, PushKernelArg};
 use crate::backend::Rope;
 use crate::error::{Error, Result};
 
@@ -223,14 +223,13 @@ pub fn gemv(
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let ks_i = ks as i32;
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(x).arg(w).arg(out).arg(&n_i).arg(&k_i).arg(&ks_i).arg(&acc_i);
+    let mut a = KernelArgs::new();
+    a.buf(gpu, x).buf(gpu, w).buf_mut(gpu, out).val(n_i).val(k_i).val(ks as i32).val(acc_i);
     // SAFETY: dense_gemv_tT(const float* x [T,K], const bf16* w [N,K], float* out [T,N], int N, int K, int ksplit,
     // int accumulate);
     // K % 8 == 0 keeps every 16-byte load inside its row and aligned (cudarc buffers are 256-byte aligned);
-    // rows past N are clamped in the kernel and never stored.
-    unsafe { b.launch(cfg) }?;
+    // rows past N are clamped in the kernel and never stored. Only W is read before strata_pdl_wait.
+    unsafe { gpu.launch(&f, cfg, &mut a) }?;
     Ok(())
 }
 
@@ -471,20 +470,19 @@ fn rmsnorm_launch(
         let cfg =
             LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: 0 };
         let f = gpu.function("dense_rmsnorm_vec")?;
-        let null_flags = 0u64;
         let slot_i = check.as_ref().map_or(0, |(_, slot)| *slot as i32);
-        let mut b = gpu.stream().launch_builder(&f);
-        b.arg(x).arg(w).arg(out).arg(&width_i).arg(&eps);
+        let mut a = KernelArgs::new();
+        a.buf(gpu, x).buf(gpu, w).buf_mut(gpu, out).val(width_i).val(eps);
         match check {
-            Some((flags, _)) => b.arg(flags),
-            None => b.arg(&null_flags),
+            Some((flags, _)) => a.buf_mut(gpu, flags),
+            None => a.null(),
         };
-        b.arg(&slot_i);
+        a.val(slot_i);
         // SAFETY: dense_rmsnorm_vec(const float* x, const float* w, float* out, int width, float eps, u32* flags,
         // int slot): one block per row; x and out hold rows*width, w width (checked), width % 4 == 0 and
         // width / 4 <= 8 * threads; flags null or holding slot (checked by rmsnorm_checked); 16-byte aligned rows
-        // (whole allocations, width % 4 == 0).
-        unsafe { b.launch(cfg) }?;
+        // (whole allocations, width % 4 == 0). Only w is read before strata_pdl_wait.
+        unsafe { gpu.launch(&f, cfg, &mut a) }?;
         return Ok(());
     }
     if check.is_some() {
@@ -903,11 +901,11 @@ pub fn first_nonfinite(
         return Ok(());
     }
     let f = gpu.function("dense_first_nonfinite")?;
-    let (n64, slot_i) = (n as u64, slot as i32);
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(x).arg(&n64).arg(flags).arg(&slot_i);
-    // SAFETY: dense_first_nonfinite(const float* x, u64 n, u32* flags, int slot); slot < flags.len().
-    unsafe { b.launch(gpu.grid_stride_config(n)) }?;
+    let mut a = KernelArgs::new();
+    a.buf(gpu, x).val(n as u64).buf_mut(gpu, flags).val(slot as i32);
+    // SAFETY: dense_first_nonfinite(const float* x, u64 n, u32* flags, int slot); slot < flags.len(); it waits
+    // for its predecessor (strata_pdl_wait) before touching memory.
+    unsafe { gpu.launch(&f, gpu.grid_stride_config(n), &mut a) }?;
     Ok(())
 }
 

@@ -92,6 +92,47 @@ pub fn profiler_collect(on: bool) -> Result<()> {
     Ok(())
 }
 
+/// The arguments of one `Gpu::launch`, in the kernel's parameter order:
+/// each value is copied into 8-byte-aligned storage owned here, so the
+/// pointers the driver reads stay valid until the launch.
+#[derive(Default)]
+pub struct KernelArgs {
+    store: Vec<Box<[u64]>>,
+}
+
+impl KernelArgs {
+    pub fn new() -> KernelArgs {
+        KernelArgs::default()
+    }
+
+    /// A value passed by copy: an integer, a float or a `#[repr(C)]` struct.
+    pub fn val<T: DeviceRepr + Copy>(&mut self, v: T) -> &mut Self {
+        let size = std::mem::size_of::<T>();
+        let mut b = vec![0u64; size.div_ceil(8).max(1)].into_boxed_slice();
+        // SAFETY: `b` holds at least size bytes, 8-byte aligned (>= T's alignment for the kernel argument types).
+        unsafe { std::ptr::copy_nonoverlapping(&v as *const T as *const u8, b.as_mut_ptr() as *mut u8, size) };
+        self.store.push(b);
+        self
+    }
+
+    /// A device buffer the kernel reads.
+    pub fn buf<T>(&mut self, gpu: &Gpu, b: &impl DevicePtr<T>) -> &mut Self {
+        let (ptr, _sync) = b.device_ptr(gpu.stream());
+        self.val(ptr)
+    }
+
+    /// A device buffer the kernel writes.
+    pub fn buf_mut<T>(&mut self, gpu: &Gpu, b: &mut impl DevicePtrMut<T>) -> &mut Self {
+        let (ptr, _sync) = b.device_ptr_mut(gpu.stream());
+        self.val(ptr)
+    }
+
+    /// A null pointer argument.
+    pub fn null(&mut self) -> &mut Self {
+        self.val(0u64)
+    }
+}
+
 /// Checks that device `cuda:ordinal` exists without opening it: `Error::NoCuda`
 /// naming the cause (no driver, no device, an ordinal past the count).
 pub fn probe(ordinal: usize) -> Result<()> {
@@ -117,6 +158,9 @@ pub struct Gpu {
     name: String,
     compute_capability: (u32, u32),
     sm_count: u32,
+    /// Whether `launch` asks for programmatic dependent launch (sm_90+,
+    /// unless `STRATA_PDL=0`).
+    pdl: bool,
 }
 
 // The engine shares one Gpu between threads.
@@ -168,6 +212,7 @@ impl Gpu {
             name,
             compute_capability: (major as u32, minor as u32),
             sm_count: sm_count as u32,
+            pdl: major >= 9 && std::env::var("STRATA_PDL").map_or(true, |v| v != "0"),
         }))
     }
 
@@ -249,6 +294,49 @@ impl Gpu {
         self.stream.memcpy_dtoh(d, &mut host)?;
         self.stream.synchronize()?;
         Ok(host)
+    }
+
+    /// Launches `f` on the stream with `args` as a programmatic dependent
+    /// launch where the device has it (sm_90+, unless `STRATA_PDL=0`): the
+    /// kernel's blocks may start before the previous kernel on the stream
+    /// has finished, so a decode step's ~10 launches a layer overlap their
+    /// start-up with their predecessor's tail (and a GEMV fetches its
+    /// weights meanwhile). Elsewhere a plain launch.
+    ///
+    /// # Safety
+    /// `args` must match `f`'s parameters, and `f` must call
+    /// `strata_pdl_wait()` (kernels/common.cuh) before it reads anything an
+    /// earlier kernel writes or writes anything an earlier kernel touches.
+    pub unsafe fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &mut KernelArgs) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        let mut params: Vec<*mut std::ffi::c_void> =
+            args.store.iter_mut().map(|b| b.as_mut_ptr() as *mut std::ffi::c_void).collect();
+        // SAFETY: zero is a valid bit pattern of this plain C union.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: self.pdl as u32,
+        };
+        // SAFETY: the caller vouches for the arguments; `params` points into `args`' storage, alive until return;
+        // `config` and `attr` outlive the call.
+        unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()?;
+        Ok(())
+    }
+
+    /// Whether `launch` uses programmatic dependent launch on this device.
+    pub fn pdl(&self) -> bool {
+        self.pdl
     }
 
     /// Waits until everything queued on the stream has run; a kernel's

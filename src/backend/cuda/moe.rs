@@ -27,7 +27,7 @@
 //! grouped entry points then use the SIMT generic kernel for that matrix,
 //! also on tensor-core devices (f32 throughout).
 
-use super::{CudaSlice, DeviceRepr, Gpu, LaunchConfig, PushKernelArg};
+use super::{CudaSlice, DeviceRepr, Gpu, KernelArgs, LaunchConfig, PushKernelArg};
 use crate::error::{Error, Result};
 use crate::pack::format::ExpertLayout;
 
@@ -327,37 +327,40 @@ fn gate_up_gemv_launch(
         shared_mem_bytes: smem as u32,
     };
     let k = top_k as i32;
-    let null = 0u64;
     let (e, norm) = match &ids {
         GateUpIds::Routed(r) => (r.num_experts as i32, r.norm_topk_prob as i32),
         GateUpIds::Given(_) => (0, 0),
     };
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(x);
-    match &ids {
-        GateUpIds::Given(ids) => b.arg(*ids),
-        GateUpIds::Routed(_) => b.arg(&null),
-    };
-    b.arg(table).arg(&table_len).arg(layout).arg(&k).arg(act);
-    let mut routed = match ids {
-        GateUpIds::Routed(r) => Some(r),
-        GateUpIds::Given(_) => None,
-    };
     if fast {
-        match &mut routed {
-            Some(r) => {
-                b.arg(r.logits).arg(&e).arg(&norm).arg(&mut *r.ids).arg(&mut *r.weights);
+        let mut a = KernelArgs::new();
+        a.buf(gpu, x);
+        match &ids {
+            GateUpIds::Given(ids) => a.buf(gpu, *ids),
+            GateUpIds::Routed(_) => a.null(),
+        };
+        a.buf(gpu, table).val(table_len).val(*layout).val(k).buf_mut(gpu, act);
+        match ids {
+            GateUpIds::Routed(r) => {
+                a.buf(gpu, r.logits).val(e).val(norm).buf_mut(gpu, r.ids).buf_mut(gpu, r.weights);
             }
-            None => {
-                b.arg(&null).arg(&e).arg(&norm).arg(&null).arg(&null);
+            GateUpIds::Given(_) => {
+                a.null().val(e).val(norm).null().null();
             }
         }
+        // SAFETY: moe_gate_up_gemv(const float* x [T, H], const unsigned* ids [T*k] or null, const u64* table
+        // [table_len], int table_len, MoeBlobLayout, int k, float* act [T*k, I], const float* logits [T, E] or
+        // null, int E, int norm, unsigned* ids_out [T*k], float* weights_out [T*k]) (null ids exactly when logits
+        // are given); lengths checked above and by the callers; ids past the table give NaN rows; the kernel waits
+        // for its predecessor (strata_pdl_wait) before touching memory.
+        unsafe { gpu.launch(&f, cfg, &mut a) }?;
+        return Ok(());
     }
-    // SAFETY: moe_gate_up_gemv(const float* x [T, H], const unsigned* ids [T*k] or null, const u64* table
-    // [table_len], int table_len, MoeBlobLayout, int k, float* act [T*k, I], const float* logits [T, E] or null,
-    // int E, int norm, unsigned* ids_out [T*k], float* weights_out [T*k]) (null ids exactly when logits are
-    // given), or moe_gate_up_gemv16 (the first seven, ids given: expert_gate_up_gemv_routed never routes
-    // there); lengths checked above and by the callers; ids past the table give NaN rows.
+    let GateUpIds::Given(ids) = ids else { unreachable!("expert_gate_up_gemv_routed routes only on the fast kernel") };
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(x).arg(ids).arg(table).arg(&table_len).arg(layout).arg(&k).arg(act);
+    // SAFETY: moe_gate_up_gemv16(const float* x [T, H], const unsigned* ids [T*k], const u64* table [table_len],
+    // int table_len, MoeBlobLayout, int k, float* act [T*k, I]); lengths checked above; ids past the table give
+    // NaN rows.
     unsafe { b.launch(cfg) }?;
     Ok(())
 }
@@ -415,6 +418,14 @@ pub fn expert_down_gemv(
         }
     };
     let (k, acc) = (top_k as i32, accumulate as i32);
+    if fast {
+        let mut a = KernelArgs::new();
+        a.buf(gpu, act).buf(gpu, ids).buf(gpu, weights).buf(gpu, table).val(table_len).val(*layout).val(k);
+        a.buf_mut(gpu, out).val(acc);
+        // SAFETY: as below; moe_down_gemv waits for its predecessor (strata_pdl_wait) before touching memory.
+        unsafe { gpu.launch(&f, cfg, &mut a) }?;
+        return Ok(());
+    }
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(act).arg(ids).arg(weights).arg(table).arg(&table_len).arg(layout).arg(&k).arg(out).arg(&acc);
     // SAFETY: moe_down_gemv / moe_down_gemv16(const float* act [T*k, I], const unsigned* ids,
