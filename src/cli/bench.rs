@@ -8,7 +8,11 @@
 //!   (projections, experts, causal attention, the delta rule) over the BF16
 //!   tensor-core rate measured in the same run.
 //!
-//! Medians of `--repeats` runs, each in a fresh session.
+//! Prefill: the median of `--repeats` runs, each in a fresh session.
+//! Decode: the median of every step of every run, each step timed on its
+//! own (steady state: a session's first step, which captures the CUDA
+//! graph, and a step that grows the KV and recaptures are outliers there);
+//! the mean step of a run, those included, is printed too.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -233,7 +237,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     };
     let mut rng = Rng::new(7);
     let prompt: Vec<u32> = (0..a.prompt_len).map(|_| (rng.next_u64() % c.vocab_size as u64) as u32).collect();
-    let (mut prefill_s, mut step_s) = (Vec::new(), Vec::new());
+    let (mut prefill_s, mut step_s, mut mean_s) = (Vec::new(), Vec::new(), Vec::new());
     for r in 0..a.repeats {
         let mut s = engine.new_session(&sopts)?;
         let t = Instant::now();
@@ -246,7 +250,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         let t = Instant::now();
         for _ in 0..a.gen {
+            let ts = Instant::now();
             s.step(&mut sampler)?;
+            step_s.push(ts.elapsed().as_secs_f64());
         }
         let d = t.elapsed().as_secs_f64();
         if profile {
@@ -263,7 +269,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
         prefill_s.push(p);
         if a.gen > 0 {
-            step_s.push(d / a.gen as f64);
+            mean_s.push(d / a.gen as f64);
         }
     }
     let prefill = median(&mut prefill_s);
@@ -290,16 +296,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
     println!("{line}");
     if !step_s.is_empty() {
         let step = median(&mut step_s);
+        let mean = median(&mut mean_s);
         let ctx = a.prompt_len + a.gen / 2;
         let b = decode_bytes(engine.pack(), ctx, kv_bytes)?;
         let bytes = b.dense + b.experts + b.cache;
         let mut line = format!(
-            "decode at batch 1: {:.1} tok/s ({:.2} ms/token, median of {} x {} steps), {:.1} MB/token \
-             (dense {:.1}, experts {:.1}, KV/state {:.1} at context {ctx})",
+            "decode at batch 1: {:.1} tok/s ({:.2} ms/token, median of {} x {} steps; a run's mean step, its \
+             first (CUDA-graph capture) included, {:.2} ms), {:.1} MB/token (dense {:.1}, experts {:.1}, KV/state {:.1} at context {ctx})",
             1.0 / step,
             step * 1e3,
             a.repeats,
             a.gen,
+            mean * 1e3,
             bytes / 1e6,
             b.dense / 1e6,
             b.experts / 1e6,
