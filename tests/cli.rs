@@ -39,6 +39,32 @@ fn synth_inspect_generate() {
     let s1 = gen(&["--temperature", "1.0", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.01", "--seed", "9"]);
     let s2 = gen(&["--temperature", "1.0", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.01", "--seed", "9"]);
     assert_eq!(s1, s2);
+
+    // The expert cache changes where experts come from, never the tokens:
+    // 2 slots of 16 (layers x experts) with a 1-slot ring miss, evict and
+    // stream, and say so on stderr.
+    assert_eq!(gen(&[]), gen(&["--expert-cache", "2", "--ring-slots", "1"]));
+    let (rc, _, err) = strata(&[
+        "generate",
+        "--pack",
+        p,
+        "--tokens",
+        "1,2,3,4,5",
+        "-n",
+        "4",
+        "--expert-cache",
+        "2",
+        "--ring-slots",
+        "1",
+    ]);
+    assert_eq!(rc, 0, "{err}");
+    let line = err.lines().find(|l| l.contains("expert cache:")).unwrap_or_else(|| panic!("no stats line: {err}"));
+    let misses: u64 = line.split(" misses").next().unwrap().rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(misses > 0 && line.contains("evictions"), "{line}");
+    // A cache below its minimum (one token's experts) fails the load, naming the need.
+    let (rc, _, err) = strata(&["generate", "--pack", p, "--tokens", "1,2", "-n", "2", "--expert-cache", "1"]);
+    assert_eq!(rc, 1);
+    assert!(err.contains("the minimum is 2"), "{err}");
 }
 
 #[test]

@@ -28,6 +28,8 @@ use strata::sampling::Sampler;
 use strata::session::{KvType, SessionOptions};
 use strata::{Error, Result};
 
+use super::cache_args::{stats_line, ExpertCacheArgs};
+
 #[derive(Args)]
 pub struct BenchArgs {
     /// The pack directory.
@@ -57,6 +59,8 @@ pub struct BenchArgs {
     /// Activation precision of the GPU's tensor-core products (prefill).
     #[arg(long, value_enum, default_value = "accurate")]
     precision: PrecisionArg,
+    #[command(flatten)]
+    cache: ExpertCacheArgs,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -209,6 +213,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let opts = EngineOptions {
         threads: a.threads,
         devices: vec![a.device.clone()],
+        expert_cache: a.cache.options(),
         gpu_precision: match a.precision {
             PrecisionArg::Accurate => GpuPrecision::Accurate,
             PrecisionArg::Fast => GpuPrecision::Fast,
@@ -325,6 +330,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             );
         }
         println!("{line}");
+    }
+    if let Some(stats) = engine.expert_stats() {
+        println!("{}", stats_line(&stats));
     }
     Ok(())
 }

@@ -8,6 +8,8 @@ use std::time::Instant;
 use clap::Args;
 
 use strata::engine::{Engine, EngineOptions};
+
+use super::cache_args::{stats_line, ExpertCacheArgs};
 use strata::sampling::{Sampler, SamplingParams};
 use strata::session::SessionOptions;
 use strata::tokenizer::Tokenizer;
@@ -53,13 +55,20 @@ pub struct GenerateArgs {
     /// Device: cpu, cuda or cuda:N (CUDA needs a build with feature cuda).
     #[arg(long, default_value = "cpu")]
     device: String,
+    #[command(flatten)]
+    cache: ExpertCacheArgs,
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
     let t_load = Instant::now();
     let engine = Engine::load(
         &a.pack,
-        &EngineOptions { threads: a.threads, devices: vec![a.device.clone()], ..Default::default() },
+        &EngineOptions {
+            threads: a.threads,
+            devices: vec![a.device.clone()],
+            expert_cache: a.cache.options(),
+            ..Default::default()
+        },
     )?;
     let tokenizer = match engine.pack().tokenizer_path() {
         Some(p) => Some(Tokenizer::from_file(&p)?),
@@ -117,5 +126,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         decode_s,
         out.len() as f64 / decode_s.max(1e-9)
     );
+    if let Some(stats) = engine.expert_stats() {
+        eprintln!("strata generate: {}", stats_line(&stats));
+    }
     Ok(())
 }

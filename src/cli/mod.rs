@@ -12,6 +12,7 @@ use strata::pack::Pack;
 use strata::Result;
 
 mod bench;
+mod cache_args;
 mod generate;
 mod profile;
 

@@ -1,0 +1,90 @@
+//! The expert-cache options of `strata generate` and `strata bench`
+//! (`ExpertCacheOptions`; docs/expert-cache.md), named as the field report's
+//! engine names them where it has them.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use strata::experts::{ExpertCacheOptions, ExpertStats};
+
+const MIB: f64 = 1024.0 * 1024.0;
+const GIB: f64 = 1024.0 * MIB;
+
+#[derive(Args, Clone, Debug, Default)]
+pub struct ExpertCacheArgs {
+    /// Expert slots on the device (the cache is off without this or
+    /// --expert-vram-budget-mib).
+    #[arg(long = "expert-cache")]
+    slots: Option<usize>,
+    /// Device memory for the slots and the prefill ring, in MiB; the slot
+    /// count is what fits.
+    #[arg(long)]
+    expert_vram_budget_mib: Option<f64>,
+    /// MiB of that budget kept free.
+    #[arg(long, default_value_t = 0.0)]
+    vram_reserve_mib: f64,
+    /// Page-locked host RAM for experts, in GiB (the host tier).
+    #[arg(long)]
+    resident_budget_gib: Option<f64>,
+    /// Slots of the prefill ring.
+    #[arg(long, default_value_t = 4)]
+    ring_slots: usize,
+    /// Workers reading the mapped pack into staging.
+    #[arg(long, default_value_t = 4)]
+    pool_workers: usize,
+    /// Tokens between adaptive swaps (0: never).
+    #[arg(long, default_value_t = 64)]
+    adapt_every: usize,
+    /// Most swaps per tier per interval.
+    #[arg(long, default_value_t = 16)]
+    adapt_swaps: usize,
+    /// Per-token decay of the use counts.
+    #[arg(long, default_value_t = 0.99)]
+    adapt_decay: f64,
+    /// Initial placement from a profile written by `strata profile`.
+    #[arg(long)]
+    expert_profile: Option<PathBuf>,
+}
+
+/// A size in bytes from a count of `unit`s given on the command line.
+fn bytes(v: f64, unit: f64) -> u64 {
+    (v.max(0.0) * unit) as u64
+}
+
+impl ExpertCacheArgs {
+    pub fn options(&self) -> ExpertCacheOptions {
+        ExpertCacheOptions {
+            slots: self.slots,
+            vram_budget: self.expert_vram_budget_mib.map(|m| bytes(m, MIB)),
+            vram_reserve: bytes(self.vram_reserve_mib, MIB),
+            ring_slots: self.ring_slots,
+            host_budget: self.resident_budget_gib.map(|g| bytes(g, GIB)),
+            pool_workers: self.pool_workers,
+            adapt_every: self.adapt_every,
+            adapt_swaps: self.adapt_swaps,
+            adapt_decay: self.adapt_decay,
+            profile: self.expert_profile.clone(),
+            ..Default::default()
+        }
+    }
+}
+
+/// One line of cache statistics for stderr.
+pub fn stats_line(s: &ExpertStats) -> String {
+    let lookups = s.hits + s.misses;
+    format!(
+        "expert cache: {} hits, {} misses ({:.1}% hits; {} streamed), {} evictions, {} swaps, {:.1} MB copied \
+         ({:.1} from host buffers, {:.1} from the pack), {:.3} s waiting on copies",
+        s.hits,
+        s.misses,
+        100.0 * s.hits as f64 / lookups.max(1) as f64,
+        s.streamed,
+        s.evictions,
+        s.swaps + s.host_swaps,
+        s.bytes_copied as f64 / 1e6,
+        s.bytes_from_host as f64 / 1e6,
+        s.bytes_from_pack as f64 / 1e6,
+        s.wait_ns as f64 / 1e9
+    )
+}
