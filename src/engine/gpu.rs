@@ -36,6 +36,7 @@ use crate::backend::cuda::deltanet::{
 };
 use crate::backend::cuda::dense::{self, GemmPrecision, RopeTable, Write};
 use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping, GroupedPrecision};
+use crate::backend::cuda::cudarc::driver::PinnedHostSlice;
 use crate::backend::cuda::{CudaSlice, DevicePtr, Gpu};
 use crate::backend::{AttentionShape, DeltaNetState, Rope};
 use crate::error::{Error, Result};
@@ -469,13 +470,18 @@ impl GpuModel {
         let (h, t, vocab) = (c.hidden_size, s.t, c.vocab_size);
         let queued = started.elapsed();
         // Both copies queued, then one wait.
-        let mut out = vec![0.0f32; rows * vocab];
-        if rows > 0 {
-            gpu.stream().memcpy_dtoh(&LogitScratch::get(&mut s.head, gpu, rows, h, vocab)?.logits, &mut out)?;
-        }
         let mut flags = vec![0u32; cache.flags.len()];
-        gpu.stream().memcpy_dtoh(&cache.flags, &mut flags)?;
-        gpu.sync()?;
+        let out = if rows > 0 {
+            let lg = LogitScratch::get(&mut s.head, gpu, rows, h, vocab)?;
+            gpu.stream().memcpy_dtoh(&lg.logits, &mut lg.host)?;
+            gpu.stream().memcpy_dtoh(&cache.flags, &mut flags)?;
+            gpu.sync()?;
+            lg.host.as_slice()?.to_vec()
+        } else {
+            gpu.stream().memcpy_dtoh(&cache.flags, &mut flags)?;
+            gpu.sync()?;
+            Vec::new()
+        };
         if trace_forward() {
             eprintln!(
                 "strata: forward of {t} rows: queued in {:.3} ms, done in {:.3} ms",
@@ -798,6 +804,10 @@ struct LogitScratch {
     normed: CudaSlice<f32>,
     logits: CudaSlice<f32>,
     bf: CudaSlice<bf16>,
+    /// Page-locked (cached, not write-combined) host copy of `logits`: the
+    /// device writes it directly, without the driver's staging of a
+    /// pageable copy.
+    host: PinnedHostSlice<f32>,
 }
 
 impl LogitScratch {
@@ -816,6 +826,8 @@ impl LogitScratch {
                     rows: gpu.alloc_zeros(rows * hidden)?,
                     normed: gpu.alloc_zeros(rows * hidden)?,
                     logits: gpu.alloc_zeros(rows * vocab)?,
+                    // SAFETY: the host buffer is only read after a copy of `logits` into it has completed.
+                    host: unsafe { gpu.context().alloc_pinned_with_flags::<f32>(rows * vocab, 0) }?,
                     bf: gpu.alloc_zeros(2 * rows * hidden)?,
                 };
                 kept.push((rows, l));
