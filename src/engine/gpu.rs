@@ -31,12 +31,12 @@ use super::{deltanet_shape, linear_layers, Engine, GpuPrecision, Logits};
 use crate::backend::cuda::attention::{
     self, AttnConfig, AttnPrecision, AttnScratch, DeviceKv, KvDtype, QkvPrep, StepPlan, StepPos,
 };
+use crate::backend::cuda::cudarc::driver::PinnedHostSlice;
 use crate::backend::cuda::deltanet::{
     deltanet_core_with, DeltaNetDeviceWeights, DeltaNetScratch, DeltaRuleForm, DeviceDeltaState,
 };
 use crate::backend::cuda::dense::{self, GemmPrecision, RopeTable, Write};
 use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping, GroupedPrecision};
-use crate::backend::cuda::cudarc::driver::PinnedHostSlice;
 use crate::backend::cuda::{CudaSlice, DevicePtr, Gpu};
 use crate::backend::{AttentionShape, DeltaNetState, Rope};
 use crate::error::{Error, Result};
