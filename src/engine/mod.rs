@@ -25,9 +25,11 @@ pub(crate) mod gpu;
 #[cfg(test)]
 pub(crate) mod test_pack;
 
+use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
+use std::time::Instant;
 
 use rayon::prelude::*;
 
@@ -51,7 +53,19 @@ pub struct EngineOptions {
     /// rayon's global pool.
     pub threads: Option<usize>,
     /// Devices to run on, as `Device::parse` reads them; empty = `["cpu"]`.
+    /// Several devices split the layers into stages, one per device, in
+    /// list order (docs/layer-split.md); for now only CPU stages: the list
+    /// repeats `"cpu"` (`["cpu", "cpu"]` = two CPU stages, each with its
+    /// own thread pool, `threads` divided between them).
     pub devices: Vec<String>,
+    /// With several devices: the first layer of each stage after the first
+    /// (`[2]` on two devices = layers `0..2` and `2..`); strictly
+    /// increasing, inside `1..num_hidden_layers`, one per extra device.
+    /// `None` divides the layers evenly (earlier stages take the remainder).
+    pub layer_split: Option<Vec<usize>>,
+    /// Whether an idle stage helps with the expert rows of the active
+    /// stage's MoE layers during prefill (needs several devices).
+    pub prefill_help: Help,
     /// Recompute every checksum of the pack while loading (`Pack::verify`).
     pub verify_checksums: bool,
     /// How a CUDA device rounds activations in its tensor-core products.
@@ -60,6 +74,87 @@ pub struct EngineOptions {
     /// the default is off: every expert read from the mapped pack. CPU only
     /// for now.
     pub expert_cache: ExpertCacheOptions,
+}
+
+/// Prefill help: an idle stage computes a share of the active layer's
+/// expert rows through the same MoE pipeline (`moe::HelpedCompute`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Help {
+    /// Help when a forward has at least `HELP_AUTO_MIN_ROWS` rows (a
+    /// prefill chunk, not a decode step) and there is another stage, idle
+    /// because windows are not pipelined.
+    #[default]
+    Auto,
+    /// Help on every forward of a split engine, whatever its rows.
+    On,
+    /// Never help.
+    Off,
+}
+
+/// The rows from which `Help::Auto` helps: below it the hand-over costs
+/// more than the rows it moves (a decode step has one row per sequence).
+pub const HELP_AUTO_MIN_ROWS: usize = 64;
+
+impl Help {
+    /// `"auto"`, `"on"` or `"off"`.
+    pub fn parse(s: &str) -> Result<Help> {
+        match s {
+            "auto" => Ok(Help::Auto),
+            "on" => Ok(Help::On),
+            "off" => Ok(Help::Off),
+            _ => Err(Error::InvalidArgument(format!("prefill help {s:?} is not one of auto, on, off"))),
+        }
+    }
+
+    /// Whether a forward of `rows` rows on an engine of `stages` stages is helped.
+    pub fn applies(self, stages: usize, rows: usize) -> bool {
+        stages > 1
+            && match self {
+                Help::Auto => rows >= HELP_AUTO_MIN_ROWS,
+                Help::On => true,
+                Help::Off => false,
+            }
+    }
+}
+
+/// The layers of each stage: `split` holds the first layer of every stage
+/// after the first (`None`: the layers divided evenly, earlier stages
+/// taking the remainder). Refuses with `Error::InvalidArgument` a split
+/// that is not one point per extra stage, strictly increasing, inside
+/// `1..layers`.
+pub fn stage_layers(layers: usize, stages: usize, split: Option<&[usize]>) -> Result<Vec<Range<usize>>> {
+    assert!(stages >= 1, "stage_layers: no stage");
+    if stages > layers {
+        return Err(Error::InvalidArgument(format!("{stages} devices for {layers} layers: a stage needs a layer")));
+    }
+    let starts: Vec<usize> = match split {
+        None => {
+            let (base, extra) = (layers / stages, layers % stages);
+            (1..stages).map(|s| s * base + s.min(extra)).collect()
+        }
+        Some(points) => {
+            if points.len() != stages - 1 {
+                return Err(Error::InvalidArgument(format!(
+                    "layer split {points:?}: {} point(s) for {stages} device(s), one per device after the first",
+                    points.len()
+                )));
+            }
+            let mut prev = 0;
+            for &p in points {
+                if p <= prev || p >= layers {
+                    return Err(Error::InvalidArgument(format!(
+                        "layer split {points:?}: each point must be a layer in 1..{layers}, strictly increasing"
+                    )));
+                }
+                prev = p;
+            }
+            points.to_vec()
+        }
+    };
+    let mut bounds = vec![0];
+    bounds.extend(starts);
+    bounds.push(layers);
+    Ok(bounds.windows(2).map(|w| w[0]..w[1]).collect())
 }
 
 /// How the GPU rounds activations in its tensor-core products (the
@@ -102,13 +197,20 @@ impl Device {
         }
     }
 
-    /// Parses a device list and checks that this build can run on it: one
-    /// device, the CPU (the default when the list is empty) or one CUDA
-    /// device. A CUDA device is probed (driver library, device count,
-    /// ordinal) and refused with `Error::NoCuda` naming the cause; a build
-    /// without the `cuda` feature refuses every CUDA device so.
+    /// Parses a device list and checks that this build can run on it: the
+    /// CPU (the default when the list is empty), one CUDA device, or
+    /// several CPU devices (a layer split; CUDA stages are refused with
+    /// `Error::Unsupported`). A CUDA device is probed (driver library,
+    /// device count, ordinal) and refused with `Error::NoCuda` naming the
+    /// cause; a build without the `cuda` feature refuses every CUDA device so.
     pub fn parse_list(names: &[String]) -> Result<Vec<Device>> {
         let devices = names.iter().map(|n| Device::parse(n)).collect::<Result<Vec<_>>>()?;
+        if devices.len() > 1 && devices.iter().any(|d| *d != Device::Cpu) {
+            return Err(Error::Unsupported(format!(
+                "devices {names:?}: a layer split runs on CPU devices only for now (CUDA stages, their \
+                 hand-off and their prefill help are not built yet)"
+            )));
+        }
         for d in &devices {
             if let Device::Cuda(ordinal) = *d {
                 #[cfg(feature = "cuda")]
@@ -120,13 +222,47 @@ impl Device {
                 }
             }
         }
-        if devices.len() > 1 {
-            return Err(Error::InvalidArgument(format!(
-                "devices {names:?}: one device per engine (layer split over several devices is not built yet)"
-            )));
-        }
         Ok(if devices.is_empty() { vec![Device::Cpu] } else { devices })
     }
+}
+
+/// One CPU stage per layer range. One stage keeps `threads` as given
+/// (`None`: rayon's global pool); several divide `threads` (default: the
+/// machine's cores) between dedicated pools, earlier stages taking the
+/// remainder, at least one thread each.
+fn cpu_stages(ranges: Vec<Range<usize>>, threads: Option<usize>) -> Result<Vec<CpuStage>> {
+    if ranges.len() == 1 {
+        let layers = ranges.into_iter().next().expect("one range");
+        return Ok(vec![CpuStage { backend: CpuBackend::new(threads)?, layers }]);
+    }
+    let n = ranges.len();
+    let total = match threads {
+        Some(0) => return Err(Error::InvalidArgument("threads 0: a thread pool needs at least one thread".into())),
+        Some(t) => t,
+        None => std::thread::available_parallelism().map_or(1, |p| p.get()),
+    };
+    ranges
+        .into_iter()
+        .enumerate()
+        .map(|(i, layers)| {
+            let own = (total / n + usize::from(i < total % n)).max(1);
+            Ok(CpuStage { backend: CpuBackend::new(Some(own))?, layers })
+        })
+        .collect()
+}
+
+/// The stage that helps stage `active` and the share of expert rows it
+/// takes: the other stage with the most threads (the nearest after
+/// `active` on ties), its share its fraction of the two stages' threads
+/// (CPU stages of one machine run at the same speed per thread).
+fn helper_of(stages: &[CpuStage], active: usize) -> (&dyn Backend, f64) {
+    let n = stages.len();
+    let helper = (1..n)
+        .map(|d| (active + d) % n)
+        .max_by_key(|&i| (stages[i].backend.threads(), std::cmp::Reverse((i + n - active) % n)))
+        .expect("a split has another stage");
+    let (a, h) = (stages[active].backend.threads() as f64, stages[helper].backend.threads() as f64);
+    (&stages[helper].backend, h / (a + h))
 }
 
 /// Fractions of a load at which each phase ends; the rest is decoding the
@@ -170,6 +306,9 @@ struct Inner {
     rope: Rope,
     /// The CPU expert cache, when `EngineOptions::expert_cache` asks for one.
     experts: Option<parking_lot::Mutex<CpuExpertCache>>,
+    prefill_help: Help,
+    /// What the stages of a layer split did (`None` on one device).
+    split: Option<parking_lot::Mutex<SplitStats>>,
     /// Tests: layers left to run before a forward fails.
     #[cfg(test)]
     fail_after_layers: std::sync::Mutex<Option<usize>>,
@@ -180,15 +319,50 @@ struct Inner {
 }
 
 /// What runs the forward pass: the CPU reference (f32 weights decoded at
-/// load, every op through `Backend`) or one CUDA device (`gpu::GpuModel`:
-/// weights resident in device memory, the same math in kernels).
+/// load, every op through `Backend`) on one or more stages, or one CUDA
+/// device (`gpu::GpuModel`: weights resident in device memory, the same
+/// math in kernels).
 enum Exec {
     Cpu {
-        backend: Box<dyn Backend>,
+        /// One stage per device, in layer order; one stage without a split.
+        stages: Vec<CpuStage>,
         weights: Weights,
     },
     #[cfg(feature = "cuda")]
     Cuda(Box<gpu::GpuModel>),
+}
+
+/// A stage of the CPU forward: its own backend (thread pool) runs its
+/// layers. The layers' dense weights, KV and recurrent state are host
+/// memory the stage reads by layer index; a GPU stage will hold only its
+/// range in device memory.
+struct CpuStage {
+    backend: CpuBackend,
+    layers: Range<usize>,
+}
+
+/// What a layer split did since load (`Engine::split_stats`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SplitStats {
+    /// Per stage, in layer order.
+    pub stages: Vec<StageStats>,
+    /// Hidden-state hand-offs from one stage to the next (one per window
+    /// per stage boundary), their bytes and the time they took.
+    pub handoffs: u64,
+    pub handoff_bytes: u64,
+    pub handoff_seconds: f64,
+    /// MoE layers computed with prefill help, and the expert rows the
+    /// helping stage computed in them.
+    pub helped_layers: u64,
+    pub helper_rows: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StageStats {
+    pub layers: Range<usize>,
+    pub threads: usize,
+    /// Time spent running this stage's layers (its own, not helping).
+    pub seconds: f64,
 }
 
 /// Dense weights in f32, decoded once at load. Experts stay in the pack.
@@ -507,18 +681,32 @@ impl Engine {
         let c = pack.config();
         c.validate()?;
         let rope = Rope::new(c);
-        let device = Device::parse_list(&opts.devices)?[0];
+        let devices = Device::parse_list(&opts.devices)?;
+        let device = devices[0];
         if device != Device::Cpu && opts.expert_cache.enabled() {
             return Err(Error::Unsupported(
                 "the expert cache runs on the CPU backend only (the GPU's is to come)".into(),
             ));
         }
+        let ranges = stage_layers(c.num_hidden_layers, devices.len(), opts.layer_split.as_deref())?;
+        if ranges.len() > 1 && opts.expert_cache.enabled() {
+            return Err(Error::Unsupported(
+                "the expert cache with a layer split (a cache per stage is not built yet)".into(),
+            ));
+        }
         let experts = CpuExpertCache::load(&pack, &opts.expert_cache)?.map(parking_lot::Mutex::new);
+        let split = (ranges.len() > 1).then(|| parking_lot::Mutex::new(SplitStats::default()));
         let exec = match device {
             Device::Cpu => {
-                let backend = CpuBackend::new(opts.threads)?;
-                let weights = Weights::load(&pack, &backend, progress)?;
-                Exec::Cpu { backend: Box::new(backend), weights }
+                let stages = cpu_stages(ranges, opts.threads)?;
+                let weights = Weights::load(&pack, &stages[0].backend, progress)?;
+                if let Some(split) = &split {
+                    split.lock().stages = stages
+                        .iter()
+                        .map(|s| StageStats { layers: s.layers.clone(), threads: s.backend.threads(), seconds: 0.0 })
+                        .collect();
+                }
+                Exec::Cpu { stages, weights }
             }
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => {
@@ -534,6 +722,8 @@ impl Engine {
                 exec,
                 rope,
                 experts,
+                prefill_help: opts.prefill_help,
+                split,
                 #[cfg(test)]
                 fail_after_layers: std::sync::Mutex::new(None),
                 #[cfg(any(test, feature = "test-hooks"))]
@@ -542,13 +732,18 @@ impl Engine {
         })
     }
 
-    /// The CPU backend and its weights (the CPU forward's view of `exec`).
-    fn cpu(&self) -> (&dyn Backend, &Weights) {
+    /// The CPU stages and the weights (the CPU forward's view of `exec`).
+    fn cpu(&self) -> (&[CpuStage], &Weights) {
         match &self.inner.exec {
-            Exec::Cpu { backend, weights } => (&**backend, weights),
+            Exec::Cpu { stages, weights } => (stages, weights),
             #[cfg(feature = "cuda")]
             Exec::Cuda(_) => unreachable!("the CPU forward on a CUDA engine"),
         }
+    }
+
+    /// What the stages of a layer split did since load (`None` on one device).
+    pub fn split_stats(&self) -> Option<SplitStats> {
+        self.inner.split.as_ref().map(|s| s.lock().clone())
     }
 
     /// Tests: a forward fails (`Error::Cancelled`) once `layers` more layers
@@ -614,7 +809,7 @@ impl Engine {
     /// The name of the backend that runs the forward pass ("cpu" or "cuda").
     pub fn backend_name(&self) -> &'static str {
         match &self.inner.exec {
-            Exec::Cpu { backend, .. } => backend.name(),
+            Exec::Cpu { stages, .. } => stages[0].backend.name(),
             #[cfg(feature = "cuda")]
             Exec::Cuda(_) => "cuda",
         }
@@ -685,37 +880,50 @@ impl Engine {
 
     fn forward_rows(&self, kv: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         let c = self.config();
-        let (b, w) = self.cpu();
+        let (stages, w) = self.cpu();
         let (h, t) = (c.hidden_size, tokens.len());
         let start = kv.len();
         if let Some(cache) = &self.inner.experts {
             cache.lock().begin_forward(t);
         }
+        let help = self.inner.prefill_help.applies(stages.len(), t);
         let mut x = vec![0.0f32; t * h];
         for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
             row.copy_from_slice(w.embed.row(tok as usize));
         }
-        for (l, lw) in w.layers.iter().enumerate() {
-            match &lw.mixer {
-                Mixer::Attention { .. } => self.attention_block(l, lw, kv, &mut x),
-                Mixer::Linear { .. } => self.linear_block(l, lw, kv, &mut x),
+        for (s, stage) in stages.iter().enumerate() {
+            if s > 0 {
+                x = self.hand_off(&x);
             }
-            self.moe_block(l, lw, &mut x)?;
-            #[cfg(any(test, feature = "test-hooks"))]
-            if let Some(row) = self.take_nan(l, start, t) {
-                x[row * h] = f32::NAN;
-            }
-            check_finite(&x, h, start, || format!("at layer {l}"))?;
-            #[cfg(test)]
-            {
-                let mut fail = self.inner.fail_after_layers.lock().unwrap();
-                if let Some(n) = fail.as_mut() {
-                    *n -= 1;
-                    if *n == 0 {
-                        *fail = None;
-                        return Err(Error::Cancelled);
+            let began = Instant::now();
+            let b: &dyn Backend = &stage.backend;
+            let helper = help.then(|| helper_of(stages, s));
+            for l in stage.layers.clone() {
+                let lw = &w.layers[l];
+                match &lw.mixer {
+                    Mixer::Attention { .. } => self.attention_block(b, l, lw, kv, &mut x),
+                    Mixer::Linear { .. } => self.linear_block(b, l, lw, kv, &mut x),
+                }
+                self.moe_block(b, helper, l, lw, &mut x)?;
+                #[cfg(any(test, feature = "test-hooks"))]
+                if let Some(row) = self.take_nan(l, start, t) {
+                    x[row * h] = f32::NAN;
+                }
+                check_finite(&x, h, start, || format!("at layer {l}"))?;
+                #[cfg(test)]
+                {
+                    let mut fail = self.inner.fail_after_layers.lock().unwrap();
+                    if let Some(n) = fail.as_mut() {
+                        *n -= 1;
+                        if *n == 0 {
+                            *fail = None;
+                            return Err(Error::Cancelled);
+                        }
                     }
                 }
+            }
+            if let Some(split) = &self.inner.split {
+                split.lock().stages[s].seconds += began.elapsed().as_secs_f64();
             }
         }
         if let Some(cache) = &self.inner.experts {
@@ -726,6 +934,7 @@ impl Engine {
             Logits::Last => (&x[(t - 1) * h..], start + t - 1),
             Logits::All => (&x[..], start),
         };
+        let b = &stages[stages.len() - 1].backend;
         let mut xn = vec![0.0f32; rows.len()];
         b.rmsnorm(rows, &w.final_norm, self.eps(), &mut xn);
         let mut out = vec![0.0f32; rows.len() / h * c.vocab_size];
@@ -734,14 +943,27 @@ impl Engine {
         Ok(out)
     }
 
+    /// The one hidden-state hand-off of a window from a stage to the next:
+    /// the next stage's own copy (a peer copy between GPUs), counted.
+    fn hand_off(&self, x: &[f32]) -> Vec<f32> {
+        let began = Instant::now();
+        let moved = x.to_vec();
+        if let Some(split) = &self.inner.split {
+            let mut s = split.lock();
+            s.handoffs += 1;
+            s.handoff_bytes += std::mem::size_of_val(x) as u64;
+            s.handoff_seconds += began.elapsed().as_secs_f64();
+        }
+        moved
+    }
+
     fn eps(&self) -> f32 {
         self.config().rms_norm_eps as f32
     }
 
     /// `x += o_proj(attention(rope(norm(q)), rope(norm(k)), v))` over `x [T, hidden]`.
-    fn attention_block(&self, layer: usize, lw: &LayerWeights, kv: &mut KvCache, x: &mut [f32]) {
+    fn attention_block(&self, b: &dyn Backend, layer: usize, lw: &LayerWeights, kv: &mut KvCache, x: &mut [f32]) {
         let c = self.config();
-        let (b, _) = self.cpu();
         let eps = self.eps();
         let shape =
             AttentionShape { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
@@ -789,9 +1011,8 @@ impl Engine {
     }
 
     /// `x += gated_deltanet(norm(x))`, advancing the layer's recurrent state.
-    fn linear_block(&self, layer: usize, lw: &LayerWeights, kv: &mut KvCache, x: &mut [f32]) {
+    fn linear_block(&self, b: &dyn Backend, layer: usize, lw: &LayerWeights, kv: &mut KvCache, x: &mut [f32]) {
         let c = self.config();
-        let (b, _) = self.cpu();
         let Mixer::Linear { in_proj_qkvz, in_proj_ba, conv1d, dt_bias, a_log, norm, out_proj } = &lw.mixer else {
             unreachable!("linear_block on an attention layer")
         };
@@ -803,29 +1024,45 @@ impl Engine {
         b.add(x, &o);
     }
 
-    /// `x += moe(norm(x))`.
-    fn moe_block(&self, layer: usize, lw: &LayerWeights, x: &mut [f32]) -> Result<()> {
+    /// `x += moe(norm(x))` on `b`; with a `helper` (an idle stage and the
+    /// share of rows it takes), through `moe::HelpedCompute`.
+    fn moe_block(
+        &self,
+        b: &dyn Backend,
+        helper: Option<(&dyn Backend, f64)>,
+        layer: usize,
+        lw: &LayerWeights,
+        x: &mut [f32],
+    ) -> Result<()> {
         let c = self.config();
-        let (b, _) = self.cpu();
         let mut h = vec![0.0f32; x.len()];
         b.rmsnorm(x, &lw.post_attn_norm, self.eps(), &mut h);
         let moe =
             MoeLayer { layer, router: &lw.router, top_k: c.num_experts_per_tok, norm_topk_prob: c.norm_topk_prob };
         let mut out = vec![0.0f32; x.len()];
-        match &self.inner.experts {
-            Some(cache) => cache.lock().moe_forward(b, &self.inner.pack, &moe, &h, &mut out)?,
-            None => moe::forward(b, &self.inner.pack, &moe, &h, &mut out)?,
+        match (&self.inner.experts, helper) {
+            (Some(cache), _) => cache.lock().moe_forward(b, &self.inner.pack, &moe, &h, &mut out)?,
+            (None, Some((helper, share))) => {
+                let mut help = moe::HelpedCompute::new(&self.inner.pack, helper, share);
+                let routing = moe::forward_with(b, &mut help, &moe, &h, &mut out)?;
+                if let Some(split) = &self.inner.split {
+                    let mut s = split.lock();
+                    s.helped_layers += 1;
+                    s.helper_rows += help.helper_rows() as u64;
+                }
+                routing
+            }
+            (None, None) => moe::forward(b, &self.inner.pack, &moe, &h, &mut out)?,
         };
         if let Some(shared) = &lw.shared {
-            self.shared_expert(shared, &h, &mut out)?;
+            self.shared_expert(b, shared, &h, &mut out)?;
         }
         b.add(x, &out);
         Ok(())
     }
 
     /// `out += sigmoid(h . gate) * shared_mlp(h)` over `h [T, hidden]`.
-    fn shared_expert(&self, se: &SharedExpert, h: &[f32], out: &mut [f32]) -> Result<()> {
-        let (b, _) = self.cpu();
+    fn shared_expert(&self, b: &dyn Backend, se: &SharedExpert, h: &[f32], out: &mut [f32]) -> Result<()> {
         let hidden = self.config().hidden_size;
         let t = h.len() / hidden;
         let mut y = vec![0.0f32; h.len()];

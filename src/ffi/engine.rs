@@ -245,6 +245,8 @@ pub unsafe extern "C" fn strata_engine_load(
                 strata_gpu_precision::STRATA_GPU_PRECISION_FAST => GpuPrecision::Fast,
             },
             expert_cache: Default::default(),
+            // Layer split and prefill help have no C fields yet: even split, auto help.
+            ..Default::default()
         };
         log(strata_log_level::STRATA_LOG_INFO, &format!("loading pack {path} ({opts:?})"));
         let start = Instant::now();

@@ -174,6 +174,77 @@ impl ExpertCompute for SourceCompute<'_> {
     }
 }
 
+/// `ExpertCompute` with prefill help: the groups are cut in two contiguous
+/// runs, the first computed on the pipeline's backend (the active stage)
+/// and the rest on `helper` (an idle stage), at the same time, each into
+/// its own slice of `y`. Every row is computed from its own input by the
+/// same arithmetic whichever device computes it, so the result equals the
+/// unhelped pipeline's.
+pub struct HelpedCompute<'a> {
+    source: &'a dyn ExpertSource,
+    helper: &'a dyn Backend,
+    /// The fraction of the rows the helper takes, in `0..=1`.
+    share: f64,
+    helper_rows: usize,
+}
+
+impl<'a> HelpedCompute<'a> {
+    pub fn new(source: &'a dyn ExpertSource, helper: &'a dyn Backend, share: f64) -> HelpedCompute<'a> {
+        HelpedCompute { source, helper, share: share.clamp(0.0, 1.0), helper_rows: 0 }
+    }
+
+    /// The expert rows the helper computed so far.
+    pub fn helper_rows(&self) -> usize {
+        self.helper_rows
+    }
+}
+
+/// Where to cut `groups` so that the groups after the cut hold about
+/// `share` of the rows (a group is never cut): the number of groups the
+/// active device keeps, the cut whose helper rows are nearest the target.
+pub fn help_cut(groups: &[ExpertGroup], share: f64) -> usize {
+    let total: usize = groups.iter().map(|g| g.tokens.len()).sum();
+    let keep = total as f64 * (1.0 - share.clamp(0.0, 1.0));
+    let mut best = (0, keep);
+    let mut rows = 0;
+    for (k, g) in groups.iter().enumerate() {
+        rows += g.tokens.len();
+        let miss = (rows as f64 - keep).abs();
+        if miss < best.1 {
+            best = (k + 1, miss);
+        }
+    }
+    best.0
+}
+
+impl ExpertCompute for HelpedCompute<'_> {
+    fn compute(
+        &mut self,
+        backend: &dyn Backend,
+        layer: usize,
+        groups: &[ExpertGroup],
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<()> {
+        let cut = help_cut(groups, self.share);
+        let (own, helped) = groups.split_at(cut);
+        let rows: usize = own.iter().map(|g| g.tokens.len()).sum();
+        let hidden = if rows == 0 { 0 } else { x.len() / groups.iter().map(|g| g.tokens.len()).sum::<usize>() };
+        let (x_own, x_helped) = x.split_at(rows * hidden);
+        let (y_own, y_helped) = y.split_at_mut(rows * hidden);
+        let (source, helper) = (self.source, self.helper);
+        let (mine, theirs) = std::thread::scope(|scope| {
+            let theirs = scope.spawn(|| SourceCompute(source).compute(helper, layer, helped, x_helped, y_helped));
+            let mine = SourceCompute(source).compute(backend, layer, own, x_own, y_own);
+            (mine, theirs.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+        });
+        mine?;
+        theirs?;
+        self.helper_rows += helped.iter().map(|g| g.tokens.len()).sum::<usize>();
+        Ok(())
+    }
+}
+
 /// The whole pipeline for `h [T, hidden]` (already normalized): writes the
 /// MoE output into `out [T, hidden]` and returns the routing.
 pub fn forward(
