@@ -1234,6 +1234,93 @@ mod tests {
     }
 
     #[test]
+    fn layer_split_points_are_validated_and_default_to_even_stages() {
+        assert_eq!(stage_layers(4, 1, None).unwrap(), vec![0..4]);
+        assert_eq!(stage_layers(4, 2, None).unwrap(), vec![0..2, 2..4]);
+        assert_eq!(stage_layers(5, 3, None).unwrap(), vec![0..2, 2..4, 4..5]);
+        assert_eq!(stage_layers(4, 2, Some(&[1])).unwrap(), vec![0..1, 1..4]);
+        assert_eq!(stage_layers(4, 3, Some(&[1, 3])).unwrap(), vec![0..1, 1..3, 3..4]);
+        let bad = |layers, stages, split: Option<&[usize]>, want: &str| {
+            let err = stage_layers(layers, stages, split).unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument(ref m) if m.contains(want)), "{split:?}: {err}");
+        };
+        bad(4, 2, Some(&[]), "0 point(s) for 2 device(s)");
+        bad(4, 2, Some(&[1, 2]), "2 point(s) for 2 device(s)");
+        bad(4, 1, Some(&[2]), "1 point(s) for 1 device(s)");
+        bad(4, 2, Some(&[0]), "in 1..4");
+        bad(4, 2, Some(&[4]), "in 1..4");
+        bad(4, 3, Some(&[2, 2]), "strictly increasing");
+        bad(4, 3, Some(&[3, 1]), "strictly increasing");
+        bad(2, 3, None, "3 devices for 2 layers");
+    }
+
+    #[test]
+    fn prefill_help_parses_and_applies_by_rows_and_stages() {
+        assert_eq!(Help::parse("auto").unwrap(), Help::Auto);
+        assert_eq!(Help::parse("on").unwrap(), Help::On);
+        assert_eq!(Help::parse("off").unwrap(), Help::Off);
+        assert!(matches!(Help::parse("yes"), Err(Error::InvalidArgument(_))));
+        assert!(!Help::Auto.applies(2, HELP_AUTO_MIN_ROWS - 1));
+        assert!(Help::Auto.applies(2, HELP_AUTO_MIN_ROWS));
+        assert!(!Help::Auto.applies(1, 10_000), "one stage has no one to help it");
+        assert!(Help::On.applies(2, 1) && !Help::On.applies(1, 1));
+        assert!(!Help::Off.applies(3, 10_000));
+    }
+
+    #[test]
+    fn stages_divide_the_threads_and_the_helper_share_follows_them() {
+        let stages = cpu_stages(vec![0..1, 1..2, 2..4], Some(5)).unwrap();
+        let threads: Vec<usize> = stages.iter().map(|s| s.backend.threads()).collect();
+        assert_eq!(threads, vec![2, 2, 1]);
+        // Stage 2 (1 thread) is helped by stage 0 (2 threads, the nearest
+        // after it among the largest): 2/3 of the rows.
+        let (helper, share) = helper_of(&stages, 2);
+        assert!(std::ptr::addr_eq(helper, &stages[0].backend));
+        assert!((share - 2.0 / 3.0).abs() < 1e-12, "{share}");
+        let (helper, share) = helper_of(&stages, 0);
+        assert!(std::ptr::addr_eq(helper, &stages[1].backend));
+        assert_eq!(share, 0.5);
+        // Fewer threads than stages: one each.
+        let one_each = cpu_stages(vec![0..1, 1..2], Some(1)).unwrap();
+        assert!(one_each.iter().all(|s| s.backend.threads() == 1));
+        assert!(matches!(cpu_stages(vec![0..1, 1..2], Some(0)), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn a_split_refuses_cuda_stages_and_the_expert_cache() {
+        let two = |a: &str, b: &str| vec![a.to_string(), b.to_string()];
+        assert_eq!(Device::parse_list(&two("cpu", "cpu")).unwrap(), vec![Device::Cpu, Device::Cpu]);
+        for list in [two("cpu", "cuda"), two("cuda:0", "cuda:1")] {
+            let err = Device::parse_list(&list).unwrap_err();
+            assert!(matches!(err, Error::Unsupported(ref m) if m.contains("CPU devices only")), "{err}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        write_tiny_pack(dir.path(), &tiny_config(), &TinyPack::default()).unwrap();
+        let split = EngineOptions { devices: two("cpu", "cpu"), ..Default::default() };
+        let cached = EngineOptions {
+            expert_cache: ExpertCacheOptions { slots: Some(4), ..Default::default() },
+            ..split.clone()
+        };
+        let err = Engine::load(dir.path(), &cached).err().unwrap();
+        assert!(matches!(err, Error::Unsupported(ref m) if m.contains("expert cache")), "{err}");
+        let bad = EngineOptions { layer_split: Some(vec![2]), ..split.clone() };
+        assert!(matches!(Engine::load(dir.path(), &bad), Err(Error::InvalidArgument(_))));
+        let one = EngineOptions { layer_split: Some(vec![1]), ..Default::default() };
+        assert!(matches!(Engine::load(dir.path(), &one), Err(Error::InvalidArgument(_))));
+        // The split engine gives the one-device logits, counting its hand-offs.
+        let e = Engine::load(dir.path(), &split).unwrap();
+        let prompt = [5, 17, 90, 3];
+        let mut s = e.new_session(&SessionOptions::default()).unwrap();
+        assert_eq!(s.prefill_all(&prompt).unwrap(), logits_of(dir.path(), &EngineOptions::default(), &prompt));
+        let stats = e.split_stats().unwrap();
+        assert_eq!(stats.stages.iter().map(|s| s.layers.clone()).collect::<Vec<_>>(), vec![0..1, 1..2]);
+        let hidden = tiny_config().hidden_size;
+        assert_eq!((stats.handoffs, stats.handoff_bytes), (1, (prompt.len() * hidden * 4) as u64));
+        // Auto: 4 rows are below the threshold, so no help.
+        assert_eq!((stats.helped_layers, stats.helper_rows), (0, 0));
+    }
+
+    #[test]
     fn load_reports_progress_verifies_and_cancels() {
         let dir = tempfile::tempdir().unwrap();
         write_tiny_pack(dir.path(), &tiny_config(), &TinyPack::default()).unwrap();

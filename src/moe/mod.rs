@@ -366,6 +366,19 @@ mod tests {
         assert_eq!(out, vec![2.75, 3.0, 42.5, 45.0]);
     }
 
+    #[test]
+    fn help_cut_gives_the_helper_about_its_share_of_rows_without_cutting_a_group() {
+        let g = |expert, rows: usize| ExpertGroup { expert, tokens: (0..rows).collect(), weights: vec![1.0; rows] };
+        let groups = vec![g(0, 4), g(1, 1), g(2, 3), g(3, 2)];
+        assert_eq!(help_cut(&groups, 0.0), 4);
+        assert_eq!(help_cut(&groups, 1.0), 0);
+        // 10 rows, half to the helper: keep 4 + 1 = 5.
+        assert_eq!(help_cut(&groups, 0.5), 2);
+        // A third (3.3 rows) to the helper: keeping 8 (helper 2) misses by 1.3, keeping 5 by 1.7.
+        assert_eq!(help_cut(&groups, 1.0 / 3.0), 3);
+        assert_eq!(help_cut(&[], 0.5), 0);
+    }
+
     struct Experts(Vec<[Nvfp4Owned; 3]>);
 
     impl ExpertSource for Experts {
@@ -419,6 +432,44 @@ mod tests {
                 }
                 assert_eq!(&out[t * hidden..(t + 1) * hidden], &want[..], "token {t}");
             }
+        }
+    }
+
+    #[test]
+    fn helped_forward_equals_the_plain_forward_bit_for_bit() {
+        let (hidden, inter, n_exp, top_k, tokens) = (32, 16, 6, 2, 9);
+        let mut r = Rng::new(7);
+        let mut rand = |n: usize, std: f32| (0..n).map(|_| r.normal() * std).collect::<Vec<f32>>();
+        let experts = Experts(
+            (0..n_exp)
+                .map(|_| {
+                    [
+                        quantize(&rand(inter * hidden, 0.2), inter, hidden),
+                        quantize(&rand(inter * hidden, 0.05), inter, hidden),
+                        quantize(&rand(hidden * inter, 0.1), hidden, inter),
+                    ]
+                })
+                .collect(),
+        );
+        let router = Matrix::new(n_exp, hidden, rand(n_exp * hidden, 0.5));
+        let h = rand(tokens * hidden, 1.0);
+        let moe = MoeLayer { layer: 0, router: &router, top_k, norm_topk_prob: true };
+        let (active, helper) = (CpuBackend::new(Some(1)).unwrap(), CpuBackend::new(Some(2)).unwrap());
+        let mut plain = vec![0.0; tokens * hidden];
+        forward(&active, &experts, &moe, &h, &mut plain).unwrap();
+        for share in [0.0, 0.3, 0.5, 1.0] {
+            let mut help = HelpedCompute::new(&experts, &helper, share);
+            let mut out = vec![0.0; tokens * hidden];
+            forward_with(&active, &mut help, &moe, &h, &mut out).unwrap();
+            assert_eq!(out, plain, "share {share}");
+            let want = if share == 0.0 {
+                0
+            } else if share == 1.0 {
+                tokens * top_k
+            } else {
+                1
+            };
+            assert!(help.helper_rows() >= want && help.helper_rows() <= tokens * top_k, "share {share}");
         }
     }
 
