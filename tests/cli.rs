@@ -61,6 +61,18 @@ fn synth_inspect_generate() {
     let line = err.lines().find(|l| l.contains("expert cache:")).unwrap_or_else(|| panic!("no stats line: {err}"));
     let misses: u64 = line.split(" misses").next().unwrap().rsplit(' ').next().unwrap().parse().unwrap();
     assert!(misses > 0 && line.contains("evictions"), "{line}");
+    // A layer split over two CPU devices, with prefill help on, gives the
+    // same tokens and reports its stages and hand-offs.
+    let split = ["--device", "cpu,cpu", "--layer-split", "1", "--prefill-help", "on"];
+    assert_eq!(gen(&[]), gen(&split));
+    let mut args = vec!["generate", "--pack", p, "--tokens", "1,2,3", "-n", "2"];
+    args.extend_from_slice(&split);
+    let (rc, _, err) = strata(&args);
+    assert_eq!(rc, 0, "{err}");
+    assert!(err.contains("split: stage 0 layers 0..1") && err.contains("3 hand-offs"), "{err}");
+    let (rc, _, err) = strata(&["generate", "--pack", p, "--tokens", "1", "--device", "cpu,cpu", "--layer-split", "2"]);
+    assert_eq!(rc, 1);
+    assert!(err.contains("layer split [2]"), "{err}");
     // A cache below its minimum (one token's experts) fails the load, naming the need.
     let (rc, _, err) = strata(&["generate", "--pack", p, "--tokens", "1,2", "-n", "2", "--expert-cache", "1"]);
     assert_eq!(rc, 1);

@@ -29,6 +29,7 @@ use strata::session::{KvType, SessionOptions};
 use strata::{Error, Result};
 
 use super::cache_args::{stats_line, ExpertCacheArgs};
+use super::split_args::{split_line, SplitArgs};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -44,9 +45,11 @@ pub struct BenchArgs {
     /// Runs of prefill + decode; the medians are printed.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
-    /// Device: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cuda")]
-    device: String,
+    /// Devices, comma-separated: cpu, cuda or cuda:N (CUDA needs a build
+    /// with feature cuda); several CPU devices (cpu,cpu) split the layers
+    /// into stages.
+    #[arg(long, value_delimiter = ',', default_value = "cuda")]
+    device: Vec<String>,
     /// KV cache type on CUDA.
     #[arg(long, value_enum, default_value = "int8")]
     kv: KvArg,
@@ -61,6 +64,8 @@ pub struct BenchArgs {
     precision: PrecisionArg,
     #[command(flatten)]
     cache: ExpertCacheArgs,
+    #[command(flatten)]
+    split: SplitArgs,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -208,11 +213,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.prompt_len == 0 || a.repeats == 0 {
         return Err(Error::InvalidArgument("--prompt-len and --repeats must be at least 1".into()));
     }
-    let ceil = ceilings(&a.device)?;
+    let ceil = ceilings(a.device.first().map_or("cpu", String::as_str))?;
     let t = Instant::now();
     let opts = EngineOptions {
         threads: a.threads,
-        devices: vec![a.device.clone()],
+        devices: a.device.clone(),
+        layer_split: a.split.layer_split(),
+        prefill_help: a.split.help(),
         expert_cache: a.cache.options(),
         gpu_precision: match a.precision {
             PrecisionArg::Accurate => GpuPrecision::Accurate,
@@ -333,6 +340,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if let Some(stats) = engine.expert_stats() {
         println!("{}", stats_line(&stats));
+    }
+    if let Some(stats) = engine.split_stats() {
+        println!("{} (all {} runs)", split_line(&stats), a.repeats);
     }
     Ok(())
 }

@@ -10,6 +10,7 @@ use clap::Args;
 use strata::engine::{Engine, EngineOptions};
 
 use super::cache_args::{stats_line, ExpertCacheArgs};
+use super::split_args::{split_line, SplitArgs};
 use strata::sampling::{Sampler, SamplingParams};
 use strata::session::SessionOptions;
 use strata::tokenizer::Tokenizer;
@@ -52,11 +53,15 @@ pub struct GenerateArgs {
     /// CPU threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Device: cpu, cuda or cuda:N (CUDA needs a build with feature cuda).
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    /// Devices, comma-separated: cpu, cuda or cuda:N (CUDA needs a build
+    /// with feature cuda); several CPU devices (cpu,cpu) split the layers
+    /// into stages.
+    #[arg(long, value_delimiter = ',', default_value = "cpu")]
+    device: Vec<String>,
     #[command(flatten)]
     cache: ExpertCacheArgs,
+    #[command(flatten)]
+    split: SplitArgs,
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
@@ -65,7 +70,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         &a.pack,
         &EngineOptions {
             threads: a.threads,
-            devices: vec![a.device.clone()],
+            devices: a.device.clone(),
+            layer_split: a.split.layer_split(),
+            prefill_help: a.split.help(),
             expert_cache: a.cache.options(),
             ..Default::default()
         },
@@ -128,6 +135,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     );
     if let Some(stats) = engine.expert_stats() {
         eprintln!("strata generate: {}", stats_line(&stats));
+    }
+    if let Some(stats) = engine.split_stats() {
+        eprintln!("strata generate: {}", split_line(&stats));
     }
     Ok(())
 }

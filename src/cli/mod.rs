@@ -15,6 +15,7 @@ mod bench;
 mod cache_args;
 mod generate;
 mod profile;
+mod split_args;
 
 #[derive(Parser)]
 #[command(name = "strata", version, about = "Run Mixture-of-Experts models from Strata packs")]

@@ -1,0 +1,66 @@
+//! The device, layer-split and prefill-help options of `strata generate`
+//! and `strata bench` (docs/layer-split.md).
+
+use clap::Args;
+
+use strata::engine::{Help, SplitStats};
+
+#[derive(Args, Clone, Debug, Default)]
+pub struct SplitArgs {
+    /// With several devices (--device cpu,cpu): the first layer of each
+    /// stage after the first, comma-separated (default: layers divided
+    /// evenly).
+    #[arg(long, value_delimiter = ',')]
+    layer_split: Option<Vec<usize>>,
+    /// Whether an idle stage computes part of the active layer's expert
+    /// rows during prefill: auto (chunks of at least 64 tokens), on or off.
+    #[arg(long, value_enum, default_value = "auto")]
+    prefill_help: HelpArg,
+}
+
+#[derive(Clone, Copy, Debug, Default, clap::ValueEnum)]
+pub enum HelpArg {
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl SplitArgs {
+    pub fn layer_split(&self) -> Option<Vec<usize>> {
+        self.layer_split.clone()
+    }
+
+    pub fn help(&self) -> Help {
+        match self.prefill_help {
+            HelpArg::Auto => Help::Auto,
+            HelpArg::On => Help::On,
+            HelpArg::Off => Help::Off,
+        }
+    }
+}
+
+/// "split: stage 0 layers 0..2 (threads 4) 1.234 s, ...; 12 hand-offs,
+/// 1.5 MB, 0.001 s; help: 48 layers, 9000 expert rows".
+pub fn split_line(s: &SplitStats) -> String {
+    let stages: Vec<String> = s
+        .stages
+        .iter()
+        .enumerate()
+        .map(|(i, st)| {
+            format!(
+                "stage {i} layers {}..{} (threads {}) {:.3} s",
+                st.layers.start, st.layers.end, st.threads, st.seconds
+            )
+        })
+        .collect();
+    format!(
+        "split: {}; {} hand-offs, {:.2} MB, {:.4} s; prefill help: {} layers, {} expert rows on the helper",
+        stages.join(", "),
+        s.handoffs,
+        s.handoff_bytes as f64 / 1e6,
+        s.handoff_seconds,
+        s.helped_layers,
+        s.helper_rows
+    )
+}
