@@ -233,6 +233,12 @@ pub unsafe extern "C" fn strata_engine_load(
         let path = args::c_str(pack_path, "pack_path")?;
         let p = params::read(params)?;
         let devices = read_devices(p.devices)?;
+        if devices.len() > 1 {
+            // The layer split (docs/layer-split.md) has no C fields yet.
+            return Err(FfiError::invalid(format!(
+                "devices {devices:?}: one device per engine through the C API (layer split is not exposed yet)"
+            )));
+        }
         if p.n_threads > MAX_THREADS {
             return Err(FfiError::invalid(format!("n_threads {} is more than {MAX_THREADS}", p.n_threads)));
         }
@@ -245,7 +251,7 @@ pub unsafe extern "C" fn strata_engine_load(
                 strata_gpu_precision::STRATA_GPU_PRECISION_FAST => GpuPrecision::Fast,
             },
             expert_cache: Default::default(),
-            // Layer split and prefill help have no C fields yet: even split, auto help.
+            // One device: no layer split, so no split or help options.
             ..Default::default()
         };
         log(strata_log_level::STRATA_LOG_INFO, &format!("loading pack {path} ({opts:?})"));
