@@ -228,10 +228,10 @@ impl ExpertCompute for HelpedCompute<'_> {
     ) -> Result<()> {
         let cut = help_cut(groups, self.share);
         let (own, helped) = groups.split_at(cut);
-        let rows: usize = own.iter().map(|g| g.tokens.len()).sum();
-        let hidden = if rows == 0 { 0 } else { x.len() / groups.iter().map(|g| g.tokens.len()).sum::<usize>() };
-        let (x_own, x_helped) = x.split_at(rows * hidden);
-        let (y_own, y_helped) = y.split_at_mut(rows * hidden);
+        let rows = |gs: &[ExpertGroup]| gs.iter().map(|g| g.tokens.len()).sum::<usize>();
+        let hidden = x.len().checked_div(rows(groups)).unwrap_or(0);
+        let (x_own, x_helped) = x.split_at(rows(own) * hidden);
+        let (y_own, y_helped) = y.split_at_mut(rows(own) * hidden);
         let (source, helper) = (self.source, self.helper);
         let (mine, theirs) = std::thread::scope(|scope| {
             let theirs = scope.spawn(|| SourceCompute(source).compute(helper, layer, helped, x_helped, y_helped));
@@ -240,7 +240,7 @@ impl ExpertCompute for HelpedCompute<'_> {
         });
         mine?;
         theirs?;
-        self.helper_rows += helped.iter().map(|g| g.tokens.len()).sum::<usize>();
+        self.helper_rows += rows(helped);
         Ok(())
     }
 }
