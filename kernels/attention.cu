@@ -1709,37 +1709,11 @@ ATTN_ROW_INSTANCES(256)
 //   K = rope(rmsnorm(k, k_norm)) and V appended at positions start_pos + t.
 // One warp per (row, head): warps j < heads of a row take query head j,
 // the others kv head j - heads (K through a per-warp shared row, then V).
-// The arithmetic is dense_rmsnorm_rope's (kernels/dense.cu), operation for
-// operation, and the append is attn_append_row (attn_kv_append_*'s): the
+// The norm and RoPE are strata_rmsnorm_rope_row (common.cuh), the function
+// dense_rmsnorm_rope calls, and the append is attn_append_row (attn_kv_append_*'s): the
 // same bits as split_q_gate + rmsnorm_rope (q, k) + kv_append.
 
 #define ATTN_PREP_WARPS 8
-
-// out[0..head_dim) = rope(rmsnorm(x)) of one head row at position pos, by
-// one warp: a copy of dense_rmsnorm_rope's arithmetic (keep them identical).
-static __device__ __forceinline__ void attn_rmsnorm_rope_row(const float* __restrict__ xr,
-                                                             const float* __restrict__ w, float* orow,
-                                                             int head_dim, float eps,
-                                                             const float* __restrict__ inv_freq, int half,
-                                                             unsigned long long pos, float attention_factor,
-                                                             int lane) {
-    float ss = 0.0f;
-    for (int i = lane; i < head_dim; i += 32) ss = fmaf(xr[i], xr[i], ss);
-    ss = attn_warp_sum(ss);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)head_dim), eps)));
-    for (int i = lane; i < half; i += 32) {
-        const float a = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
-        const float b = __fmul_rn(__fmul_rn(xr[i + half], inv), w[i + half]);
-        const float angle = __fmul_rn(__ull2float_rn(pos), inv_freq[i]);
-        float sn, c;
-        sincosf(angle, &sn, &c);
-        c = __fmul_rn(c, attention_factor);
-        sn = __fmul_rn(sn, attention_factor);
-        orow[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sn));
-        orow[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn));
-    }
-    for (int i = 2 * half + lane; i < head_dim; i += 32) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
-}
 
 template <typename KV>
 static __device__ __forceinline__ void attn_qkv_prep(const float* __restrict__ qkv, const float* __restrict__ q_norm,
@@ -1766,13 +1740,13 @@ static __device__ __forceinline__ void attn_qkv_prep(const float* __restrict__ q
     if (j < heads) {
         const float* xr = row + (size_t)j * qhd;
         const size_t orow = ((size_t)t * heads + j) * head_dim;
-        attn_rmsnorm_rope_row(xr, q_norm, qn + orow, head_dim, eps, inv_freq, half, pos, attention_factor, lane);
+        strata_rmsnorm_rope_row(xr, q_norm, qn + orow, head_dim, eps, inv_freq, half, pos, attention_factor, lane);
         if (gated)
             for (int d = lane; d < head_dim; d += 32) gate[orow + d] = xr[head_dim + d];
     } else {
         const int kh = j - heads;
         float* kb = krow_s[wib];
-        attn_rmsnorm_rope_row(row + qw + (size_t)kh * head_dim, k_norm, kb, head_dim, eps, inv_freq, half, pos,
+        strata_rmsnorm_rope_row(row + qw + (size_t)kh * head_dim, k_norm, kb, head_dim, eps, inv_freq, half, pos,
                               attention_factor, lane);
         __syncwarp();
         const size_t block = (size_t)pos * (size_t)kv_heads + (size_t)kh;

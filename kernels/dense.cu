@@ -352,8 +352,8 @@ extern "C" __global__ void dense_rope(float* __restrict__ x, const float* __rest
 }
 
 // The per-head q/k norm and RoPE in one pass (decode: one launch instead of
-// two): out = rope(rmsnorm(x)) for x [T, heads, head_dim], the same
-// arithmetic as dense_rmsnorm_warp followed by dense_rope. One warp per head
+// two): out = rope(rmsnorm(x)) for x [T, heads, head_dim] by
+// strata_rmsnorm_rope_row (common.cuh; attn_qkv_prep shares it). One warp per head
 // row, DENSE_GEMV_WARPS rows per block. step: null, or start_pos read from
 // step[0] (see attn_* in attention.cu).
 extern "C" __global__ void dense_rmsnorm_rope(const float* __restrict__ x, const float* __restrict__ w,
@@ -365,25 +365,9 @@ extern "C" __global__ void dense_rmsnorm_rope(const float* __restrict__ x, const
     const int lane = threadIdx.x & 31;
     const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;
-    const float* xr = x + row * head_dim;
-    float* orow = out + row * head_dim;
-    float ss = 0.0f;
-    for (int i = lane; i < head_dim; i += 32) ss = fmaf(xr[i], xr[i], ss);
-    ss = dense_warp_sum(ss);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)head_dim), eps)));
     const unsigned long long pos = start_pos + (unsigned long long)(row / heads);
-    for (int i = lane; i < half; i += 32) {
-        const float a = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
-        const float b = __fmul_rn(__fmul_rn(xr[i + half], inv), w[i + half]);
-        const float angle = __fmul_rn(__ull2float_rn(pos), inv_freq[i]);
-        float sn, c;
-        sincosf(angle, &sn, &c);
-        c = __fmul_rn(c, attention_factor);
-        sn = __fmul_rn(sn, attention_factor);
-        orow[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sn));
-        orow[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn));
-    }
-    for (int i = 2 * half + lane; i < head_dim; i += 32) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+    strata_rmsnorm_rope_row(x + row * head_dim, w, out + row * head_dim, head_dim, eps, inv_freq, half, pos,
+                            attention_factor, lane);
 }
 
 // ---------------------------------------------------------------------------

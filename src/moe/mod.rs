@@ -388,22 +388,29 @@ mod tests {
         }
     }
 
+    impl Experts {
+        /// `n` experts of random NVFP4 gate, up and down matrices from `rand(len, std)`.
+        fn random(rand: &mut impl FnMut(usize, f32) -> Vec<f32>, n: usize, hidden: usize, inter: usize) -> Experts {
+            Experts(
+                (0..n)
+                    .map(|_| {
+                        [
+                            quantize(&rand(inter * hidden, 0.2), inter, hidden),
+                            quantize(&rand(inter * hidden, 0.05), inter, hidden),
+                            quantize(&rand(hidden * inter, 0.1), hidden, inter),
+                        ]
+                    })
+                    .collect(),
+            )
+        }
+    }
+
     #[test]
     fn forward_equals_per_token_weighted_sum() {
         let (hidden, inter, n_exp, top_k, tokens) = (32, 16, 4, 2, 5);
         let mut r = Rng::new(3);
         let mut rand = |n: usize, std: f32| (0..n).map(|_| r.normal() * std).collect::<Vec<f32>>();
-        let experts = Experts(
-            (0..n_exp)
-                .map(|_| {
-                    [
-                        quantize(&rand(inter * hidden, 0.2), inter, hidden),
-                        quantize(&rand(inter * hidden, 0.05), inter, hidden),
-                        quantize(&rand(hidden * inter, 0.1), hidden, inter),
-                    ]
-                })
-                .collect(),
-        );
+        let experts = Experts::random(&mut rand, n_exp, hidden, inter);
         let router = Matrix::new(n_exp, hidden, rand(n_exp * hidden, 0.5));
         let h = rand(tokens * hidden, 1.0);
         let backend = CpuBackend::new(None).unwrap();
@@ -440,17 +447,7 @@ mod tests {
         let (hidden, inter, n_exp, top_k, tokens) = (32, 16, 6, 2, 9);
         let mut r = Rng::new(7);
         let mut rand = |n: usize, std: f32| (0..n).map(|_| r.normal() * std).collect::<Vec<f32>>();
-        let experts = Experts(
-            (0..n_exp)
-                .map(|_| {
-                    [
-                        quantize(&rand(inter * hidden, 0.2), inter, hidden),
-                        quantize(&rand(inter * hidden, 0.05), inter, hidden),
-                        quantize(&rand(hidden * inter, 0.1), hidden, inter),
-                    ]
-                })
-                .collect(),
-        );
+        let experts = Experts::random(&mut rand, n_exp, hidden, inter);
         let router = Matrix::new(n_exp, hidden, rand(n_exp * hidden, 0.5));
         let h = rand(tokens * hidden, 1.0);
         let moe = MoeLayer { layer: 0, router: &router, top_k, norm_topk_prob: true };

@@ -436,7 +436,7 @@ pub fn rmsnorm_checked(
         return Err(invalid(format!("rmsnorm_checked: {} elements do not fit a 32-bit index", x.len())));
     }
     let width = w.len();
-    if width % 4 != 0 || width.div_ceil(4) > NORM_VEC * NORM_VEC_THREADS {
+    if !norm_vec_fits(width) {
         // No vector kernel for this width: the two launches.
         rmsnorm_launch(gpu, x, w, eps, out, None)?;
         return first_nonfinite(gpu, x, width, flags, slot);
@@ -448,6 +448,11 @@ pub fn rmsnorm_checked(
 /// most threads a block (DENSE_NORM_VEC_THREADS).
 const NORM_VEC: usize = 8;
 const NORM_VEC_THREADS: usize = 512;
+
+/// Whether dense_rmsnorm_vec takes rows of `width`.
+fn norm_vec_fits(width: usize) -> bool {
+    width % 4 == 0 && width / 4 <= NORM_VEC * NORM_VEC_THREADS
+}
 
 fn rmsnorm_launch(
     gpu: &Gpu,
@@ -463,7 +468,8 @@ fn rmsnorm_launch(
     }
     let width = w.len();
     let n4 = width / 4;
-    if width % 4 == 0 && (width > 512 || check.is_some()) && n4 <= NORM_VEC * NORM_VEC_THREADS {
+    // rmsnorm_checked passes a check only for widths the vector kernel takes.
+    if norm_vec_fits(width) && (width > 512 || check.is_some()) {
         // Two float4s a thread where the block allows (every load issued up front).
         let threads = n4.div_ceil(2).next_multiple_of(32).clamp(32, NORM_VEC_THREADS);
         let threads = threads.max(n4.div_ceil(NORM_VEC).next_multiple_of(32));
@@ -485,9 +491,7 @@ fn rmsnorm_launch(
         unsafe { gpu.launch(&f, cfg, &mut a) }?;
         return Ok(());
     }
-    if check.is_some() {
-        return Err(invalid(format!("rmsnorm_checked: width {width} has no fused kernel")));
-    }
+    debug_assert!(check.is_none(), "rmsnorm_checked falls back to two launches for width {width}");
     let (f, cfg) = if width <= 512 {
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(GEMV_WARPS) as u32, 1, 1),

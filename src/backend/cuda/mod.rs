@@ -334,11 +334,6 @@ impl Gpu {
         Ok(())
     }
 
-    /// Whether `launch` uses programmatic dependent launch on this device.
-    pub fn pdl(&self) -> bool {
-        self.pdl
-    }
-
     /// Waits until everything queued on the stream has run; a kernel's
     /// fault surfaces here as `Error::Cuda`.
     pub fn sync(&self) -> Result<()> {
