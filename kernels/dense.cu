@@ -60,12 +60,29 @@ static __device__ __forceinline__ float dense_bf16_hi(unsigned int u) { return _
 
 #define DENSE_GEMV_WARPS 8
 
-template <int T, int ROWS, int UNROLL>
+// The input RMSNorm a GEMV may apply itself (NORM; T == 1): x is the raw
+// residual row, and the product uses rmsnorm(x) = x * inv * g, inv =
+// 1 / sqrt(mean(x^2) + eps) computed by every block (x is a few KB, read
+// through L2), in dense_rmsnorm_vec's operations per element. Block 0 also
+// writes the normed row to `normed` (non-null: later kernels read it) and
+// sets the non-finite guard of x (flags non-null: flags[slot] = min flat
+// index of a NaN/inf, as dense_first_nonfinite).
+struct DenseNormIn {
+    const float* g;
+    float eps;
+    unsigned int* flags;
+    int slot;
+    float* normed;
+};
+
+template <int T, int ROWS, int UNROLL, bool NORM>
 static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__ x,
                                                        const __nv_bfloat16* __restrict__ w,
                                                        float* __restrict__ out, int N, int K, int ksplit,
-                                                       int accumulate) {
+                                                       int accumulate, DenseNormIn nin) {
+    static_assert(!NORM || T == 1, "the fused norm is for one row");
     __shared__ float red[DENSE_GEMV_WARPS][ROWS * T];
+    __shared__ float norm_scratch[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int groups = DENSE_GEMV_WARPS / ksplit;
     const int group = warp / ksplit, part = warp % ksplit;
@@ -98,6 +115,37 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
     strata_pdl_wait();
     const float4* x4 = reinterpret_cast<const float4*>(x);
     const int xstride4 = K >> 2;
+    float inv = 1.0f;
+    if (NORM) {
+        float ss = 0.0f;
+        unsigned int bad = 0xffffffffu;
+        for (int i = threadIdx.x; i < xstride4; i += blockDim.x) {
+            const float4 v = x4[i];
+            ss = fmaf(v.x, v.x, ss);
+            ss = fmaf(v.y, v.y, ss);
+            ss = fmaf(v.z, v.z, ss);
+            ss = fmaf(v.w, v.w, ss);
+            if (bad == 0xffffffffu) {
+                const unsigned int base = 4u * (unsigned int)i;
+                if (!isfinite(v.x)) bad = base;
+                else if (!isfinite(v.y)) bad = base + 1u;
+                else if (!isfinite(v.z)) bad = base + 2u;
+                else if (!isfinite(v.w)) bad = base + 3u;
+            }
+        }
+        if (nin.flags != nullptr && blockIdx.x == 0 && bad != 0xffffffffu) atomicMin(nin.flags + nin.slot, bad);
+        ss = dense_block_sum(ss, norm_scratch);
+        inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)K), nin.eps)));
+        if (nin.normed != nullptr && blockIdx.x == 0) {
+            const float4* g4 = reinterpret_cast<const float4*>(nin.g);
+            for (int i = threadIdx.x; i < xstride4; i += blockDim.x) {
+                const float4 v = x4[i], g = __ldg(g4 + i);
+                reinterpret_cast<float4*>(nin.normed)[i] =
+                    make_float4(__fmul_rn(__fmul_rn(v.x, inv), g.x), __fmul_rn(__fmul_rn(v.y, inv), g.y),
+                                __fmul_rn(__fmul_rn(v.z, inv), g.z), __fmul_rn(__fmul_rn(v.w, inv), g.w));
+            }
+        }
+    }
 #pragma unroll UNROLL
     for (int v = part * 32 + lane; v < kvec; v += ksplit * 32) {
         uint4 wv[ROWS];
@@ -105,8 +153,16 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
         for (int r = 0; r < ROWS; ++r) wv[r] = dense_ld_stream(wrow[r] + v);
 #pragma unroll
         for (int t = 0; t < T; ++t) {
-            const float4 xa = __ldg(x4 + (long long)t * xstride4 + 2 * v);
-            const float4 xb = __ldg(x4 + (long long)t * xstride4 + 2 * v + 1);
+            float4 xa = __ldg(x4 + (long long)t * xstride4 + 2 * v);
+            float4 xb = __ldg(x4 + (long long)t * xstride4 + 2 * v + 1);
+            if (NORM) {
+                const float4 ga = __ldg(reinterpret_cast<const float4*>(nin.g) + 2 * v);
+                const float4 gb = __ldg(reinterpret_cast<const float4*>(nin.g) + 2 * v + 1);
+                xa = make_float4(__fmul_rn(__fmul_rn(xa.x, inv), ga.x), __fmul_rn(__fmul_rn(xa.y, inv), ga.y),
+                                 __fmul_rn(__fmul_rn(xa.z, inv), ga.z), __fmul_rn(__fmul_rn(xa.w, inv), ga.w));
+                xb = make_float4(__fmul_rn(__fmul_rn(xb.x, inv), gb.x), __fmul_rn(__fmul_rn(xb.y, inv), gb.y),
+                                 __fmul_rn(__fmul_rn(xb.z, inv), gb.z), __fmul_rn(__fmul_rn(xb.w, inv), gb.w));
+            }
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 float a = acc[r][t];
@@ -151,7 +207,7 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
     extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, MINB)                                \
         dense_gemv_t##T(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,                    \
                         float* __restrict__ out, int N, int K, int ksplit, int accumulate) {                 \
-        dense_gemv_body<T, ROWS, UNROLL>(x, w, out, N, K, ksplit, accumulate);                               \
+        dense_gemv_body<T, ROWS, UNROLL, false>(x, w, out, N, K, ksplit, accumulate, DenseNormIn{});          \
     }
 DENSE_GEMV_KERNEL(1, 4, 2, 4)
 DENSE_GEMV_KERNEL(2, 4, 2, 3)
@@ -161,6 +217,16 @@ DENSE_GEMV_KERNEL(5, 4, 1, 2)
 DENSE_GEMV_KERNEL(6, 4, 1, 2)
 DENSE_GEMV_KERNEL(7, 4, 1, 2)
 DENSE_GEMV_KERNEL(8, 4, 1, 2)
+
+// dense_gemv_t1 of rmsnorm(x) (DenseNormIn above): a decode step's input
+// norm costs no launch of its own.
+extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, 4)
+    dense_gemv_norm_t1(const float* __restrict__ x, const float* __restrict__ g, float eps,
+                       unsigned int* __restrict__ flags, int slot, float* __restrict__ normed,
+                       const __nv_bfloat16* __restrict__ w, float* __restrict__ out, int N, int K, int ksplit,
+                       int accumulate) {
+    dense_gemv_body<1, 4, 2, true>(x, w, out, N, K, ksplit, accumulate, DenseNormIn{g, eps, flags, slot, normed});
+}
 
 // The simple path for any K (K % 8 != 0): one warp per output (t, n), lanes
 // stride over k, scalar loads. grid = (ceil(N / 8), T), block = 256.

@@ -35,7 +35,7 @@ use crate::backend::cuda::cudarc::driver::PinnedHostSlice;
 use crate::backend::cuda::deltanet::{
     deltanet_core_with, DeltaNetDeviceWeights, DeltaNetScratch, DeltaRuleForm, DeviceDeltaState,
 };
-use crate::backend::cuda::dense::{self, GemmPrecision, RopeTable, Write};
+use crate::backend::cuda::dense::{self, GemmPrecision, NormIn, RopeTable, Write};
 use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping, GroupedPrecision};
 use crate::backend::cuda::{CudaSlice, DevicePtr, Gpu};
 use crate::backend::{AttentionShape, DeltaNetState, Rope};
@@ -331,6 +331,36 @@ impl GpuModel {
         dense::project_with(&self.gpu, x, w, t, n, k, out, scratch, write, precision)
     }
 
+    /// `out = rmsnorm(x) W^T` (`norm.check`: also the non-finite guard of
+    /// x). One decode row: the norm runs inside the GEMV
+    /// (`dense::gemv_rmsnorm`), and `normed` receives rmsnorm(x) only when
+    /// `store_normed` (later kernels read it). More rows: the norm into
+    /// `normed`, then the projection.
+    #[allow(clippy::too_many_arguments)]
+    fn normed_proj(
+        &self,
+        norm: NormIn<'_>,
+        x: &CudaSlice<f32>,
+        normed: &mut CudaSlice<f32>,
+        store_normed: bool,
+        w: &CudaSlice<bf16>,
+        t: usize,
+        n: usize,
+        k: usize,
+        out: &mut CudaSlice<f32>,
+        scratch: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let gpu = &*self.gpu;
+        if t == 1 {
+            return dense::gemv_rmsnorm(gpu, x, norm, normed, store_normed, w, n, k, out, Write::Store);
+        }
+        match norm.check {
+            Some((flags, slot)) => dense::rmsnorm_checked(gpu, x, norm.w, norm.eps, normed, flags, slot)?,
+            None => dense::rmsnorm(gpu, x, norm.w, norm.eps, normed)?,
+        }
+        self.proj(Write::Store, normed, w, t, n, k, out, scratch)
+    }
+
     fn grouped_precision(&self) -> GroupedPrecision {
         match self.precision {
             GpuPrecision::Accurate => GroupedPrecision::Split,
@@ -424,16 +454,12 @@ impl GpuModel {
         for (l, lw) in self.layers.iter().enumerate() {
             // Each block adds its output to the residual stream x itself
             // (the projections and expert kernels accumulate).
-            // Layer l - 1's output is checked for NaN/inf by this norm (slot l - 1).
-            match l.checked_sub(1) {
-                Some(prev) => dense::rmsnorm_checked(gpu, &s.x, &lw.input_norm, eps, &mut s.h, &mut cache.flags, prev)?,
-                None => dense::rmsnorm(gpu, &s.x, &lw.input_norm, eps, &mut s.h)?,
-            }
+            // The input norm runs in the mixer's first projection; layer
+            // l - 1's output is checked for NaN/inf there (slot l - 1).
             match &lw.mixer {
                 GpuMixer::Attention { .. } => self.attention(l, lw, cache, s, start, step)?,
                 GpuMixer::Linear { .. } => self.linear(l, lw, cache, s)?,
             }
-            dense::rmsnorm(gpu, &s.x, &lw.post_attn_norm, eps, &mut s.h)?;
             self.moe(l, lw, s)?;
             #[cfg(any(test, feature = "test-hooks"))]
             if let Some(row) = engine.take_nan(l, start, t) {
@@ -521,7 +547,8 @@ impl GpuModel {
         let shape = attention_shape(c);
         let qd = shape.q_dim();
         let width = c.q_proj_dim() + 2 * shape.kv_dim();
-        self.proj(Write::Store, &s.h, qkv, t, width, h, &mut s.qkv, &mut s.bf)?;
+        let norm = NormIn { w: &lw.input_norm, eps, check: l.checked_sub(1).map(|prev| (&mut cache.flags, prev)) };
+        self.normed_proj(norm, &s.x, &mut s.h, false, qkv, t, width, h, &mut s.qkv, &mut s.bf)?;
         // The q/k norms, RoPE, the gate split and the KV append in one
         // launch; in a captured decode step the position comes from the device.
         let prep = QkvPrep { heads: shape.heads, gated: c.has_attention_gate(), q_norm, k_norm, eps, rope: &self.rope };
@@ -563,7 +590,8 @@ impl GpuModel {
         let shape = deltanet_shape(c);
         let (t, h, eps) = (s.t, c.hidden_size, c.rms_norm_eps as f32);
         let dn = s.dn.as_mut().expect("a hybrid's scratch");
-        self.proj(Write::Store, &s.h, in_proj_qkvz, t, shape.qkvz_dim(), h, &mut dn.qkvz, &mut s.bf)?;
+        let norm = NormIn { w: &lw.input_norm, eps, check: l.checked_sub(1).map(|prev| (&mut cache.flags, prev)) };
+        self.normed_proj(norm, &s.x, &mut s.h, true, in_proj_qkvz, t, shape.qkvz_dim(), h, &mut dn.qkvz, &mut s.bf)?;
         self.proj(Write::Store, &s.h, in_proj_ba, t, shape.ba_dim(), h, &mut dn.ba, &mut s.bf)?;
         let state = cache.delta[l].as_mut().expect("a linear layer has a recurrent state");
         deltanet_core_with(
@@ -588,7 +616,8 @@ impl GpuModel {
         let c = &self.config;
         let gpu = &*self.gpu;
         let (t, h, e, k) = (s.t, c.hidden_size, c.num_experts, c.num_experts_per_tok);
-        self.proj(Write::Store, &s.h, &lw.router, t, e, h, &mut s.router, &mut s.bf)?;
+        let norm = NormIn { w: &lw.post_attn_norm, eps: c.rms_norm_eps as f32, check: None };
+        self.normed_proj(norm, &s.x, &mut s.h, true, &lw.router, t, e, h, &mut s.router, &mut s.bf)?;
         let p = self.grouped_precision();
         let (table, layout) = (&self.tables[l], &self.layout);
         if t <= MOE_GEMV_MAX_ROWS {

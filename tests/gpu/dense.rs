@@ -36,6 +36,7 @@ pub const TESTS: &[GpuTest] = &[
     ("dense_rmsnorm_widths", rmsnorm_widths),
     ("dense_add_rmsnorm_fused", add_rmsnorm_fused),
     ("dense_rmsnorm_checked_flags", rmsnorm_checked_flags),
+    ("dense_gemv_rmsnorm_fused", gemv_rmsnorm_fused),
     ("dense_rope_full_partial_yarn", rope_full_partial_yarn),
     ("dense_rmsnorm_rope_fused", rmsnorm_rope_fused),
     ("dense_rmsnorm_rope_step_pointer", rmsnorm_rope_step_pointer),
@@ -96,6 +97,68 @@ fn check_dots(what: &str, got: &[f32], x: &[f32], w: &Matrix, tol: f64) -> Resul
             "{what}: [{}, {}] = {}, exact {} (error {:.2} x the bound {tol:.0e} * sum |x w|)",
             worst.1, worst.2, worst.3, worst.4, worst.0
         ));
+    }
+    Ok(())
+}
+
+/// `dense::gemv_rmsnorm` against `ops::rmsnorm` then the exact dot products:
+/// fused (K % 8 == 0) and fallback (K % 8 != 0) paths, small and real N, the
+/// normed row stored or not, the guard of x set or left alone.
+fn gemv_rmsnorm_fused(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for (n, k) in [(1usize, 2048usize), (5, 136), (128, 2048), (5120, 2048), (4097, 2048), (33, 100)] {
+        let (w, wm) = bf16_weights(80 + n as u64, n, k, 0.05);
+        let wd = gpu.upload(&w).map_err(e)?;
+        let g: Vec<f32> = rand_f32(81, k, 0.3).iter().map(|v| 1.0 + v).collect();
+        let gd = gpu.upload(&g).map_err(e)?;
+        // A residual stream of large magnitude: a skipped norm is off by ~30x.
+        let x = rand_f32(82 + k as u64, k, 30.0);
+        let xd = gpu.upload(&x).map_err(e)?;
+        let mut want_h = vec![0.0f32; k];
+        ops::rmsnorm(&x, &g, 1e-6, &mut want_h);
+        for (store, checked) in [(true, true), (false, false), (true, false)] {
+            let what = format!("gemv_rmsnorm N={n} K={k} store {store} checked {checked}");
+            let mut normed = poisoned(gpu, k)?;
+            let mut out = poisoned(gpu, n)?;
+            let mut flags = gpu.alloc_zeros::<u32>(2).map_err(e)?;
+            dense::reset_flags(gpu, &mut flags).map_err(e)?;
+            let norm = dense::NormIn { w: &gd, eps: 1e-6, check: checked.then_some((&mut flags, 1)) };
+            dense::gemv_rmsnorm(gpu, &xd, norm, &mut normed, store, &wd, n, k, &mut out, Write::Store).map_err(e)?;
+            check_dots(&what, &gpu.download(&out).map_err(e)?, &want_h, &wm, 1e-5)?;
+            if store {
+                check_close(&format!("{what}: normed"), &gpu.download(&normed).map_err(e)?, &want_h, 1e-5)?;
+            }
+            let got = gpu.download(&flags).map_err(e)?;
+            if got != [NONFINITE_NONE, NONFINITE_NONE] {
+                return Err(format!("{what}: flags {got:?} for a finite x"));
+            }
+        }
+        // The guard: the first bad element's index in the checked slot, nothing without a check.
+        let mut bad = x.clone();
+        bad[k - 3] = f32::INFINITY;
+        bad[k / 2 + 1] = f32::NAN;
+        let bd = gpu.upload(&bad).map_err(e)?;
+        for checked in [true, false] {
+            let mut normed = poisoned(gpu, k)?;
+            let mut out = poisoned(gpu, n)?;
+            let mut flags = gpu.alloc_zeros::<u32>(2).map_err(e)?;
+            dense::reset_flags(gpu, &mut flags).map_err(e)?;
+            let norm = dense::NormIn { w: &gd, eps: 1e-6, check: checked.then_some((&mut flags, 1)) };
+            dense::gemv_rmsnorm(gpu, &bd, norm, &mut normed, false, &wd, n, k, &mut out, Write::Store).map_err(e)?;
+            let want = if checked { (k / 2 + 1) as u32 } else { NONFINITE_NONE };
+            let got = gpu.download(&flags).map_err(e)?;
+            if got != [NONFINITE_NONE, want] {
+                return Err(format!("gemv_rmsnorm N={n} K={k} checked {checked}: flags {got:?}, want slot 1 = {want}"));
+            }
+        }
+    }
+    // A slot past the flags is refused before any launch.
+    let (x, g) = (gpu.upload(&rand_f32(1, 64, 1.0)).map_err(e)?, gpu.upload(&rand_f32(2, 64, 1.0)).map_err(e)?);
+    let wd = gpu.upload(&[bf16::ONE; 64]).map_err(e)?;
+    let (mut normed, mut out) = (poisoned(gpu, 64)?, poisoned(gpu, 1)?);
+    let mut flags = gpu.alloc_zeros::<u32>(2).map_err(e)?;
+    let norm = dense::NormIn { w: &g, eps: 1e-6, check: Some((&mut flags, 2)) };
+    if dense::gemv_rmsnorm(gpu, &x, norm, &mut normed, false, &wd, 1, 64, &mut out, Write::Store).is_ok() {
+        return Err("gemv_rmsnorm accepted slot 2 of 2 flags".into());
     }
     Ok(())
 }

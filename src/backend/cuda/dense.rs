@@ -233,6 +233,81 @@ pub fn gemv(
     Ok(())
 }
 
+/// The RMSNorm a projection of a decode row applies to its input
+/// (`gemv_rmsnorm`): `rmsnorm(x, w, eps)`, and optionally the non-finite
+/// guard of x (`check`: flags and slot, as `rmsnorm_checked`).
+pub struct NormIn<'a> {
+    pub w: &'a CudaSlice<f32>,
+    pub eps: f32,
+    pub check: Option<(&'a mut CudaSlice<u32>, usize)>,
+}
+
+/// `out [1, N] (+)= rmsnorm(x) [1, K] * W^T` with the norm inside the GEMV
+/// (`dense_gemv_norm_t1`: every block normalizes x itself, so the norm costs
+/// no launch). `normed` receives `rmsnorm(x)` when `store_normed` (later
+/// kernels read it), and serves as the norm's output on the fallback path
+/// (K % 8 != 0, or K not the norm's width: `rmsnorm` / `rmsnorm_checked`,
+/// then `gemv`). The result equals `rmsnorm` then `gemv` up to the order of
+/// the sum of squares.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_rmsnorm(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    norm: NormIn<'_>,
+    normed: &mut CudaSlice<f32>,
+    store_normed: bool,
+    w: &CudaSlice<bf16>,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+    write: Write,
+) -> Result<()> {
+    same("gemv_rmsnorm: x", x.len(), k)?;
+    same("gemv_rmsnorm: normed", normed.len(), k)?;
+    if let Some((flags, slot)) = &norm.check {
+        if *slot >= flags.len() {
+            return Err(invalid(format!("gemv_rmsnorm: slot {slot} of {} flags", flags.len())));
+        }
+    }
+    if k % 8 != 0 || norm.w.len() != k {
+        match norm.check {
+            Some((flags, slot)) => rmsnorm_checked(gpu, x, norm.w, norm.eps, normed, flags, slot)?,
+            None => rmsnorm(gpu, x, norm.w, norm.eps, normed)?,
+        }
+        return gemv(gpu, normed, w, 1, n, k, out, write);
+    }
+    check_matmul(x, w, 1, n, k, out)?;
+    let (n_i, k_i, acc_i) = (n as i32, k as i32, (write == Write::Add) as i32);
+    let ks = gemv_ksplit(n, k, gpu.sm_count() as usize);
+    let rows_per_block = GEMV_WARPS / ks * GEMV_ROWS_PER_GROUP;
+    let f = gpu.function("dense_gemv_norm_t1")?;
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(rows_per_block) as u32, 1, 1),
+        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let slot_i = norm.check.as_ref().map_or(0, |(_, slot)| *slot as i32);
+    let mut a = KernelArgs::new();
+    a.buf(gpu, x).buf(gpu, norm.w).val(norm.eps);
+    match norm.check {
+        Some((flags, _)) => a.buf_mut(gpu, flags),
+        None => a.null(),
+    };
+    a.val(slot_i);
+    if store_normed {
+        a.buf_mut(gpu, normed);
+    } else {
+        a.null();
+    }
+    a.buf(gpu, w).buf_mut(gpu, out).val(n_i).val(k_i).val(ks as i32).val(acc_i);
+    // SAFETY: dense_gemv_norm_t1(const float* x [K], const float* g [K], float eps, u32* flags (null or holding
+    // slot), int slot, float* normed (null or [K]), const bf16* w [N,K], float* out [N], int N, int K, int ksplit,
+    // int accumulate): lengths checked above; K % 8 == 0 keeps the 16-byte loads of W, x and g aligned and in
+    // bounds (cudarc buffers are 256-byte aligned). Only W is read before strata_pdl_wait.
+    unsafe { gpu.launch(&f, cfg, &mut a) }?;
+    Ok(())
+}
+
 /// `out [T, N] (+)= bf16(x) [T, K] * W^T` through cuBLAS (bf16 inputs, f32
 /// compute and output; `Write::Add` is beta = 1) for any T: x is first
 /// rounded to bf16 into `scratch` (at least `T * K` elements), so results
