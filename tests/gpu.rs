@@ -23,6 +23,8 @@ mod gpu {
     pub mod deltanet;
     #[path = "../gpu/dense.rs"]
     pub mod dense;
+    #[path = "../gpu/experts.rs"]
+    pub mod experts;
     #[path = "../gpu/infra.rs"]
     pub mod infra;
     #[path = "../gpu/model.rs"]
@@ -54,13 +56,14 @@ fn main() -> ExitCode {
     let (major, minor) = gpu.compute_capability();
     println!("device cuda:0: {} (compute capability {major}.{minor}, {} SMs)", gpu.name(), gpu.sm_count());
 
-    let suites: [&[GpuTest]; 6] = [
+    let suites: [&[GpuTest]; 7] = [
         gpu::infra::TESTS,
         gpu::moe::TESTS,
         gpu::dense::TESTS,
         gpu::attention::TESTS,
         gpu::deltanet::TESTS,
         gpu::model::TESTS,
+        gpu::experts::TESTS,
     ];
     let (mut passed, mut failed) = (0, 0);
     for &(name, test) in suites.iter().flat_map(|s| s.iter()) {

@@ -20,6 +20,7 @@ use std::time::Instant;
 use clap::Args;
 
 use strata::engine::{Engine, EngineOptions, GpuPrecision};
+use strata::experts::ExpertStats;
 use strata::model::weights::{model_tensor_name, Role};
 use strata::model::ModelConfig;
 use strata::pack::{Pack, TensorData};
@@ -179,14 +180,44 @@ fn profiler_collect(_on: bool) -> Result<()> {
     Ok(())
 }
 
+/// The expert cache's counters over one phase (prefill or decode) of the
+/// runs: bytes copied, lookups, streamed experts, seconds.
+#[derive(Default)]
+struct CachePhase {
+    bytes: u64,
+    hits: u64,
+    misses: u64,
+    streamed: u64,
+    seconds: f64,
+}
+
+impl CachePhase {
+    fn add(&mut self, before: Option<ExpertStats>, after: Option<ExpertStats>, seconds: f64) {
+        if let (Some(b), Some(a)) = (before, after) {
+            self.bytes += a.bytes_copied - b.bytes_copied;
+            self.hits += a.hits - b.hits;
+            self.misses += a.misses - b.misses;
+            self.streamed += a.streamed - b.streamed;
+            self.seconds += seconds;
+        }
+    }
+
+    fn hit_pct(&self) -> f64 {
+        100.0 * self.hits as f64 / (self.hits + self.misses).max(1) as f64
+    }
+}
+
 /// The measured ceilings of the device, when it is a GPU.
 struct Ceilings {
     hbm: f64,
     bf16: f64,
+    /// Page-locked host-to-device bandwidth, measured when the expert
+    /// cache is on (the floor of what it copies).
+    h2d: Option<f64>,
 }
 
 #[cfg(feature = "cuda")]
-fn ceilings(device: &str) -> Result<Option<Ceilings>> {
+fn ceilings(device: &str, cache: bool) -> Result<Option<Ceilings>> {
     use strata::backend::cuda::{ceilings, Gpu};
     let ordinal = match strata::engine::Device::parse(device)? {
         strata::engine::Device::Cuda(n) => n as usize,
@@ -195,17 +226,19 @@ fn ceilings(device: &str) -> Result<Option<Ceilings>> {
     let gpu = Gpu::open(ordinal)?;
     let hbm = ceilings::hbm_bandwidth(&gpu)?;
     let bf16 = ceilings::bf16_tensor_rate(&gpu)?;
+    let h2d = if cache { Some(ceilings::h2d_pinned_bandwidth(&gpu)?) } else { None };
     eprintln!(
-        "strata bench: {} measured: HBM copy {:.2} TB/s, BF16 tensor GEMM {:.0} TFLOP/s",
+        "strata bench: {} measured: HBM copy {:.2} TB/s, BF16 tensor GEMM {:.0} TFLOP/s{}",
         gpu.name(),
         hbm / 1e12,
-        bf16 / 1e12
+        bf16 / 1e12,
+        h2d.map_or(String::new(), |b| format!(", pinned host-to-device {:.1} GB/s", b / 1e9))
     );
-    Ok(Some(Ceilings { hbm, bf16 }))
+    Ok(Some(Ceilings { hbm, bf16, h2d }))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn ceilings(_device: &str) -> Result<Option<Ceilings>> {
+fn ceilings(_device: &str, _cache: bool) -> Result<Option<Ceilings>> {
     Ok(None)
 }
 
@@ -213,7 +246,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.prompt_len == 0 || a.repeats == 0 {
         return Err(Error::InvalidArgument("--prompt-len and --repeats must be at least 1".into()));
     }
-    let ceil = ceilings(a.device.first().map_or("cpu", String::as_str))?;
+    let ceil = ceilings(a.device.first().map_or("cpu", String::as_str), a.cache.options().enabled())?;
     let t = Instant::now();
     let opts = EngineOptions {
         threads: a.threads,
@@ -250,11 +283,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut rng = Rng::new(7);
     let prompt: Vec<u32> = (0..a.prompt_len).map(|_| (rng.next_u64() % c.vocab_size as u64) as u32).collect();
     let (mut prefill_s, mut step_s, mut mean_s) = (Vec::new(), Vec::new(), Vec::new());
+    // The expert cache's counters over each phase, summed over the runs.
+    let (mut prefill_cache, mut decode_cache) = (CachePhase::default(), CachePhase::default());
     for r in 0..a.repeats {
         let mut s = engine.new_session(&sopts)?;
+        let before = engine.expert_stats();
         let t = Instant::now();
         s.prefill(&prompt)?;
         let p = t.elapsed().as_secs_f64();
+        prefill_cache.add(before, engine.expert_stats(), p);
+        let before = engine.expert_stats();
         let mut sampler = Sampler::greedy();
         let profile = profile_decode() && r + 1 == a.repeats;
         if profile {
@@ -267,6 +305,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             step_s.push(ts.elapsed().as_secs_f64());
         }
         let d = t.elapsed().as_secs_f64();
+        decode_cache.add(before, engine.expert_stats(), d);
         if profile {
             profiler_collect(false)?;
         }
@@ -306,6 +345,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
     }
     println!("{line}");
+    if let (Some(h2d), true) = (ceil.as_ref().and_then(|c| c.h2d), prefill_cache.bytes > 0) {
+        let rate = prefill_cache.bytes as f64 / prefill_cache.seconds;
+        println!(
+            "prefill expert copies: {:.1} MB per prefill, {:.1} GB/s over the prefill ({:.1}% of {:.1} GB/s \
+             measured pinned host-to-device); {:.1}% hits, {} streamed",
+            prefill_cache.bytes as f64 / 1e6 / a.repeats as f64,
+            rate / 1e9,
+            100.0 * rate / h2d,
+            h2d / 1e9,
+            prefill_cache.hit_pct(),
+            prefill_cache.streamed / a.repeats as u64
+        );
+    }
     if !step_s.is_empty() {
         let step = median(&mut step_s);
         let mean = median(&mut mean_s);
@@ -337,6 +389,23 @@ pub fn run(a: BenchArgs) -> Result<()> {
             );
         }
         println!("{line}");
+        if let (Some(cl), Some(h2d), Some(_)) = (&ceil, ceil.as_ref().and_then(|c| c.h2d), engine.expert_stats()) {
+            // Floor with the cache: what was resident read at HBM speed,
+            // what was missed copied at the pinned host-to-device rate.
+            let tokens = (a.gen * a.repeats) as f64;
+            let missed = decode_cache.bytes as f64 / tokens;
+            let floor = (bytes - missed.min(b.experts)) / cl.hbm + missed / h2d;
+            println!(
+                "decode with the expert cache: {:.1}% hits, {:.1} MB missed per token; floor {:.3} ms (resident \
+                 bytes at {:.2} TB/s + missed bytes at {:.1} GB/s): {:.2}x the floor",
+                decode_cache.hit_pct(),
+                missed / 1e6,
+                floor * 1e3,
+                cl.hbm / 1e12,
+                h2d / 1e9,
+                step / floor
+            );
+        }
     }
     if let Some(stats) = engine.expert_stats() {
         println!("{}", stats_line(&stats));

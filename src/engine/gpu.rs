@@ -40,6 +40,8 @@ use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping, GroupedPrecisi
 use crate::backend::cuda::{CudaSlice, DevicePtr, Gpu};
 use crate::backend::{AttentionShape, DeltaNetState, Rope};
 use crate::error::{Error, Result};
+use crate::experts::gpu::GpuExpertCache;
+use crate::experts::ExpertCacheOptions;
 use crate::model::weights::{layer_tensor_name, model_tensor_name, Role};
 use crate::model::ModelConfig;
 use crate::pack::format::ExpertLayout;
@@ -96,11 +98,15 @@ pub(crate) struct GpuModel {
     final_norm: CudaSlice<f32>,
     layers: Vec<GpuLayer>,
     rope: RopeTable,
-    /// Every expert blob of the main layers at the pack's stride. Only the
-    /// tables below point into it.
+    /// Every expert blob of the main layers at the pack's stride (empty
+    /// with an expert cache). Only the tables below point into it.
     _experts: CudaSlice<u8>,
-    /// Per layer: the device address of each expert's blob.
+    /// Per layer: the device address of each expert's blob (empty with an
+    /// expert cache: its tables are used).
     tables: Vec<CudaSlice<u64>>,
+    /// The expert cache, when `EngineOptions::expert_cache` asks for one:
+    /// experts in device slots, page-locked RAM and the mapped pack.
+    experts: Option<parking_lot::Mutex<GpuExpertCache>>,
     layout: BlobLayout,
     precision: GpuPrecision,
 }
@@ -196,6 +202,7 @@ impl GpuModel {
         gpu: Arc<Gpu>,
         rope: &Rope,
         precision: GpuPrecision,
+        cache_opts: &ExpertCacheOptions,
         progress: &mut dyn FnMut(usize, usize) -> Result<()>,
     ) -> Result<GpuModel> {
         let c = pack.config().clone();
@@ -207,15 +214,18 @@ impl GpuModel {
         let layout = BlobLayout::from(&expert_layout);
         let stride = expert_layout.stride as usize;
         let per_layer = e * stride;
-        let mut experts = gpu.alloc_zeros::<u8>(c.num_hidden_layers * per_layer)?;
+        let cached = cache_opts.enabled();
+        let mut experts = gpu.alloc_zeros::<u8>(if cached { 0 } else { c.num_hidden_layers * per_layer })?;
         let base = address(&gpu, &experts);
         let mut tables = Vec::with_capacity(c.num_hidden_layers);
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
-            let bytes = pack.expert_layer_bytes(l)?;
-            gpu.stream().memcpy_htod(bytes, &mut experts.slice_mut(l * per_layer..(l + 1) * per_layer))?;
-            let table: Vec<u64> = (0..e).map(|x| base + ((l * e + x) * stride) as u64).collect();
-            tables.push(gpu.upload(&table)?);
+            if !cached {
+                let bytes = pack.expert_layer_bytes(l)?;
+                gpu.stream().memcpy_htod(bytes, &mut experts.slice_mut(l * per_layer..(l + 1) * per_layer))?;
+                let table: Vec<u64> = (0..e).map(|x| base + ((l * e + x) * stride) as u64).collect();
+                tables.push(gpu.upload(&table)?);
+            }
             layers.push(GpuLayer::load(pack, &gpu, l)?);
             // Host buffers of this layer may be freed only once copied.
             gpu.sync()?;
@@ -229,6 +239,7 @@ impl GpuModel {
         };
         let final_norm = upload_f32(&gpu, pack, model_tensor_name(Role::FinalNorm), h, zc)?;
         let rope = RopeTable::new(&gpu, rope)?;
+        let experts_cache = GpuExpertCache::load(pack, &gpu, cache_opts)?.map(parking_lot::Mutex::new);
         gpu.sync()?;
         progress(total, total)?;
         Ok(GpuModel {
@@ -241,9 +252,15 @@ impl GpuModel {
             rope,
             _experts: experts,
             tables,
+            experts: experts_cache,
             layout,
             precision,
         })
+    }
+
+    /// `f` of the expert cache (`None` without one).
+    pub(crate) fn expert_cache<R>(&self, f: impl FnOnce(&GpuExpertCache) -> R) -> Option<R> {
+        self.experts.as_ref().map(|c| f(&c.lock()))
     }
 
     /// A session cache on this device.
@@ -302,12 +319,20 @@ impl GpuModel {
         };
         let mut s = cache.take_scratch(t)?;
         let started = std::time::Instant::now();
+        let mut experts = self.experts.as_ref().map(|x| x.lock());
+        if let Some(x) = experts.as_mut() {
+            x.begin_forward(t);
+        }
         let r = (|| -> Result<Vec<f32>> {
             self.gpu.stream().memcpy_htod(tokens, &mut s.tokens)?;
-            self.enqueue(engine, cache, &mut s, start, rows, None)?;
+            self.enqueue(engine, cache, &mut s, start, rows, None, experts.as_deref_mut())?;
             self.finish(cache, &mut s, start, rows, started)
         })();
         cache.put_scratch(s);
+        let r = match (r, experts.as_mut()) {
+            (Ok(l), Some(x)) => x.end_forward(engine.pack(), t).map(|()| l),
+            (r, _) => r,
+        };
         r
     }
 
@@ -381,6 +406,10 @@ impl GpuModel {
     /// injection is a host decision made while queueing).
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(unused_variables))]
     fn graph_allowed(&self, engine: &Engine) -> bool {
+        if self.experts.is_some() {
+            // The expert cache decides copies on the host at every layer.
+            return false;
+        }
         #[cfg(any(test, feature = "test-hooks"))]
         if engine.nan_pending() {
             return false;
@@ -416,7 +445,7 @@ impl GpuModel {
             if cache.graph.as_ref().is_none_or(|g| g.generation != cache.generation) {
                 cache.graph = None;
                 gpu.stream().begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-                let queued = self.enqueue(engine, cache, &mut s, start, 1, Some(step));
+                let queued = self.enqueue(engine, cache, &mut s, start, 1, Some(step), None);
                 let captured = gpu.stream().end_capture(sys::CUgraphInstantiate_flags(0));
                 queued?;
                 let graph = captured?.ok_or_else(|| Error::Cuda("capturing the decode step gave no graph".into()))?;
@@ -436,6 +465,7 @@ impl GpuModel {
     /// from the host, so it can be captured into a graph (with `step`:
     /// position-dependent kernels then read the position on the device).
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(unused_variables))]
+    #[allow(clippy::too_many_arguments)]
     fn enqueue(
         &self,
         engine: &Engine,
@@ -444,6 +474,7 @@ impl GpuModel {
         start: usize,
         rows: usize,
         step: Option<&Step>,
+        mut experts: Option<&mut GpuExpertCache>,
     ) -> Result<()> {
         let c = &self.config;
         let gpu = &*self.gpu;
@@ -460,7 +491,7 @@ impl GpuModel {
                 GpuMixer::Attention { .. } => self.attention(l, lw, cache, s, start, step)?,
                 GpuMixer::Linear { .. } => self.linear(l, lw, cache, s)?,
             }
-            self.moe(l, lw, s)?;
+            self.moe(engine, l, lw, s, experts.as_deref_mut())?;
             #[cfg(any(test, feature = "test-hooks"))]
             if let Some(row) = engine.take_nan(l, start, t) {
                 gpu.stream().memcpy_htod(&[f32::NAN], &mut s.x.slice_mut(row * h..row * h + 1))?;
@@ -612,15 +643,24 @@ impl GpuModel {
 
     /// `x += moe(s.h)` (+ the shared expert), through the one MoE pipeline:
     /// router, top-k on the device, experts by the blob table, combine.
-    fn moe(&self, l: usize, lw: &GpuLayer, s: &mut Scratch) -> Result<()> {
+    fn moe(
+        &self,
+        engine: &Engine,
+        l: usize,
+        lw: &GpuLayer,
+        s: &mut Scratch,
+        experts: Option<&mut GpuExpertCache>,
+    ) -> Result<()> {
         let c = &self.config;
         let gpu = &*self.gpu;
         let (t, h, e, k) = (s.t, c.hidden_size, c.num_experts, c.num_experts_per_tok);
         let norm = NormIn { w: &lw.post_attn_norm, eps: c.rms_norm_eps as f32, check: None };
         self.normed_proj(norm, &s.x, &mut s.h, true, &lw.router, t, e, h, &mut s.router, &mut s.bf)?;
         let p = self.grouped_precision();
-        let (table, layout) = (&self.tables[l], &self.layout);
-        if t <= MOE_GEMV_MAX_ROWS {
+        if let Some(x) = experts {
+            self.cached_experts(engine.pack(), x, l, s)?;
+        } else if t <= MOE_GEMV_MAX_ROWS {
+            let (table, layout) = (&self.tables[l], &self.layout);
             // Decode: the routing runs inside the gate/up GEMV (one launch fewer).
             let route = moe::Route {
                 logits: &s.router,
@@ -632,6 +672,7 @@ impl GpuModel {
             moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
             moe::expert_down_gemv(gpu, &s.moe.act, &s.ids, &s.weights, table, layout, t, k, &mut s.x, true)?;
         } else {
+            let (table, layout) = (&self.tables[l], &self.layout);
             moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
             run_experts(gpu, &s.h, &s.ids, &s.weights, table, layout, t, k, &mut s.moe, &mut s.x, true, p)?;
         }
@@ -654,6 +695,67 @@ impl GpuModel {
             }
         }
         Ok(())
+    }
+}
+
+impl GpuModel {
+    /// The routed experts of layer `l` through the expert cache: top-k on
+    /// the device, the ids read back, the step planned (misses copied into
+    /// slots, the layer's table pointed at them), then the one expert
+    /// pipeline (`run_experts`); a step with streamed experts computes in
+    /// waves, each wave's copies into the ring overlapping the wave before.
+    fn cached_experts(&self, pack: &Pack, x: &mut GpuExpertCache, l: usize, s: &mut Scratch) -> Result<()> {
+        let c = &self.config;
+        let gpu = &*self.gpu;
+        let (t, e, k) = (s.t, c.num_experts, c.num_experts_per_tok);
+        moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
+        let mut ids = vec![0u32; t * k];
+        gpu.stream().memcpy_dtoh(&s.ids.slice(..t * k), &mut ids)?;
+        gpu.sync()?;
+        let plan = x.plan_step(pack, l, &ids)?;
+        let p = self.grouped_precision();
+        let layout = &self.layout;
+        if plan.ring.is_empty() {
+            return run_experts(gpu, &s.h, &s.ids, &s.weights, x.table(l), layout, t, k, &mut s.moe, &mut s.x, true, p);
+        }
+        // Waves: the grouped kernels over the rows of one wave's experts at a
+        // time (the other experts get no row tiles), one combine at the end.
+        let m = &mut s.moe;
+        if m.grouping.is_none() {
+            m.grouping = Some(ExpertGrouping::new(gpu, t * k, e)?);
+            m.y = Some(gpu.alloc_zeros(t * k * c.hidden_size)?);
+        }
+        let g = m.grouping.as_mut().expect("set above");
+        moe::group_by_expert_into(gpu, &s.ids, t, k, g)?;
+        let mut counts = vec![0usize; e];
+        ids.iter().for_each(|&i| counts[i as usize] += 1);
+        let all_tiles = std::mem::replace(&mut g.tile_offsets, gpu.alloc_zeros(e + 1)?);
+        let waves = x.waves(&plan);
+        let ring_waves: Vec<Vec<usize>> =
+            waves.ring.iter().map(|w| w.iter().map(|&n| plan.ring[n].expert).collect()).collect();
+        let y = m.y.as_mut().expect("set above");
+        for (w, experts) in std::iter::once(&waves.slots).chain(&ring_waves).enumerate() {
+            if experts.is_empty() {
+                continue;
+            }
+            let ring_wave = w.checked_sub(1);
+            if let Some(rw) = ring_wave {
+                x.stream_wave(pack, &plan, &waves, rw)?;
+            }
+            let mut tiles = vec![0u32; e + 1];
+            for j in 0..e {
+                let mine = experts.binary_search(&j).is_ok();
+                tiles[j + 1] = tiles[j] + if mine { counts[j].div_ceil(moe::TILE_M) as u32 } else { 0 };
+            }
+            gpu.stream().memcpy_htod(&tiles, &mut g.tile_offsets)?;
+            moe::expert_gate_up_grouped_with(gpu, &s.h, g, x.table(l), layout, &mut m.act, p)?;
+            moe::expert_down_grouped_with(gpu, &m.act, g, x.table(l), layout, y, p)?;
+            if let Some(rw) = ring_wave {
+                x.wave_computed(rw)?;
+            }
+        }
+        g.tile_offsets = all_tiles;
+        moe::moe_combine(gpu, y, g, &s.weights, layout.hidden as usize, &mut s.x, true)
     }
 }
 

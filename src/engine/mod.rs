@@ -683,18 +683,16 @@ impl Engine {
         let rope = Rope::new(c);
         let devices = Device::parse_list(&opts.devices)?;
         let device = devices[0];
-        if device != Device::Cpu && opts.expert_cache.enabled() {
-            return Err(Error::Unsupported(
-                "the expert cache runs on the CPU backend only (the GPU's is to come)".into(),
-            ));
-        }
         let ranges = stage_layers(c.num_hidden_layers, devices.len(), opts.layer_split.as_deref())?;
         if ranges.len() > 1 && opts.expert_cache.enabled() {
             return Err(Error::Unsupported(
                 "the expert cache with a layer split (a cache per stage is not built yet)".into(),
             ));
         }
-        let experts = CpuExpertCache::load(&pack, &opts.expert_cache)?.map(parking_lot::Mutex::new);
+        let experts = match device {
+            Device::Cpu => CpuExpertCache::load(&pack, &opts.expert_cache)?.map(parking_lot::Mutex::new),
+            Device::Cuda(_) => None, // the GPU model holds its own
+        };
         let split = (ranges.len() > 1).then(|| parking_lot::Mutex::new(SplitStats::default()));
         let exec = match device {
             Device::Cpu => {
@@ -711,7 +709,14 @@ impl Engine {
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => {
                 let gpu = crate::backend::cuda::Gpu::open(ordinal as usize)?;
-                Exec::Cuda(Box::new(gpu::GpuModel::load(&pack, gpu, &rope, opts.gpu_precision, progress)?))
+                Exec::Cuda(Box::new(gpu::GpuModel::load(
+                    &pack,
+                    gpu,
+                    &rope,
+                    opts.gpu_precision,
+                    &opts.expert_cache,
+                    progress,
+                )?))
             }
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => unreachable!("parse_list refuses CUDA devices without the cuda feature"),
@@ -794,15 +799,26 @@ impl Engine {
 
     /// What the expert cache did since load (`None` without a cache).
     pub fn expert_stats(&self) -> Option<ExpertStats> {
+        #[cfg(feature = "cuda")]
+        if let Exec::Cuda(m) = &self.inner.exec {
+            return m.expert_cache(|c| c.stats());
+        }
         self.inner.experts.as_ref().map(|c| c.lock().stats())
     }
 
     /// The tokens routed to each (layer, expert) since load, as a profile
     /// (`None` without a cache).
     pub fn expert_profile(&self) -> Option<ExpertProfile> {
+        let profile = |stats: ExpertStats, p: &crate::experts::Planner| {
+            ExpertProfile::new(self.config(), stats.tokens, p.routed_counts())
+        };
+        #[cfg(feature = "cuda")]
+        if let Exec::Cuda(m) = &self.inner.exec {
+            return m.expert_cache(|c| profile(c.stats(), c.planner()));
+        }
         self.inner.experts.as_ref().map(|c| {
             let c = c.lock();
-            ExpertProfile::new(self.config(), c.stats().tokens, c.planner().routed_counts())
+            profile(c.stats(), c.planner())
         })
     }
 

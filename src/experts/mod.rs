@@ -15,6 +15,8 @@
 //! compared bit for bit with the all-mapped engine.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod policy;
 pub mod profile;
 pub mod tiers;

@@ -1,0 +1,365 @@
+//! The GPU executor of the tier planner: slots and the prefill ring are
+//! device memory, host buffers one page-locked allocation, the mapped pack
+//! is read into page-locked staging blobs; copies run on a copy stream that
+//! the compute stream waits for through events. Kernels find each expert
+//! through a per-layer table of blob addresses (`table`), which this cache
+//! points at the slot or ring slot holding it before the layer computes:
+//! the experts' kernels are the all-resident path's, unchanged.
+//!
+//! Per MoE step (`plan_step`): the step's routed experts (the ids, copied
+//! to the host) are planned; misses are copied into slots (copy stream,
+//! then an event the compute stream waits on); the table of the layer is
+//! written. A step with streamed experts computes in waves
+//! (`Waves`): the experts in slots first, then the ring's entries in waves
+//! of half the ring, whose copies overlap the compute of the wave before.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::result;
+
+use super::policy::ranking;
+use super::profile::{ExpertProfile, PACK_PROFILE_FILE};
+use super::tiers::{Fills, Place, Planner, Source, StepPlan};
+use super::{Capacity, ExpertCacheOptions, ExpertKey, ExpertStats};
+use crate::backend::cuda::{CudaEvent, CudaSlice, CudaStream, DevicePtr, Gpu};
+use crate::error::{Error, Result};
+use crate::pack::Pack;
+
+/// Page-locked host memory held through its raw pointer: sub-ranges are
+/// copy sources (cudarc's `PinnedHostSlice` copies only whole).
+struct Pinned {
+    _mem: cudarc::driver::PinnedHostSlice<u8>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the allocation is owned by `_mem` for the lifetime of `ptr`;
+// every access goes through `&mut self` (writes) or a copy ordered by the
+// cache's events, and the cache is used under the engine's lock.
+unsafe impl Send for Pinned {}
+unsafe impl Sync for Pinned {}
+
+impl Pinned {
+    fn new(gpu: &Gpu, len: usize) -> Result<Pinned> {
+        // SAFETY: page-locked bytes, written before any copy reads them.
+        let mut mem = unsafe { gpu.context().alloc_pinned_with_flags::<u8>(len.max(1), 0) }?;
+        let ptr = mem.as_mut_ptr()?;
+        Ok(Pinned { _mem: mem, ptr, len })
+    }
+
+    fn range(&self, off: usize, n: usize) -> &[u8] {
+        assert!(off + n <= self.len, "pinned range {off}+{n} past {}", self.len);
+        // SAFETY: in bounds (asserted); the allocation lives as long as self.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(off), n) }
+    }
+
+    fn range_mut(&mut self, off: usize, n: usize) -> &mut [u8] {
+        assert!(off + n <= self.len, "pinned range {off}+{n} past {}", self.len);
+        // SAFETY: in bounds (asserted); &mut self: no other host reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), n) }
+    }
+}
+
+/// The waves of a step with streamed experts: `slots` (the experts already
+/// in slots, computed first, maybe empty), then `ring[w]`, the entries of
+/// the step's ring (indices into `StepPlan::ring`) of wave `w`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Waves {
+    pub slots: Vec<usize>,
+    pub ring: Vec<Vec<usize>>,
+}
+
+/// One engine's expert cache on one CUDA device.
+pub struct GpuExpertCache {
+    planner: Planner,
+    gpu: Arc<Gpu>,
+    experts: usize,
+    stride: usize,
+    /// Bytes of a blob a copy moves (`ExpertLayout::used_len`).
+    used: usize,
+    slots: CudaSlice<u8>,
+    ring: CudaSlice<u8>,
+    host: Pinned,
+    /// One staging blob per pool worker, and the event of its last copy.
+    staging: Vec<(Pinned, CudaEvent)>,
+    next_staging: usize,
+    copy: Arc<CudaStream>,
+    /// Recorded on the copy stream after a step's copies; the compute
+    /// stream waits on it.
+    copied: CudaEvent,
+    /// Recorded on the compute stream after each ring wave (by ring half).
+    computed: [CudaEvent; 2],
+    /// Per layer: the device address of each expert's blob where it is
+    /// (stale for experts the step does not route to; never read for them).
+    tables: Vec<CudaSlice<u64>>,
+    /// The tables' host copy (page-locked: the writes are asynchronous).
+    mirror: Pinned,
+}
+
+fn address<T>(gpu: &Gpu, buf: &CudaSlice<T>) -> u64 {
+    let (ptr, _sync) = buf.device_ptr(gpu.stream());
+    ptr
+}
+
+impl GpuExpertCache {
+    /// The cache `opts` asks for over `pack` on `gpu` (`None` when it is
+    /// off), with the initial placement copied in. Fails, naming the budget
+    /// and the need, when a budget is below the minimum, or when the device
+    /// cannot hold what the budget allows.
+    pub fn load(pack: &Pack, gpu: &Arc<Gpu>, opts: &ExpertCacheOptions) -> Result<Option<GpuExpertCache>> {
+        if !opts.enabled() {
+            if opts.host_budget.is_some() || opts.profile.is_some() {
+                return Err(Error::InvalidArgument(
+                    "expert cache: host_budget and profile need a cache (slots or vram_budget)".into(),
+                ));
+            }
+            return Ok(None);
+        }
+        let c = pack.config();
+        let layout = pack.layout();
+        let policy = opts.policy()?;
+        let cap = Capacity::plan(opts, c, layout.stride, layout.used_len())?;
+        let (stride, used) = (layout.stride as usize, layout.used_len() as usize);
+        let (free, _) = gpu.memory_info()?;
+        let want = (cap.slots + cap.ring_slots) * stride;
+        if want > free {
+            return Err(Error::InvalidArgument(format!(
+                "expert cache: {} slots + {} ring slots of {:.1} MiB need {:.1} MiB of device memory, {:.1} MiB \
+                 are free",
+                cap.slots,
+                cap.ring_slots,
+                stride as f64 / 1048576.0,
+                want as f64 / 1048576.0,
+                free as f64 / 1048576.0
+            )));
+        }
+        let shipped = pack.dir().join(PACK_PROFILE_FILE);
+        let profile = match &opts.profile {
+            Some(p) => Some(ExpertProfile::load(p, c)?),
+            None if shipped.is_file() => Some(ExpertProfile::load(&shipped, c)?),
+            None => None,
+        };
+        let (layers, experts) = (c.num_hidden_layers, c.num_experts);
+        let rank = ranking(layers, experts, profile.as_ref().map(|p| &p.counts[..]));
+        let (planner, fills) = Planner::new(layers, experts, cap, policy, &rank);
+        let ctx = gpu.context();
+        let mut staging = Vec::with_capacity(cap.staging_blobs.max(1));
+        for _ in 0..cap.staging_blobs.max(1) {
+            staging.push((Pinned::new(gpu, used)?, ctx.new_event(None)?));
+        }
+        let slots = gpu.alloc_zeros::<u8>(cap.slots * stride)?;
+        let ring = gpu.alloc_zeros::<u8>(cap.ring_slots * stride)?;
+        let mut tables = Vec::with_capacity(layers);
+        for _ in 0..layers {
+            // Until a step points them somewhere: slot 0 (readable memory).
+            tables.push(gpu.upload(&vec![address(gpu, &slots); experts])?);
+        }
+        let mut cache = GpuExpertCache {
+            planner,
+            gpu: gpu.clone(),
+            experts,
+            stride,
+            used,
+            slots,
+            ring,
+            host: Pinned::new(gpu, cap.host_blobs * stride)?,
+            staging,
+            next_staging: 0,
+            copy: ctx.new_stream()?,
+            copied: ctx.new_event(None)?,
+            computed: [ctx.new_event(None)?, ctx.new_event(None)?],
+            tables,
+            mirror: Pinned::new(gpu, layers * experts * 8)?,
+        };
+        cache.apply(pack, &fills)?;
+        gpu.sync()?;
+        Ok(Some(cache))
+    }
+
+    pub fn stats(&self) -> ExpertStats {
+        self.planner.stats()
+    }
+
+    pub fn planner(&self) -> &Planner {
+        &self.planner
+    }
+
+    /// The blob-address table of `layer` (valid for the experts of the
+    /// step last planned there).
+    pub fn table(&self, layer: usize) -> &CudaSlice<u64> {
+        &self.tables[layer]
+    }
+
+    fn slot_addr(&self, slot: usize) -> u64 {
+        address(&self.gpu, &self.slots) + (slot * self.stride) as u64
+    }
+
+    fn ring_addr(&self, ring_slot: usize) -> u64 {
+        address(&self.gpu, &self.ring) + (ring_slot * self.stride) as u64
+    }
+
+    /// Queues on the copy stream a copy of `key`'s blob from `from` to the
+    /// device address `dst`. A pack source is first read into a staging
+    /// blob (waiting for that blob's previous copy).
+    fn copy_in(&mut self, pack: &Pack, key: ExpertKey, from: Source, dst: u64) -> Result<()> {
+        let stream = self.copy.cu_stream();
+        match from {
+            Source::Host(h) => {
+                let src = self.host.range(h * self.stride, self.used);
+                // SAFETY: dst is a slot or ring slot of `used` bytes (addresses from this cache's
+                // allocations); the source is page-locked and not rewritten before the copy stream
+                // is synchronized (host fills wait for it).
+                unsafe { result::memcpy_htod_async(dst, src, stream) }?;
+            }
+            Source::Pack => {
+                let blob = pack.expert(key.layer, key.expert)?.blob;
+                let i = self.next_staging;
+                self.next_staging = (i + 1) % self.staging.len();
+                let (buf, done) = &mut self.staging[i];
+                done.synchronize()?;
+                buf.range_mut(0, self.used).copy_from_slice(&blob[..self.used]);
+                // SAFETY: as above; the staging blob is rewritten only after `done` (recorded
+                // below) has completed.
+                unsafe { result::memcpy_htod_async(dst, buf.range(0, self.used), stream) }?;
+                done.record(&self.copy)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Carries out copies planned off the critical path (initial placement,
+    /// adaptive swaps): host fills, then slot fills; the compute stream
+    /// waits for them before its next kernel.
+    fn apply(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
+        if !fills.host.is_empty() {
+            // A host buffer may still be the source of a queued copy.
+            self.copy.synchronize()?;
+            for f in &fills.host {
+                let blob = pack.expert(f.key.layer, f.key.expert)?.blob;
+                self.host.range_mut(f.host * self.stride, self.used).copy_from_slice(&blob[..self.used]);
+                self.planner.host_fill_done(f.host);
+            }
+        }
+        for f in &fills.slots {
+            let dst = self.slot_addr(f.slot);
+            self.copy_in(pack, f.key, f.from, dst)?;
+            self.planner.slot_fill_done(f.slot);
+        }
+        if !fills.slots.is_empty() {
+            self.copied.record(&self.copy)?;
+            self.gpu.stream().wait(&self.copied)?;
+        }
+        Ok(())
+    }
+
+    /// A forward of `tokens` tokens starts.
+    pub fn begin_forward(&mut self, tokens: usize) {
+        self.planner.begin_forward(tokens);
+    }
+
+    /// A forward ended: queues the adaptive swaps it triggers (they complete
+    /// before the next step's kernels, not before this returns).
+    pub fn end_forward(&mut self, pack: &Pack, tokens: usize) -> Result<()> {
+        let fills = self.planner.end_forward(tokens);
+        self.apply(pack, &fills)
+    }
+
+    /// Plans the MoE step of `layer` whose routed expert ids (`[T * k]`,
+    /// on the host) are `ids`, copies its misses into slots (the compute
+    /// stream waits for them) and points the layer's table at every routed
+    /// expert: a slot, or for a streamed one its ring slot (filled by
+    /// `stream_wave`). Returns the plan.
+    pub fn plan_step(&mut self, pack: &Pack, layer: usize, ids: &[u32]) -> Result<StepPlan> {
+        let mut counts = vec![0usize; self.experts];
+        for &id in ids {
+            let e = id as usize;
+            if e >= self.experts {
+                return Err(Error::Cuda(format!("expert id {e} routed at layer {layer} (of {})", self.experts)));
+            }
+            counts[e] += 1;
+        }
+        let routed: Vec<(usize, usize)> =
+            counts.iter().enumerate().filter(|c| *c.1 > 0).map(|(e, &n)| (e, n)).collect();
+        let plan = self.planner.plan_step(layer, &routed);
+        // The previous steps' kernels are complete (the caller read these
+        // ids back after them), so slots and ring slots may be overwritten.
+        let started = Instant::now();
+        for f in &plan.fills {
+            let dst = self.slot_addr(f.slot);
+            self.copy_in(pack, f.key, f.from, dst)?;
+        }
+        for f in &plan.fills {
+            self.planner.slot_fill_done(f.slot);
+        }
+        let ring_slots = (self.ring.len() / self.stride.max(1)).max(1);
+        let row = layer * self.experts * 8;
+        for &(e, place) in &plan.experts {
+            let addr = match place {
+                Place::Slot { slot, .. } => self.slot_addr(slot),
+                Place::Ring(n) => self.ring_addr(plan.ring[n].ring_slot % ring_slots),
+            };
+            self.mirror.range_mut(row + e * 8, 8).copy_from_slice(&addr.to_le_bytes());
+        }
+        let stream = self.gpu.stream();
+        if !plan.fills.is_empty() {
+            self.copied.record(&self.copy)?;
+            stream.wait(&self.copied)?;
+            // The step cannot compute before its misses are in: that wait.
+            self.copied.synchronize()?;
+            self.planner.record_wait(started.elapsed().as_nanos() as u64);
+        }
+        let dst = address(&self.gpu, &self.tables[layer]);
+        // SAFETY: the table holds `experts` u64; the source row is page-locked and rewritten only by
+        // the next plan_step of this layer, which comes after this step's ids were read back (so
+        // after this copy, queued before them).
+        unsafe { result::memcpy_htod_async(dst, self.mirror.range(row, self.experts * 8), stream.cu_stream()) }?;
+        Ok(plan)
+    }
+
+    /// The waves of a step with streamed experts: the slot experts, then
+    /// the ring entries in waves of half the ring (one entry for a ring of
+    /// one), so a wave's copies overlap the previous wave's compute.
+    pub fn waves(&self, plan: &StepPlan) -> Waves {
+        let ring_slots = (self.ring.len() / self.stride.max(1)).max(1);
+        let per_wave = (ring_slots / 2).max(1);
+        let slots = plan.experts.iter().filter(|(_, p)| matches!(p, Place::Slot { .. })).map(|&(e, _)| e).collect();
+        let ring = (0..plan.ring.len()).collect::<Vec<_>>().chunks(per_wave).map(|c| c.to_vec()).collect();
+        Waves { slots, ring }
+    }
+
+    /// Queues the copies of ring wave `w` (after the compute of the wave
+    /// that last used its ring slots) and makes the compute stream wait for
+    /// them. Call in wave order, each before that wave's kernels, and
+    /// `wave_computed(w)` after them.
+    pub fn stream_wave(&mut self, pack: &Pack, plan: &StepPlan, waves: &Waves, w: usize) -> Result<()> {
+        let started = Instant::now();
+        let ring_slots = (self.ring.len() / self.stride.max(1)).max(1);
+        if w >= 1 && ring_slots >= 2 {
+            // Wave w uses the ring half wave w - 2 used (wave w - 1 the other half).
+            if w >= 2 {
+                self.copy.wait(&self.computed[w % 2])?;
+            }
+        } else if w >= 1 {
+            // One ring slot: every wave reuses it.
+            self.copy.wait(&self.computed[(w - 1) % 2])?;
+        }
+        for &n in &waves.ring[w] {
+            let entry = plan.ring[n];
+            let key = ExpertKey::new(plan.layer, entry.expert);
+            let dst = self.ring_addr(entry.ring_slot % ring_slots);
+            self.copy_in(pack, key, entry.from, dst)?;
+        }
+        self.copied.record(&self.copy)?;
+        self.gpu.stream().wait(&self.copied)?;
+        self.planner.record_wait(started.elapsed().as_nanos() as u64);
+        Ok(())
+    }
+
+    /// Ring wave `w`'s kernels are queued: its ring slots may be refilled
+    /// once they complete.
+    pub fn wave_computed(&mut self, w: usize) -> Result<()> {
+        self.computed[w % 2].record(self.gpu.stream())?;
+        Ok(())
+    }
+}

@@ -1,0 +1,142 @@
+//! The GPU expert cache: path equivalence against the all-resident GPU
+//! engine on the converted NVFP4 fixtures of both architectures (global
+//! scales as the converter writes them), for every way an expert reaches a
+//! kernel: a slot filled at load, a miss copied into a slot from the pack
+//! or from page-locked host memory, the streaming ring (one slot, and
+//! waves of several), adaptive swaps. Each configuration must also show in
+//! its statistics that it took the path it is there for.
+
+use std::sync::Arc;
+
+use strata::backend::cuda::Gpu;
+use strata::engine::{Engine, EngineOptions};
+use strata::experts::{ExpertCacheOptions, ExpertStats};
+use strata::pack::convert::{convert, ConvertOptions};
+use strata::session::SessionOptions;
+
+use super::common::{check_close, e, GpuTest};
+
+pub const TESTS: &[GpuTest] = &[
+    ("experts_cache_paths_match_the_resident_engine", cache_paths),
+    ("experts_cache_budget_is_refused_by_name", budget_refused),
+];
+
+/// Relative to max |logit|. The cache runs the resident path's expert
+/// kernels on the same bytes; only decode differs in how the top-k reaches
+/// them (the routing kernel, not the routed GEMV's fused top-k), which may
+/// reorder the softmax sum: ~1e-7, amplified by the tiny random models.
+const TOL: f32 = 1e-4;
+
+fn prompt(vocab: usize, n: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 131 + 7) % vocab) as u32).collect()
+}
+
+/// Prefill logits of every position (whole, and in 16-row chunks: the
+/// grouped kernels) and 6 decode steps (one row: the GEMV kernels).
+fn run(engine: &Engine, tokens: &[u32]) -> Result<Vec<Vec<f32>>, String> {
+    let mut out = Vec::new();
+    for chunk in [0, 16] {
+        let opts = SessionOptions { prefill_chunk: chunk, ..Default::default() };
+        out.push(engine.new_session(&opts).map_err(e)?.prefill_all(tokens).map_err(e)?);
+    }
+    let mut s = engine.new_session(&SessionOptions::default()).map_err(e)?;
+    s.prefill(&tokens[..40]).map_err(e)?;
+    for i in 0..6 {
+        s.prefill(&[tokens[40 + i]]).map_err(e)?;
+        out.push(s.logits().ok_or("no logits")?.to_vec());
+    }
+    Ok(out)
+}
+
+fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(e)?;
+    for (set, model) in [("fixtures", "a"), ("fixtures_next", "a")] {
+        let root = std::path::Path::new("tests/data");
+        let root = if root.is_dir() {
+            root.to_path_buf()
+        } else {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data")
+        };
+        let pack = dir.path().join(format!("{set}-{model}"));
+        convert(&root.join(set).join(model).join("nvfp4_modelopt"), &pack, &ConvertOptions::default()).map_err(e)?;
+        let cuda = || EngineOptions { devices: vec!["cuda".into()], ..Default::default() };
+        let resident = Engine::load(&pack, &cuda()).map_err(e)?;
+        let c = resident.config().clone();
+        let (pairs, k) = (c.num_hidden_layers * c.num_experts, c.num_experts_per_tok);
+        let tokens = prompt(c.vocab_size, 150);
+        let want = run(&resident, &tokens)?;
+        let blob = strata::pack::Pack::open(&pack).map_err(e)?.layout().stride;
+        type Check = fn(&ExpertStats) -> bool;
+        let cases: [(&str, ExpertCacheOptions, Check); 5] = [
+            ("every expert in a slot", ExpertCacheOptions { slots: Some(pairs), ..Default::default() }, |s| {
+                s.misses == 0 && s.hits > 0
+            }),
+            (
+                "minimum slots, misses from the pack",
+                ExpertCacheOptions { slots: Some(k), ring_threshold: 2.0, adapt_every: 0, ..Default::default() },
+                |s| s.misses > 0 && s.streamed == 0 && s.bytes_from_pack > 0,
+            ),
+            (
+                "a ring of one slot for every miss",
+                ExpertCacheOptions { slots: Some(k), ring_slots: 1, ring_threshold: 0.0, ..Default::default() },
+                |s| s.streamed > 0,
+            ),
+            (
+                "ring waves from page-locked host memory",
+                ExpertCacheOptions {
+                    slots: Some(k + 1),
+                    ring_slots: 4,
+                    ring_threshold: 0.0,
+                    host_budget: Some(blob * (pairs as u64 + 4)),
+                    ..Default::default()
+                },
+                |s| s.streamed > 0 && s.bytes_from_host > 0,
+            ),
+            (
+                "adaptive swaps, half the experts in host memory",
+                ExpertCacheOptions {
+                    slots: Some(2 * k),
+                    ring_threshold: 2.0,
+                    host_budget: Some(blob * (pairs as u64 / 2 + 4)),
+                    adapt_every: 4,
+                    adapt_swaps: 2,
+                    ..Default::default()
+                },
+                |s| s.swaps > 0 && s.misses > 0 && s.bytes_from_host > 0,
+            ),
+        ];
+        for (what, opts, check) in cases {
+            let what = format!("{set}/{model}: {what}");
+            let engine = Engine::load(&pack, &EngineOptions { expert_cache: opts, ..cuda() })
+                .map_err(|x| format!("{what}: {x}"))?;
+            let got = run(&engine, &tokens)?;
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                check_close(&format!("{what}, run {i}"), g, w, TOL)?;
+            }
+            let stats = engine.expert_stats().ok_or_else(|| format!("{what}: no statistics"))?;
+            if !check(&stats) {
+                return Err(format!("{what}: the statistics do not show the path: {stats:?}"));
+            }
+            println!("    {what}: logits within {TOL:.0e}; {stats:?}");
+        }
+    }
+    Ok(())
+}
+
+/// A VRAM budget below one token's experts plus the ring fails at load,
+/// naming the budget and the need.
+fn budget_refused(_gpu: &Arc<Gpu>) -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(e)?;
+    let c = strata::pack::synth::preset(strata::model::Arch::Qwen3Moe, "tiny").map_err(e)?;
+    strata::pack::synth::synth(&c, dir.path(), &Default::default()).map_err(e)?;
+    let opts = EngineOptions {
+        devices: vec!["cuda".into()],
+        expert_cache: ExpertCacheOptions { vram_budget: Some(1024), ..Default::default() },
+        ..Default::default()
+    };
+    match Engine::load(dir.path(), &opts) {
+        Ok(_) => Err("a 1 KiB VRAM budget was accepted".into()),
+        Err(x) if x.to_string().contains("VRAM budget") && x.to_string().contains("minimum") => Ok(()),
+        Err(x) => Err(format!("the refusal does not name the budget and the need: {x}")),
+    }
+}
