@@ -22,7 +22,7 @@
 //     attn_combine merges in split order (deterministic).
 //   attn_combine: merges split partials.
 //   attn_mma_* (prefill) and attn_dec_* (a few rows): tensor cores, sm_80+.
-//   attn_row_hd{HD}_{i8,bf16}_g{1,2,4,8,16}: one row (batch-1 decode), f32
+//   attn_row_hd{HD}_{i8,bf16}_g{1,2,4}: one row (batch-1 decode), f32
 //     on CUDA cores, the split merge fused in (see its section).
 //   attn_qkv_prep_{i8,bf16}: q/k norm + RoPE, gate split and KV append of
 //     one qkv projection in one launch (see its section).
@@ -1168,20 +1168,25 @@ ATTN_DEC_INSTANCES(256)
 // ------------------------------------------------ one-row decode (split-K) --
 //
 // attn_row_hd{HD}_{i8,bf16}_g{GB}: batch-1 decode (rows == 1), f32 on CUDA
-// cores, any compute capability. grid (splits, kv_heads); block
-// ATTN_ROW_THREADS; one block = the `group` (<= GB) query heads of one kv
-// head over the keys [split * chunk, min((split + 1) * chunk, start_pos + 1)),
-// so every K/V byte is read once. Blocks past the key range exit at once.
+// cores, any compute capability. grid (splits, kv_heads, parts); block
+// ATTN_ROW_THREADS, at most ATTN_ROW_MINB blocks per SM (launch bounds). The
+// `group` = heads / kv_heads query heads of a kv head are cut into
+// gridDim.z parts of qpb = ceil(group / parts) (<= GB, checked by the
+// wrapper; the last part may hold fewer, none empty); one block = the qn
+// query heads of one part over the keys [split * chunk, min((split + 1) *
+// chunk, start_pos + 1)). The parts of a kv head read the same K/V bytes
+// (the second read hits L2). Blocks past the key range exit at once.
 //
 // A block streams its keys in tiles of TK (16 KB of K and 16 KB of V): each
 // thread issues its 16-byte loads of the next tile (and, first of all, of q)
 // before it computes on the current one. Per tile: K bytes -> shared memory
 // (K rows cut into DSQ segments, each padded by 16 bytes: conflict-free
-// 16-byte reads; V follows after the scores, so its loads land meanwhile);
-// scores: thread = (key, segment), the dot products of its
-// DPT dims with every query, summed over the DSQ threads of the key (xor
-// shuffles), times the key's int8 scale and head_dim^-0.5; the block's
-// online softmax (max and sum per query over the warps in warp order); P
+// 16-byte reads; the next tile's K is stored at the end of this one's P V);
+// scores: thread = (key, segment), the dot products of its DPT dims with
+// every query, summed over the DSQ threads of the key (xor shuffles), times
+// the key's int8 scale and head_dim^-0.5; V -> shared memory; the block's
+// online softmax (the tile max per query over the warps in warp order,
+// computed by every thread alike; the sums over the warps in warp order); P
 // (times the key's V scale) -> shared memory; P V: thread = (key subset, DV
 // dims), every query. Then the key subsets are summed in subset order.
 // Cache values enter exactly (int8 integers and bf16 are exact in f32); the
@@ -1189,15 +1194,21 @@ ATTN_DEC_INSTANCES(256)
 // each value: the same products up to one f32 rounding.
 //
 // Several splits: each writes its partial (max, sum, acc) to part_ml /
-// part_acc rows `split * heads + h`; the splits are merged in a two-level
-// tree fixed by the split index (deterministic): groups of ATTN_ROW_GS
-// splits, whose last-arriving block (a per-(kv head, group) arrival counter:
-// __threadfence, atomicAdd) merges the group in split order into a group
-// partial (rows `(gridDim.x + group) * heads + h`), and the last-arriving
-// group merger of the kv head merges the groups in group order into `out`
-// (one group: its merger writes `out`). Each merger resets its counter to 0
-// for the next launch. counters: kv_heads * (1 + ceil(gridDim.x / GS)) u32,
-// zero before the launch (and after it). One split: the block writes `out`.
+// part_acc rows `split * heads + h` (h the query head: the parts' rows are
+// disjoint); the splits are merged in a tree fixed by the split index
+// (deterministic: the same operations whatever the arrival order). At most
+// ATTN_ROW_ONE_LEVEL splits: one level, the last-arriving block of the
+// (kv head, part) (an arrival counter: __threadfence, atomicAdd) merges all
+// splits into `out`. More: groups of ATTN_ROW_GS splits, whose last-arriving
+// block merges the group into a group partial (rows `(gridDim.x + group) *
+// heads + h`), and the last-arriving group merger of the (kv head, part)
+// merges the groups in group order into `out`. A merge: P threads per float4
+// column of a query's row, each folding its rows (r, r + P, ...) in row
+// order (online: max, rescale), then the P threads' results combined by a
+// fixed xor tree. Each merger resets its counter to 0 for the next launch.
+// counters: kv_heads * parts * (1 + ceil(gridDim.x / GS)) u32 (counter
+// block (kv head * parts + part)), zero before the launch (and after it).
+// One split: the block writes `out`.
 //
 // Step pointer (non-null): start_pos = step[0], chunk = step[1]; the grid has
 // a fixed split count and the splits past ceil((start_pos + 1) / chunk) exit:
@@ -1206,13 +1217,16 @@ ATTN_DEC_INSTANCES(256)
 
 #define ATTN_ROW_THREADS 256
 #define ATTN_ROW_WARPS (ATTN_ROW_THREADS / 32)
-#define ATTN_ROW_GS 8
+#define ATTN_ROW_MINB 2        // blocks per SM the launch bounds ask for (<= 128 registers)
+#define ATTN_ROW_GS 8          // splits of a first-level merge group
+#define ATTN_ROW_ONE_LEVEL 16  // at most this many splits: one merge level
 
 // Tiles, thread maps and the dynamic shared memory (bytes) of attn_row:
 // mirrored by the Rust wrapper (row_smem_bytes).
 template <int HD, typename KV, int GB>
 struct AttnRowShape {
     static constexpr int NT = ATTN_ROW_THREADS;
+    static constexpr int NW = ATTN_ROW_WARPS;
     static constexpr int VB = (int)sizeof(KV);
     static constexpr int TK0 = 16384 / (HD * VB);
     static constexpr int TK = TK0 < NT ? TK0 : NT;  // keys per tile
@@ -1228,18 +1242,20 @@ struct AttnRowShape {
     static constexpr int LPR = HD / DV;              // P V threads per V row
     static constexpr int KSUB = NT / LPR;            // key subsets of P V
     static constexpr int QGS = DSQ * (DPT + 4);      // floats of one query in shared memory
-    static constexpr int RQ = GB < 8 ? GB : 8;       // queries per round of the subset sum
     static constexpr int oK = GB * QGS * 4;
     static constexpr int oV = oK + TK * KRS;
     static constexpr int oP = oV + TK * HD * VB;
     static constexpr int oSc = oP + TK * GB * 4;
     static constexpr int kTile = oSc + 2 * TK * 4;
-    static constexpr int kRed = KSUB * RQ * HD * 4;
+    static constexpr int kRed = KSUB * GB * HD * 4;
     static constexpr int oStat = kTile > kRed ? kTile : kRed;
-    static constexpr int kBytes = oStat + (ATTN_ROW_WARPS * GB + 3 * GB + 4) * 4;
+    // Stats: tile max and sum per (warp, query), final max and sum per query, the merge flag.
+    static constexpr int kBytes = oStat + (2 * NW * GB + 2 * GB + 4) * 4;
+    static_assert(GB == 1 || GB == 2 || GB == 4, "query heads per block");
     static_assert(DSQ * TK == NT && NLD * NT == TK * ROWV && NLD >= 1, "tile map");
     static_assert(SEGB % 16 == 0 && DPT % 4 == 0 && HD % DV == 0, "segments");
     static_assert(LPR <= 32 ? 32 % LPR == 0 : LPR % 32 == 0, "P V map");
+    static_assert(oStat % 16 == 0, "stats alignment");
 };
 
 // 16 bytes of cache values -> exact floats (16 int8 integers, unscaled, or 8 bf16).
@@ -1280,80 +1296,111 @@ static __device__ __forceinline__ void attn_row_vals(const __nv_bfloat16*, const
     }
 }
 
-// Merges the partial rows r0 .. r0 + n - 1 (in row order) of the `group`
-// queries h0 .. h0 + group - 1: max, then sum and acc weighted by
-// exp(m - max). Writes out = acc / sum (final) or the partial row dst_row.
-// Partials are read through L2 (__ldcg): other blocks wrote them. The first
-// 8 rows are loaded at once (one round trip for a merge group); rows past
-// them (the groups of a long context) 8 at a time.
-template <int HD>
+// N (1, 2 or 4) consecutive floats from / to shared memory in one access (16-, 8- or 4-byte aligned).
+template <int N>
+static __device__ __forceinline__ void attn_row_st(float* dst, const float* v) {
+    if (N == 4) {
+        *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+    } else if (N == 2) {
+        *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
+    } else {
+        dst[0] = v[0];
+    }
+}
+template <int N>
+static __device__ __forceinline__ void attn_row_ld(const float* src, float* v) {
+    if (N == 4) {
+        const float4 x = *reinterpret_cast<const float4*>(src);
+        v[0] = x.x;
+        v[1] = x.y;
+        v[2] = x.z;
+        v[3] = x.w;
+    } else if (N == 2) {
+        const float2 x = *reinterpret_cast<const float2*>(src);
+        v[0] = x.x;
+        v[1] = x.y;
+    } else {
+        v[0] = src[0];
+    }
+}
+
+// (m, l, a) <- the merge of (m, l, a) and (mo, lo, ao): weights exp(m - max), an empty side (m = -inf) weight 0.
+static __device__ __forceinline__ void attn_row_fold(float& m, float& l, float4& a, float mo, float lo, float4 ao) {
+    const float mn = fmaxf(m, mo);
+    const float w = m == ATTN_NEG_INF ? 0.0f : expf(m - mn);
+    const float wo = mo == ATTN_NEG_INF ? 0.0f : expf(mo - mn);
+    l = fmaf(lo, wo, l * w);
+    a.x = fmaf(ao.x, wo, a.x * w);
+    a.y = fmaf(ao.y, wo, a.y * w);
+    a.z = fmaf(ao.z, wo, a.z * w);
+    a.w = fmaf(ao.w, wo, a.w * w);
+    m = mn;
+}
+
+// Merges the partial rows r0 .. r0 + n - 1 of the block's qn queries (heads hb .. hb + qn - 1): P adjacent
+// threads per float4 column of a query's row, thread `sub` folding the rows sub, sub + P, ... in row order
+// (loads issued 8 rows at a time), then the P threads' results combined by an xor tree (a fixed order).
+// Writes out = acc / sum (final) or the partial row dst_row. Partials are read through L2 (__ldcg): other
+// blocks wrote them.
+template <int HD, int GB>
 static __device__ __forceinline__ void attn_row_merge(float* __restrict__ part_acc, float* __restrict__ part_ml,
-                                                      int r0, int n, int heads, int h0, int group, bool final_out,
+                                                      int r0, int n, int heads, int hb, int qn, bool final_out,
                                                       float* __restrict__ out, int dst_row) {
-    constexpr int C = HD / 4;
-    for (int item = threadIdx.x; item < group * C; item += ATTN_ROW_THREADS) {
+    constexpr int NT = ATTN_ROW_THREADS;
+    constexpr int C = HD / 4;    // float4 columns of a query's row
+    constexpr int NI = GB * C;   // columns of the block (queries past qn: idle)
+    constexpr int P0 = NI >= NT ? 1 : NT / NI;
+    constexpr int P = P0 > 32 ? 32 : P0;  // threads per column (adjacent lanes of one warp)
+    constexpr int RB = 8;                 // rows loaded at once
+    const int sub = threadIdx.x % P;
+    // (warp-uniform: NI and P are powers of two, so a warp's columns are all < NI or none is)
+    for (int item = threadIdx.x / P; item < NI; item += NT / P) {
         const int g = item / C, d = (item % C) * 4;
-        const size_t h = (size_t)(h0 + g);
-        float mm[8], ll[8];
-        float4 aa[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            mm[j] = ATTN_NEG_INF;
-            ll[j] = 0.0f;
-            aa[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (j < n) {
-                const size_t row = (size_t)(r0 + j) * heads + h;
-                mm[j] = __ldcg(part_ml + row * 2);
-                ll[j] = __ldcg(part_ml + row * 2 + 1);
-                aa[j] = __ldcg(reinterpret_cast<const float4*>(part_acc + row * HD + d));
-            }
-        }
-        float mx = ATTN_NEG_INF;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) mx = fmaxf(mx, mm[j]);
-        for (int i0 = 8; i0 < n; i0 += 8) {
-            float m2[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-                m2[j] = i0 + j < n ? __ldcg(part_ml + ((size_t)(r0 + i0 + j) * heads + h) * 2) : ATTN_NEG_INF;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) mx = fmaxf(mx, m2[j]);
-        }
-        float sum = 0.0f;
+        const bool live = g < qn;
+        const size_t h = (size_t)(hb + g);
+        float m = ATTN_NEG_INF, l = 0.0f;
         float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int i0 = 0; i0 < n; i0 += 8) {
-            if (i0 > 0) {
+        for (int i0 = sub; i0 < n; i0 += RB * P) {
+            float mm[RB], ll[RB];
+            float4 aa[RB];
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    if (i0 + j < n) {
-                        const size_t row = (size_t)(r0 + i0 + j) * heads + h;
-                        mm[j] = __ldcg(part_ml + row * 2);
-                        ll[j] = __ldcg(part_ml + row * 2 + 1);
-                        aa[j] = __ldcg(reinterpret_cast<const float4*>(part_acc + row * HD + d));
-                    }
+            for (int j = 0; j < RB; ++j) {
+                mm[j] = ATTN_NEG_INF;
+                ll[j] = 0.0f;
+                aa[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (live && i0 + j * P < n) {
+                    const size_t row = (size_t)(r0 + i0 + j * P) * heads + h;
+                    mm[j] = __ldcg(part_ml + row * 2);
+                    ll[j] = __ldcg(part_ml + row * 2 + 1);
+                    aa[j] = __ldcg(reinterpret_cast<const float4*>(part_acc + row * HD + d));
                 }
             }
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                if (i0 + j < n) {
-                    const float w = expf(mm[j] - mx);
-                    sum = fmaf(ll[j], w, sum);
-                    a.x = fmaf(aa[j].x, w, a.x);
-                    a.y = fmaf(aa[j].y, w, a.y);
-                    a.z = fmaf(aa[j].z, w, a.z);
-                    a.w = fmaf(aa[j].w, w, a.w);
-                }
-            }
+            for (int j = 0; j < RB; ++j)
+                if (live && i0 + j * P < n) attn_row_fold(m, l, a, mm[j], ll[j], aa[j]);
         }
-        if (final_out) {
-            const float inv = 1.0f / sum;
-            *reinterpret_cast<float4*>(out + h * HD + d) = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
-        } else {
-            const size_t row = (size_t)dst_row * heads + h;
-            *reinterpret_cast<float4*>(part_acc + row * HD + d) = a;
-            if (d == 0) {
-                part_ml[row * 2] = mx;
-                part_ml[row * 2 + 1] = sum;
+#pragma unroll
+        for (int o = 1; o < P; o <<= 1) {
+            const float mo = __shfl_xor_sync(0xffffffffu, m, o);
+            const float lo = __shfl_xor_sync(0xffffffffu, l, o);
+            float4 ao;
+            ao.x = __shfl_xor_sync(0xffffffffu, a.x, o);
+            ao.y = __shfl_xor_sync(0xffffffffu, a.y, o);
+            ao.z = __shfl_xor_sync(0xffffffffu, a.z, o);
+            ao.w = __shfl_xor_sync(0xffffffffu, a.w, o);
+            attn_row_fold(m, l, a, mo, lo, ao);
+        }
+        if (live && sub == 0) {
+            if (final_out) {
+                const float inv = 1.0f / l;
+                *reinterpret_cast<float4*>(out + h * HD + d) = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+            } else {
+                const size_t row = (size_t)dst_row * heads + h;
+                *reinterpret_cast<float4*>(part_acc + row * HD + d) = a;
+                if (d == 0) {
+                    part_ml[row * 2] = m;
+                    part_ml[row * 2 + 1] = l;
+                }
             }
         }
     }
@@ -1389,14 +1436,18 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     constexpr int NT = ATTN_ROW_THREADS, NW = ATTN_ROW_WARPS;
     constexpr int TK = S::TK, DSQ = S::DSQ, DPT = S::DPT, SEGB = S::SEGB, CPS = S::CPS, KRS = S::KRS;
     constexpr int EPV = S::EPV, ROWV = S::ROWV, NLD = S::NLD, DV = S::DV, LPR = S::LPR, KSUB = S::KSUB;
-    constexpr int QGS = S::QGS, RQ = S::RQ;
+    constexpr int QGS = S::QGS;
     constexpr bool I8 = sizeof(KV) == 1;
-    constexpr int QV = GB * HD / 4;             // float4 of the block's queries
-    constexpr int QPT = (QV + NT - 1) / NT;     // per thread
+    constexpr int QV = GB * HD / 4;          // float4 of the block's queries
+    constexpr int QPT = (QV + NT - 1) / NT;  // per thread
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int split = blockIdx.x, kvh = blockIdx.y;
-    const int group = heads / kv_heads;  // <= GB (checked by the wrapper)
+    const int split = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+    const int group = heads / kv_heads;
+    const int qpb = (group + (int)gridDim.z - 1) / (int)gridDim.z;  // <= GB (checked by the wrapper)
+    const int qn = min(qpb, group - part * qpb);                      // this block's queries (>= 1: the wrapper)
+    if (qn <= 0) return;
+    const int hb = kvh * group + part * qpb;  // its first query head
 
     // The queries first (independent of the step values): in flight with the rest.
     float4 qr[QPT];
@@ -1404,8 +1455,7 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     for (int i = 0; i < QPT; ++i) {
         const int idx = tid + NT * i;
         qr[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (idx < QV && idx / (HD / 4) < group)
-            qr[i] = reinterpret_cast<const float4*>(q + (size_t)(kvh * group) * HD)[idx];
+        if (idx < QV && idx / (HD / 4) < qn) qr[i] = reinterpret_cast<const float4*>(q + (size_t)hb * HD)[idx];
     }
     if (step != nullptr) {
         start_pos = step[0];
@@ -1427,12 +1477,13 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     float* p_s = reinterpret_cast<float*>(base + S::oP);  // [TK][GB]
     float* ksc_s = reinterpret_cast<float*>(base + S::oSc);
     float* vsc_s = ksc_s + TK;
-    float* red_o = reinterpret_cast<float*>(base);  // after the keys: [KSUB][RQ][HD]
-    float* red_s = reinterpret_cast<float*>(base + S::oStat);  // [NW][GB]
-    float* m_s = red_s + NW * GB;
+    float* red_o = reinterpret_cast<float*>(base);             // after the keys: [KSUB][GB][HD]
+    float* redm_s = reinterpret_cast<float*>(base + S::oStat);  // [NW][GB] tile max
+    float* reds_s = redm_s + NW * GB;                           // [NW][GB] tile sum
+    float* m_s = reds_s + NW * GB;
     float* l_s = m_s + GB;
-    float* corr_s = l_s + GB;
-    int* flag_s = reinterpret_cast<int*>(corr_s + GB);
+    int* flag_s = reinterpret_cast<int*>(l_s + GB);
+    int* keep_s = flag_s + 1;  // nsplit, hb, qn: kept here across the key loop (not in registers)
 
     // Raw K/V vectors (and int8 scales) of one tile, loaded ahead of their use.
     uint4 kr[NLD], vr[NLD];
@@ -1463,6 +1514,16 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
             if (k0 + tid < kstop) vsr = vs[(size_t)(k0 + tid) * (size_t)kv_heads + kvh];
         }
     };
+    // K registers -> k_s (rows cut into DSQ padded segments), its scales -> ksc_s.
+    auto store_k = [&]() {
+#pragma unroll
+        for (int j = 0; j < NLD; ++j) {
+            const int i = tid + NT * j;
+            const int r = i / ROWV, c = i % ROWV;
+            *reinterpret_cast<uint4*>(k_s + r * KRS + (c / CPS) * (SEGB + 16) + (c % CPS) * 16) = kr[j];
+        }
+        if (tid < TK) ksc_s[tid] = ksr;
+    };
     load_tile(kbeg);
 
     // Queries -> q_s [GB][DSQ][DPT + 4] (the padding makes the DSQ segments' reads conflict-free).
@@ -1474,31 +1535,29 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
             *reinterpret_cast<float4*>(q_s + g * QGS + (d / DPT) * (DPT + 4) + d % DPT) = qr[i];
         }
     }
-    if (tid < GB) {
-        m_s[tid] = ATTN_NEG_INF;
-        l_s[tid] = 0.0f;
+    if (tid < GB) l_s[tid] = 0.0f;
+    if (tid == 0) {
+        keep_s[0] = nsplit;
+        keep_s[1] = hb;
+        keep_s[2] = qn;
     }
+    store_k();
 
-    const int kk = tid / DSQ, seg = tid % DSQ;    // scores: key of the tile, K segment
+    const int kk = tid / DSQ, seg = tid % DSQ;         // scores: key of the tile, K segment
     const int ksb = tid / LPR, d0 = (tid % LPR) * DV;  // P V: key subset, first dim
+    float m_run[GB];                                   // running max per query (the same in every thread)
     float acc[GB][DV];
 #pragma unroll
-    for (int g = 0; g < GB; ++g)
+    for (int g = 0; g < GB; ++g) {
+        m_run[g] = ATTN_NEG_INF;
 #pragma unroll
         for (int j = 0; j < DV; ++j) acc[g][j] = 0.0f;
+    }
 
     for (int k0 = kbeg; k0 < kstop; k0 += TK) {
-        __syncthreads();  // the previous tile is consumed (and q_s, m_s, l_s written)
-        // K now; V after the scores (its loads land while they are computed).
-#pragma unroll
-        for (int j = 0; j < NLD; ++j) {
-            const int i = tid + NT * j;
-            const int r = i / ROWV, c = i % ROWV;
-            *reinterpret_cast<uint4*>(k_s + r * KRS + (c / CPS) * (SEGB + 16) + (c % CPS) * 16) = kr[j];
-        }
-        if (tid < TK) ksc_s[tid] = ksr;
-        __syncthreads();
+        __syncthreads();  // this tile's K (and q_s, l_s) stored; the previous tile's P V done (v_s, p_s free)
         const int nvalid = min(TK, kstop - k0);
+        const bool more = k0 + TK < kstop;
 
         // Scores of key kk: this thread's DPT dims, then the sum over the key's DSQ threads.
         float s[GB];
@@ -1536,14 +1595,12 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
             s[g] = valid ? s[g] * kscale * scale : ATTN_NEG_INF;
             red[g] = s[g];
         }
-        // Max over the tile: the warp's keys (lanes DSQ apart), then the warps in order.
+        // Max over the tile: the warp's keys (lanes DSQ apart), then (below) the warps in order.
 #pragma unroll
         for (int o = DSQ; o < 32; o <<= 1)
 #pragma unroll
             for (int g = 0; g < GB; ++g) red[g] = fmaxf(red[g], __shfl_xor_sync(0xffffffffu, red[g], o));
-        if (lane == 0)
-#pragma unroll
-            for (int g = 0; g < GB; ++g) red_s[warp * GB + g] = red[g];
+        if (lane == 0) attn_row_st<GB>(redm_s + warp * GB, red);
 #pragma unroll
         for (int j = 0; j < NLD; ++j) {
             const int i = tid + NT * j;
@@ -1551,146 +1608,143 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
         }
         if (tid < TK) vsc_s[tid] = vsr;
         __syncthreads();
-        if (k0 + TK < kstop) load_tile(k0 + TK);  // the next tile, in flight during this one's math
-        if (tid < GB) {
-            float t = red_s[tid];
+        if (more) load_tile(k0 + TK);  // the next tile, in flight during this one's math
+        // The new max per query (every thread alike: the warps' maxima in warp order) and the rescale.
+        float corr[GB];
+        {
+            float t[GB];
+            attn_row_ld<GB>(redm_s, t);
 #pragma unroll
-            for (int w = 1; w < NW; ++w) t = fmaxf(t, red_s[w * GB + tid]);
-            const float m_old = m_s[tid];
-            const float m_new = fmaxf(m_old, t);  // finite: the tile has a valid key
-            corr_s[tid] = expf(m_old - m_new);
-            m_s[tid] = m_new;
+            for (int w = 1; w < NW; ++w) {
+                float x[GB];
+                attn_row_ld<GB>(redm_s + w * GB, x);
+#pragma unroll
+                for (int g = 0; g < GB; ++g) t[g] = fmaxf(t[g], x[g]);
+            }
+#pragma unroll
+            for (int g = 0; g < GB; ++g) {
+                const float m_new = fmaxf(m_run[g], t[g]);  // finite: the tile has a valid key
+                corr[g] = expf(m_run[g] - m_new);
+                m_run[g] = m_new;
+            }
         }
-        __syncthreads();
 #pragma unroll
-        for (int g = 0; g < GB; ++g) red[g] = valid ? expf(s[g] - m_s[g]) : 0.0f;
+        for (int g = 0; g < GB; ++g) red[g] = valid ? expf(s[g] - m_run[g]) : 0.0f;
         if (seg == 0) {
             const float vscale = vsc_s[kk];
+            float pv[GB];
 #pragma unroll
-            for (int g = 0; g < GB; ++g) p_s[kk * GB + g] = red[g] * vscale;
+            for (int g = 0; g < GB; ++g) pv[g] = red[g] * vscale;
+            attn_row_st<GB>(p_s + kk * GB, pv);
         }
 #pragma unroll
         for (int o = DSQ; o < 32; o <<= 1)
 #pragma unroll
             for (int g = 0; g < GB; ++g) red[g] += __shfl_xor_sync(0xffffffffu, red[g], o);
-        if (lane == 0)
-#pragma unroll
-            for (int g = 0; g < GB; ++g) red_s[warp * GB + g] = red[g];
+        if (lane == 0) attn_row_st<GB>(reds_s + warp * GB, red);
         __syncthreads();
         if (tid < GB) {
-            float t = red_s[tid];
+            float t = reds_s[tid], c = corr[0];
 #pragma unroll
-            for (int w = 1; w < NW; ++w) t += red_s[w * GB + tid];
-            l_s[tid] = l_s[tid] * corr_s[tid] + t;
+            for (int w = 1; w < NW; ++w) t += reds_s[w * GB + tid];
+#pragma unroll
+            for (int g = 1; g < GB; ++g)
+                if (tid == g) c = corr[g];
+            l_s[tid] = l_s[tid] * c + t;
         }
 
         // acc = acc * corr + P V over this thread's key subset.
 #pragma unroll
-        for (int g = 0; g < GB; ++g) {
-            const float c = corr_s[g];
+        for (int g = 0; g < GB; ++g)
 #pragma unroll
-            for (int j = 0; j < DV; ++j) acc[g][j] *= c;
-        }
+            for (int j = 0; j < DV; ++j) acc[g][j] *= corr[g];
 #pragma unroll 4
         for (int k = ksb; k < nvalid; k += KSUB) {
             float vf[DV];
             attn_row_vals<DV>(vc, v_s + (k * HD + d0) * S::VB, vf);
             float pk[GB];
-            if (GB % 4 == 0) {
-#pragma unroll
-                for (int g = 0; g < GB; g += 4)
-                    *reinterpret_cast<float4*>(pk + g) = *reinterpret_cast<const float4*>(p_s + k * GB + g);
-            } else {
-#pragma unroll
-                for (int g = 0; g < GB; ++g) pk[g] = p_s[k * GB + g];
-            }
+            attn_row_ld<GB>(p_s + k * GB, pk);
 #pragma unroll
             for (int g = 0; g < GB; ++g)
 #pragma unroll
                 for (int j = 0; j < DV; ++j) acc[g][j] = fmaf(pk[g], vf[j], acc[g][j]);
         }
+        if (more) store_k();  // k_s is free since the scores (the barrier after them)
     }
 
-    // Sum of the key subsets (in subset order), RQ queries per round; then
-    // the output (one split) or this split's partial.
-    const bool single = nsplit == 1;
+    // Sum of the key subsets (in subset order); then the output (one split) or this split's partial.
+    __syncthreads();  // the tile is consumed (red_o overlays it); l_s final
+    if (tid == 0)
 #pragma unroll
-    for (int g0 = 0; g0 < GB; g0 += RQ) {
-        if (g0 < group) {
-            __syncthreads();  // the tile (or the previous round) is consumed
+        for (int g = 0; g < GB; ++g) m_s[g] = m_run[g];
 #pragma unroll
-            for (int gi = 0; gi < RQ; ++gi) {
-                float* dst = red_o + (ksb * RQ + gi) * HD + d0;
+    for (int g = 0; g < GB; ++g) attn_row_st<DV>(red_o + (ksb * GB + g) * HD + d0, acc[g]);
+    __syncthreads();
+    const int nsplit_b = keep_s[0], hb_b = keep_s[1], qn_b = keep_s[2];
+    const bool single = nsplit_b == 1;
+    for (int item = tid; item < GB * (HD / 4); item += NT) {
+        const int g = item / (HD / 4), d = (item % (HD / 4)) * 4;
+        if (g >= qn_b) continue;
+        float4 o = *reinterpret_cast<const float4*>(red_o + g * HD + d);
 #pragma unroll
-                for (int j = 0; j < DV; ++j) dst[j] = acc[g0 + gi][j];
-            }
-            __syncthreads();
-            for (int item = tid; item < RQ * (HD / 4); item += NT) {
-                const int gi = item / (HD / 4), d = (item % (HD / 4)) * 4, g = g0 + gi;
-                if (g >= group) continue;
-                float4 o = *reinterpret_cast<const float4*>(red_o + gi * HD + d);
-#pragma unroll
-                for (int sb = 1; sb < KSUB; ++sb) {
-                    const float4 x = *reinterpret_cast<const float4*>(red_o + (sb * RQ + gi) * HD + d);
-                    o.x += x.x;
-                    o.y += x.y;
-                    o.z += x.z;
-                    o.w += x.w;
-                }
-                const size_t h = (size_t)(kvh * group + g);
-                if (single) {
-                    const float inv = 1.0f / l_s[g];
-                    *reinterpret_cast<float4*>(out + h * HD + d) =
-                        make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
-                } else {
-                    const size_t row = (size_t)split * heads + h;
-                    *reinterpret_cast<float4*>(part_acc + row * HD + d) = o;
-                    if (d == 0) {
-                        part_ml[row * 2] = m_s[g];
-                        part_ml[row * 2 + 1] = l_s[g];
-                    }
-                }
+        for (int sb = 1; sb < KSUB; ++sb) {
+            const float4 x = *reinterpret_cast<const float4*>(red_o + (sb * GB + g) * HD + d);
+            o.x += x.x;
+            o.y += x.y;
+            o.z += x.z;
+            o.w += x.w;
+        }
+        const size_t h = (size_t)(hb_b + g);
+        if (single) {
+            const float inv = 1.0f / l_s[g];
+            *reinterpret_cast<float4*>(out + h * HD + d) = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+        } else {
+            const size_t row = (size_t)split * heads + h;
+            *reinterpret_cast<float4*>(part_acc + row * HD + d) = o;
+            if (d == 0) {
+                part_ml[row * 2] = m_s[g];
+                part_ml[row * 2 + 1] = l_s[g];
             }
         }
     }
     if (single) return;
 
-    // Merge: the group's last block merges its splits, the kv head's last group merger the groups.
-    const int ngroups = (nsplit + ATTN_ROW_GS - 1) / ATTN_ROW_GS;
-    const int grp = split / ATTN_ROW_GS;
-    const int gbeg = grp * ATTN_ROW_GS, gn = min(ATTN_ROW_GS, nsplit - gbeg);
-    unsigned int* cnt = counters + (size_t)kvh * (1 + (gridDim.x + ATTN_ROW_GS - 1) / ATTN_ROW_GS);
+    // Merge: one level (few splits): the (kv head, part)'s last block merges every split; else the group's
+    // last block merges its splits, the (kv head, part)'s last group merger the groups.
+    const int one = nsplit_b <= ATTN_ROW_ONE_LEVEL;
+    const int gsz = one ? nsplit_b : ATTN_ROW_GS;
+    const int ngroups = (nsplit_b + gsz - 1) / gsz;
+    const int grp = split / gsz;
+    const int gbeg = grp * gsz, gn = min(gsz, nsplit_b - gbeg);
+    unsigned int* cnt =
+        counters + (size_t)(kvh * (int)gridDim.z + part) * (1 + (gridDim.x + ATTN_ROW_GS - 1) / ATTN_ROW_GS);
     if (!attn_row_arrive(cnt + 1 + grp, (unsigned int)gn, flag_s)) return;
-    const int h0 = kvh * group;
-    attn_row_merge<HD>(part_acc, part_ml, gbeg, gn, heads, h0, group, ngroups == 1, out, gridDim.x + grp);
+    attn_row_merge<HD, GB>(part_acc, part_ml, gbeg, gn, heads, hb_b, qn_b, ngroups == 1, out, gridDim.x + grp);
     if (ngroups == 1) return;
     if (!attn_row_arrive(cnt, (unsigned int)ngroups, flag_s)) return;
-    attn_row_merge<HD>(part_acc, part_ml, gridDim.x, ngroups, heads, h0, group, true, out, 0);
+    attn_row_merge<HD, GB>(part_acc, part_ml, gridDim.x, ngroups, heads, hb_b, qn_b, true, out, 0);
 }
 
 #define ATTN_ROW_INSTANCE(HD, KVNAME, KV, GB)                                                                     \
-    extern "C" __global__ void __launch_bounds__(ATTN_ROW_THREADS, 1) attn_row_hd##HD##_##KVNAME##_g##GB(          \
-        const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,                        \
-        const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                      \
-        float* __restrict__ part_acc, float* __restrict__ part_ml, unsigned int* __restrict__ counters, int heads, \
-        int kv_heads, int start_pos, int chunk, float scale, const int* __restrict__ step) {                      \
+    extern "C" __global__ void __launch_bounds__(ATTN_ROW_THREADS, ATTN_ROW_MINB)                                 \
+        attn_row_hd##HD##_##KVNAME##_g##GB(                                                                       \
+            const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,                    \
+            const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                  \
+            float* __restrict__ part_acc, float* __restrict__ part_ml, unsigned int* __restrict__ counters,       \
+            int heads, int kv_heads, int start_pos, int chunk, float scale, const int* __restrict__ step) {       \
         strata_pdl_trigger();                                                                                     \
         strata_pdl_wait();                                                                                        \
         attn_row<HD, KV, GB>(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads, start_pos,     \
                              chunk, scale, step);                                                                 \
     }
 
-#define ATTN_ROW_INSTANCES(HD)                      \
-    ATTN_ROW_INSTANCE(HD, i8, int8_t, 1)            \
-    ATTN_ROW_INSTANCE(HD, i8, int8_t, 2)            \
-    ATTN_ROW_INSTANCE(HD, i8, int8_t, 4)            \
-    ATTN_ROW_INSTANCE(HD, i8, int8_t, 8)            \
-    ATTN_ROW_INSTANCE(HD, i8, int8_t, 16)           \
-    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 1)   \
-    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 2)   \
-    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 4)   \
-    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 8)   \
-    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 16)
+#define ATTN_ROW_INSTANCES(HD)                    \
+    ATTN_ROW_INSTANCE(HD, i8, int8_t, 1)          \
+    ATTN_ROW_INSTANCE(HD, i8, int8_t, 2)          \
+    ATTN_ROW_INSTANCE(HD, i8, int8_t, 4)          \
+    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 1) \
+    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 2) \
+    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 4)
 
 ATTN_ROW_INSTANCES(16)
 ATTN_ROW_INSTANCES(32)

@@ -752,17 +752,32 @@ fn step_graph_replay(gpu: &Arc<Gpu>) -> Result<(), String> {
 
 const ROW: AttnConfig = AttnConfig { kernel: AttnKernel::Row, precision: AttnPrecision::F32 };
 
-/// Shapes (heads, kv_heads, head_dim) of the one-row kernel: Qwen3-30B-A3B (group 8, hd 128), Qwen3-Next
-/// (group 8, hd 256), MHA (group 1), group 16 on one kv head (two rounds of the subset sum, 132 splits at long
-/// contexts: a level-2 merge of 17 groups), the fixture head dims 16 and 32, a group of 3 (padded to 4) and of 10
-/// (padded to 16: the second round partly empty).
-const ROW_SHAPES: [(usize, usize, usize); 8] =
-    [(32, 4, 128), (16, 2, 256), (8, 8, 64), (16, 1, 128), (4, 4, 16), (8, 2, 32), (12, 4, 64), (10, 1, 32)];
+/// Shapes (heads, kv_heads, head_dim) of the one-row kernel (a block takes at most 4 query heads of a kv head,
+/// a larger group is cut into parts, grid z): Qwen3-30B-A3B (group 8: 2 parts of 4, hd 128), Qwen3-Next (group
+/// 8, hd 256), MHA (group 1), group 16 on one kv head (4 parts, 66 splits at long contexts: a level-2 merge of 9
+/// groups), the fixture head dims 16 and 32, a group of 3 (one part, padded to 4), of 10 (parts of 4, 4 and 2),
+/// of 6 (2 parts of 3, padded to 4) and of 7 (parts of 4 and 3), and group 2 on one kv head (one part: up to 264
+/// splits, a level-2 merge of up to 33 groups).
+const ROW_SHAPES: [(usize, usize, usize); 11] = [
+    (32, 4, 128),
+    (16, 2, 256),
+    (8, 8, 64),
+    (16, 1, 128),
+    (4, 4, 16),
+    (8, 2, 32),
+    (12, 4, 64),
+    (10, 1, 32),
+    (6, 1, 64),
+    (14, 2, 128),
+    (2, 1, 64),
+];
 
 /// Keys of the one-row cases (the row sits at position kend - 1): one and two keys, 17, the 64-key minimum split
-/// and its edges (63, 64, 65: one split, then two), 1000 (16 splits of 64 for 4 kv heads: two merge groups), the
-/// profiled 4128 (33 splits, 5 groups) and 8192 + 3 (a last split of 3 keys).
-const ROW_CONTEXTS: [usize; 9] = [1, 2, 17, 63, 64, 65, 1000, 4128, 8195];
+/// and its edges (63, 64, 65: one split, then two), 1000, 1024 and 1025 (for 4 kv heads x 2 parts: 16 splits of
+/// 64, the most one merge level takes, then 17: two levels, the last group of one split), the profiled 4128 (33
+/// splits, 5 groups), 8192 + 3 (a last split of 3 keys) and 20001 (many splits: 209 of 96 for one kv head of
+/// one part).
+const ROW_CONTEXTS: [usize; 12] = [1, 2, 17, 63, 64, 65, 1000, 1024, 1025, 4128, 8195, 20001];
 
 /// The one-row kernel forced, against `cpu::ops::attention` on the cache's dequantized contents, with
 /// `tight_tol`: both sides are f32 throughout (cache values enter exactly; the kernel applies the int8 K scale
@@ -816,17 +831,17 @@ fn row_auto_picks_row(gpu: &Arc<Gpu>) -> Result<(), String> {
 }
 
 /// One scratch reused by a sequence of one-row launches whose split and group counts change (many splits, one
-/// split, two, a level-2 merge of many groups...): every launch must find its arrival counters at zero (each
-/// launch's mergers reset them), so each output is the same bits as a launch with a fresh scratch, and a
-/// decode-sized scratch never grows.
+/// split, two, one merge level, two levels of many groups...) over one or several query parts: every launch must
+/// find its arrival counters at zero (each launch's mergers reset them), so each output is the same bits as a
+/// launch with a fresh scratch, and a decode-sized scratch never grows.
 fn row_counters_reset(gpu: &Arc<Gpu>) -> Result<(), String> {
-    for (si, &sh) in [(32usize, 4usize, 128usize), (16, 1, 128), (10, 1, 32)].iter().enumerate() {
+    for (si, &sh) in [(32usize, 4usize, 128usize), (16, 1, 128), (10, 1, 32), (2, 1, 64)].iter().enumerate() {
         let shape = shape_of(sh);
         let len = 8195;
         let (kv, ..) = filled_cache(gpu, KvDtype::Int8, shape, len, len, 7700 + si as u64)?;
         let mut scratch = AttnScratch::new(gpu, shape, 1).map_err(e)?;
         let bytes = scratch.bytes();
-        for (ci, &kend) in [4128usize, 8195, 65, 1000, 1, 4128, 8195, 513, 8195].iter().enumerate() {
+        for (ci, &kend) in [4128usize, 8195, 65, 1000, 1, 1025, 4128, 1024, 8195, 513, 8195].iter().enumerate() {
             let qd = gpu.upload(&rand_f32(7800 + ci as u64, shape.q_dim(), 2.0)).map_err(e)?;
             let mut want = poisoned(gpu, shape.q_dim())?;
             attention_with(gpu, &qd, &kv, shape, kend - 1, 1, &mut want, ROW).map_err(e)?;
@@ -845,10 +860,12 @@ fn row_counters_reset(gpu: &Arc<Gpu>) -> Result<(), String> {
 }
 
 /// The captured step (kv_append_at + attention_at through the one-row kernel's StepPlan) against the plain path,
-/// bit for bit, at positions where the split count changes (for 4 kv heads: 1 split up to 64 keys, 2 at 65,
-/// 8 at 512 (one merge group), 9 at 513 (two), 33 at 2112, 23 at 2113 (chunk 96), 33 at 4128 and 8195).
-const ROW_STEP_POSITIONS: [usize; 9] = [0, 63, 64, 511, 512, 2111, 2112, 4127, 8194];
-const ROW_STEP_SHAPES: [(usize, usize, usize); 4] = [(32, 4, 128), (16, 2, 256), (16, 1, 128), (10, 1, 32)];
+/// bit for bit, at positions where the split count changes (for 4 kv heads x 2 query parts, a grid of 33 splits:
+/// 1 split up to 64 keys, 2 at 65, 8 at 512, 9 at 513, 16 at 1024 (the most one merge level takes), 17 at 1025
+/// (two levels), 33 at 2112, 23 at 2113 (chunk 96), 33 at 4128 and 8195).
+const ROW_STEP_POSITIONS: [usize; 11] = [0, 63, 64, 511, 512, 1023, 1024, 2111, 2112, 4127, 8194];
+const ROW_STEP_SHAPES: [(usize, usize, usize); 6] =
+    [(32, 4, 128), (16, 2, 256), (16, 1, 128), (10, 1, 32), (14, 2, 128), (2, 1, 64)];
 
 fn row_step_pointer_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
     step_pointer_at(gpu, KvDtype::Int8, &ROW_STEP_SHAPES, &ROW_STEP_POSITIONS, 8195)

@@ -445,8 +445,13 @@ const DEC_WARPS: usize = 4;
 pub const DEC_MAX_QUERIES: usize = 16;
 /// Threads of a block of the one-row decode kernel (attn_row_*).
 const ROW_THREADS: u32 = 256;
-/// Splits merged per group by attn_row_* (the first level of its two-level merge).
+/// Splits merged per group by attn_row_* (the first level of its two-level merge, used past 16 splits).
 const ROW_GROUP_SPLITS: usize = 8;
+/// Most query heads one attn_row_* block takes: a GQA group of more is cut into parts (grid z) of at most this
+/// many, each part's blocks reading the same K/V (the second read hits L2) with half the accumulators.
+const ROW_QB: usize = 4;
+/// Blocks per SM attn_row_* fits (its launch bounds: at most 128 registers) and its split count aims for.
+const ROW_BLOCKS_PER_SM: usize = 2;
 /// A chunk (keys per split) of attn_row_* is a multiple of this ...
 const ROW_ALIGN: usize = 32;
 /// ... and at least this many keys (below that the merge costs more than the split saves).
@@ -509,15 +514,27 @@ fn row_smem_bytes(head_dim: usize, dtype: KvDtype, gb: usize) -> usize {
     let dv = if head_dim >= 128 { 4 } else { 2 };
     let ksub = nt / (head_dim / dv);
     let qgs = dsq * (dpt + 4);
-    let rq = gb.min(8);
     let tile = gb * qgs * 4 + tk * krs + tk * head_dim * vb + tk * gb * 4 + 2 * tk * 4;
-    let red = ksub * rq * head_dim * 4;
-    tile.max(red) + (nt / 32 * gb + 3 * gb + 4) * 4
+    let red = ksub * gb * head_dim * 4;
+    tile.max(red) + (2 * (nt / 32) * gb + 2 * gb + 4) * 4
 }
 
-/// The split count attn_row_* aims for: one block per SM (about one wave).
-fn row_target_splits(kv_heads: usize, sm_count: usize) -> usize {
-    sm_count.max(1).div_ceil(kv_heads.max(1)).max(1)
+/// Query parts (grid z) of attn_row_* for `group` query heads per kv head: at most ROW_QB heads each.
+fn row_parts(group: usize) -> usize {
+    group.div_ceil(ROW_QB).max(1)
+}
+
+/// Query heads per block of attn_row_* (the kernel's `ceil(group / parts)`; the last part may take fewer, none
+/// takes none) and the instance's GB (that, rounded up to a power of two: 1, 2 or 4).
+fn row_heads_per_block(group: usize) -> (usize, usize) {
+    let qpb = group.max(1).div_ceil(row_parts(group));
+    (qpb, qpb.next_power_of_two())
+}
+
+/// The split count attn_row_* aims for: ROW_BLOCKS_PER_SM blocks per SM over (kv heads x query parts x splits)
+/// (about one wave).
+fn row_target_splits(kv_heads: usize, parts: usize, sm_count: usize) -> usize {
+    (ROW_BLOCKS_PER_SM * sm_count.max(1)).div_ceil(kv_heads.max(1) * parts.max(1)).max(1)
 }
 
 /// Keys per split of attn_row_* for keys `0..kend` with `target` splits at most: a multiple of ROW_ALIGN, at
@@ -526,10 +543,11 @@ fn row_chunk(kend: usize, target: usize) -> usize {
     kend.div_ceil(target.max(1)).next_multiple_of(ROW_ALIGN).max(ROW_MIN_CHUNK)
 }
 
-/// The split of keys `0..kend` for the one-row decode kernel (attn_row_*): at most one block per SM over the
-/// kv heads, each split at least ROW_MIN_CHUNK keys; `splits = ceil(kend / chunk)` (none empty).
-pub fn plan_row_splits(kend: usize, kv_heads: usize, sm_count: usize) -> SplitPlan {
-    let chunk = row_chunk(kend, row_target_splits(kv_heads, sm_count));
+/// The split of keys `0..kend` for the one-row decode kernel (attn_row_*) with `parts` query parts: at most
+/// ROW_BLOCKS_PER_SM blocks per SM over (kv heads x parts x splits), each split at least ROW_MIN_CHUNK keys;
+/// `splits = ceil(kend / chunk)` (none empty).
+pub fn plan_row_splits(kend: usize, kv_heads: usize, parts: usize, sm_count: usize) -> SplitPlan {
+    let chunk = row_chunk(kend, row_target_splits(kv_heads, parts, sm_count));
     SplitPlan { splits: kend.max(1).div_ceil(chunk), chunk }
 }
 
@@ -543,9 +561,9 @@ fn row_partial_rows(grid_splits: usize) -> usize {
     }
 }
 
-/// Arrival counters of an attn_row_* launch: per kv head, one for the groups and one per group.
-fn row_counters(kv_heads: usize, grid_splits: usize) -> usize {
-    kv_heads * (1 + grid_splits.div_ceil(ROW_GROUP_SPLITS))
+/// Arrival counters of an attn_row_* launch: per (kv head, query part), one for the groups and one per group.
+fn row_counters(kv_heads: usize, parts: usize, grid_splits: usize) -> usize {
+    kv_heads * parts * (1 + grid_splits.div_ceil(ROW_GROUP_SPLITS))
 }
 
 /// The SIMT kernel for `nq_total` query vectors per kv head: the largest
@@ -600,7 +618,7 @@ pub enum AttnKernel {
     Auto,
     /// The one-row decode kernel (rows == 1 only, at most ROW_MAX_GROUP query
     /// heads per kv head, any device): flash-decoding in f32 on CUDA cores,
-    /// all query heads of a kv head in one block, the split merge fused in.
+    /// up to 4 query heads of a kv head per block (a larger group in parts), the split merge fused in.
     Row,
     /// The f32 CUDA-core kernel (any device).
     Simt,
@@ -654,7 +672,8 @@ impl AttnScratch {
     pub fn new(gpu: &Gpu, shape: AttentionShape, max_rows: usize) -> Result<AttnScratch> {
         let sms = (gpu.sm_count() as usize).max(1);
         let mut most_splits = (BLOCKS_PER_SM * sms).div_ceil(shape.kv_heads.max(1));
-        let row_splits = row_target_splits(shape.kv_heads, sms);
+        let parts = row_parts(shape.heads / shape.kv_heads.max(1));
+        let row_splits = row_target_splits(shape.kv_heads, parts, sms);
         if max_rows >= 1 {
             // The one-row kernel's split and group partials.
             most_splits = most_splits.max(row_partial_rows(row_splits));
@@ -664,7 +683,7 @@ impl AttnScratch {
         Ok(AttnScratch {
             part_acc: Self::alloc(gpu, acc.max(1))?,
             part_ml: Self::alloc(gpu, ml.max(2))?,
-            counters: gpu.alloc_zeros::<u32>(row_counters(shape.kv_heads, row_splits).max(1))?,
+            counters: gpu.alloc_zeros::<u32>(row_counters(shape.kv_heads, parts, row_splits).max(1))?,
         })
     }
 
@@ -688,13 +707,13 @@ impl AttnScratch {
         Ok(())
     }
 
-    /// Whether the buffers hold what an attn_row_* launch over `grid_splits` splits needs.
-    fn fits_row(&self, shape: AttentionShape, grid_splits: usize) -> bool {
+    /// Whether the buffers hold what an attn_row_* launch over `grid_splits` splits and `parts` query parts needs.
+    fn fits_row(&self, shape: AttentionShape, parts: usize, grid_splits: usize) -> bool {
         let rows = row_partial_rows(grid_splits) * shape.heads;
         grid_splits <= 1
             || (self.part_acc.len() >= rows * shape.head_dim
                 && self.part_ml.len() >= rows * 2
-                && self.counters.len() >= row_counters(shape.kv_heads, grid_splits))
+                && self.counters.len() >= row_counters(shape.kv_heads, parts, grid_splits))
     }
 
     /// Device bytes held.
@@ -781,9 +800,9 @@ pub fn attention_with_scratch(
     let f = gpu.function(&choice.name(head_dim, kv.dtype))?;
     set_smem(&f, choice.smem)?;
     if choice.kernel == AttnKernel::Row {
-        let plan = plan_row_splits(kend, kv_heads, gpu.sm_count() as usize);
+        let plan = plan_row_splits(kend, kv_heads, choice.qtiles, gpu.sm_count() as usize);
         let prow = row_partial_rows(plan.splits) * heads;
-        scratch.reserve(gpu, prow * head_dim, prow * 2, row_counters(kv_heads, plan.splits))?;
+        scratch.reserve(gpu, prow * head_dim, prow * 2, row_counters(kv_heads, choice.qtiles, plan.splits))?;
         return launch_row(gpu, &f, q, kv, shape, out, &choice, plan, sp, None, scratch);
     }
     let plan = plan_splits(kend, kv_heads * choice.qtiles, gpu.sm_count() as usize, choice.tile);
@@ -801,10 +820,10 @@ struct KernelChoice {
     /// Simt, Mma, Decode or Row (never Auto).
     kernel: AttnKernel,
     /// Simt: query vectors per block (8, 32, 64); Decode: n-blocks of 8 (1, 2); Mma: 1 = f32 (hi/lo), 0 = bf16;
-    /// Row: query heads per block (1, 2, 4, 8, 16).
+    /// Row: the instance's query heads per block (1, 2, 4).
     variant: usize,
     threads: u32,
-    /// Query tiles (grid z).
+    /// Query tiles (grid z; Row: the query parts of a GQA group).
     qtiles: usize,
     /// Key tile a split is a multiple of.
     tile: usize,
@@ -843,7 +862,7 @@ fn choose_kernel(
     // Shared memory a block may opt into (227 KB on sm_90, 99 KB on sm_86/89, 64 KB on sm_75).
     let smem_max =
         gpu.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize;
-    let row_gb = group.next_power_of_two();
+    let (row_qpb, row_gb) = row_heads_per_block(group);
     let row_ok = rows == 1 && group <= ROW_MAX_GROUP;
     let kernel = match config.kernel {
         AttnKernel::Auto if row_ok && row_smem_bytes(head_dim, dtype, row_gb) <= smem_max => AttnKernel::Row,
@@ -874,7 +893,7 @@ fn choose_kernel(
     // (kernel, variant, block threads, query vectors per block, key tile of a split, shared memory bytes)
     let mut choice = match kernel {
         AttnKernel::Row => {
-            (AttnKernel::Row, row_gb, ROW_THREADS, row_gb, ROW_ALIGN, row_smem_bytes(head_dim, dtype, row_gb))
+            (AttnKernel::Row, row_gb, ROW_THREADS, row_qpb, ROW_ALIGN, row_smem_bytes(head_dim, dtype, row_gb))
         }
         AttnKernel::Mma => {
             let split = config.precision == AttnPrecision::F32;
@@ -1000,11 +1019,20 @@ fn launch_row(
     let AttentionShape { heads, kv_heads, head_dim } = shape;
     let splits = u32::try_from(plan.splits).ok().filter(|&s| s <= 65535);
     let kvh_grid = u32::try_from(kv_heads).ok().filter(|&k| k <= 65535);
-    let (Some(splits), Some(kvh_grid)) = (splits, kvh_grid) else {
-        return Err(Error::InvalidArgument(format!("attention: grid of {} splits x {kv_heads} kv heads", plan.splits)));
+    // The kernel gives part z the query heads [z * qpb, min((z + 1) * qpb, group)), qpb = ceil(group / parts):
+    // qpb must fit its GB and no part be empty.
+    let (group, parts) = (heads / kv_heads, choice.qtiles);
+    let qpb = group.div_ceil(parts.max(1));
+    let parts_ok = parts == row_parts(group) && qpb <= choice.variant && (parts - 1) * qpb < group;
+    let (Some(splits), Some(kvh_grid), true) = (splits, kvh_grid, parts_ok) else {
+        return Err(Error::InvalidArgument(format!(
+            "attention: grid of {} splits x {kv_heads} kv heads x {parts} query parts of {qpb} (group {group}, \
+             kernel g{})",
+            plan.splits, choice.variant
+        )));
     };
     let cfg = LaunchConfig {
-        grid_dim: (splits, kvh_grid, 1),
+        grid_dim: (splits, kvh_grid, parts as u32),
         block_dim: (choice.threads, 1, 1),
         shared_mem_bytes: choice.smem as u32,
     };
@@ -1023,9 +1051,10 @@ fn launch_row(
     // start_pos, chunk, scale, step): reads q[0..heads*HD] (checked), cache positions 0..=start_pos (< capacity:
     // checked by attention, kept by attention_at's caller) of kv heads < kv_heads (= the cache's, checked), and
     // writes out[0..heads*HD]; with more than one split it writes and reads part_acc/part_ml rows
-    // < splits + ceil(splits / 8) of heads*HD / heads*2 floats and counters[kv_heads * (1 + ceil(splits / 8))]
-    // (all held by the scratch: reserved or checked by the callers; the counters are zero between launches);
-    // heads / kv_heads <= GB (choose_kernel); dynamic shared memory as the kernel's AttnRowShape (row_smem_bytes,
+    // < splits + ceil(splits / 8) of heads*HD / heads*2 floats and counters[kv_heads * parts * (1 + ceil(splits /
+    // 8))] (all held by the scratch: reserved or checked by the callers; the counters are zero between launches);
+    // grid z = parts with ceil(group / parts) <= GB and no empty part (checked above); dynamic shared memory as
+    // the kernel's AttnRowShape (row_smem_bytes,
     // attribute set by the callers); step null or a StepPos's 2 ints. The kernel waits for its predecessor
     // (strata_pdl_wait) before touching memory.
     unsafe { gpu.launch(f, cfg, &mut a) }?;
@@ -1066,7 +1095,7 @@ impl StepPos {
 pub struct StepPlan {
     /// Splits of the grid (fixed): `(BLOCKS_PER_SM * sm_count).div_ceil(kv_heads * query tiles)`, the most
     /// `plan_splits` ever gives for this shape, so every key range splits exactly as the plain `attention` does
-    /// (the one-row kernel: `sm_count.div_ceil(kv_heads)`, the most `plan_row_splits` gives).
+    /// (the one-row kernel: `(2 * sm_count).div_ceil(kv_heads * query parts)`, the most `plan_row_splits` gives).
     pub splits: usize,
     /// Key tile: a chunk is a multiple of it.
     pub tile: usize,
@@ -1079,7 +1108,8 @@ pub struct StepPlan {
 /// The plan for `rows` query rows (1 for decode) of `shape` over a cache of `kv_dtype` on this device: the kernel
 /// `AttnKernel::Auto` picks for that many rows and a fixed split count (the most `plan_splits` gives for this shape:
 /// `4 * sm_count / (kv_heads * query tiles)`, rounded up; for the one-row kernel, which Auto picks for one row,
-/// the most `plan_row_splits` gives: `sm_count / kv_heads` rounded up; `AttnScratch::new(gpu, shape, rows)` holds
+/// the most `plan_row_splits` gives: `2 * sm_count / (kv_heads * query parts)` rounded up, the parts
+/// `ceil(group / 4)`; `AttnScratch::new(gpu, shape, rows)` holds
 /// either). Also sets the kernel's shared-memory attribute (so `attention_at` makes no such call).
 pub fn step_plan(gpu: &Gpu, shape: AttentionShape, rows: usize, kv_dtype: KvDtype) -> Result<StepPlan> {
     let AttentionShape { heads, kv_heads, head_dim } = shape;
@@ -1089,7 +1119,7 @@ pub fn step_plan(gpu: &Gpu, shape: AttentionShape, rows: usize, kv_dtype: KvDtyp
     let choice = choose_kernel(gpu, shape, rows, kv_dtype, AttnConfig::default())?;
     let sms = (gpu.sm_count() as usize).max(1);
     let splits = if choice.kernel == AttnKernel::Row {
-        row_target_splits(kv_heads, sms)
+        row_target_splits(kv_heads, choice.qtiles, sms)
     } else {
         (BLOCKS_PER_SM * sms).div_ceil(kv_heads * choice.qtiles).max(1)
     };
@@ -1138,7 +1168,7 @@ pub fn attention_at(
     let parts = plan.splits * rows * heads;
     let row = plan.choice.kernel == AttnKernel::Row;
     let scratch_ok = if row {
-        scratch.fits_row(shape, plan.splits)
+        scratch.fits_row(shape, plan.choice.qtiles, plan.splits)
     } else {
         plan.splits <= 1 || (scratch.part_acc.len() >= parts * head_dim && scratch.part_ml.len() >= parts * 2)
     };
@@ -1246,13 +1276,14 @@ mod tests {
     #[test]
     fn row_splits_cover_the_key_range() {
         for sms in [1usize, 46, 132] {
-            for kv_heads in [1usize, 2, 3, 4, 8] {
-                let target = row_target_splits(kv_heads, sms);
+            for (kv_heads, parts) in [(1usize, 1usize), (1, 4), (2, 2), (3, 1), (4, 2), (8, 1)] {
+                let target = row_target_splits(kv_heads, parts, sms);
+                assert!(target * kv_heads * parts < ROW_BLOCKS_PER_SM * sms + kv_heads * parts);
                 let choice = KernelChoice {
                     kernel: AttnKernel::Row,
-                    variant: 8,
+                    variant: 4,
                     threads: ROW_THREADS,
-                    qtiles: 1,
+                    qtiles: parts,
                     tile: ROW_ALIGN,
                     smem: 0,
                 };
@@ -1260,35 +1291,66 @@ mod tests {
                     splits: target,
                     tile: ROW_ALIGN,
                     choice,
-                    shape: AttentionShape { heads: 8 * kv_heads, kv_heads, head_dim: 128 },
+                    shape: AttentionShape { heads: 4 * parts * kv_heads, kv_heads, head_dim: 128 },
                     rows: 1,
                     dtype: KvDtype::Int8,
                 };
                 for kend in (1usize..=3000).chain([4128, 8195, 40001, 262144]) {
-                    let p = plan_row_splits(kend, kv_heads, sms);
-                    let what = format!("{sms} SMs, {kv_heads} kv heads, {kend} keys: {p:?}");
+                    let p = plan_row_splits(kend, kv_heads, parts, sms);
+                    let what = format!("{sms} SMs, {kv_heads} kv heads x {parts} parts, {kend} keys: {p:?}");
                     assert!(p.chunk % ROW_ALIGN == 0 && p.chunk >= ROW_MIN_CHUNK, "{what}");
                     assert!(p.splits * p.chunk >= kend && (p.splits - 1) * p.chunk < kend, "{what}");
                     assert!(p.splits <= target, "{what}: more than {target} splits");
                     assert_eq!(step_chunk(&plan, kend), p.chunk, "{what}");
                     assert!(row_partial_rows(p.splits) <= row_partial_rows(target));
-                    assert!(row_counters(kv_heads, p.splits) <= row_counters(kv_heads, target));
+                    assert!(row_counters(kv_heads, parts, p.splits) <= row_counters(kv_heads, parts, target));
                 }
             }
         }
     }
 
-    /// Every one-row kernel fits the 64 KB of shared memory sm_75 allows (so Auto picks it on every device).
+    /// Every one-row kernel fits the 64 KB of shared memory sm_75 allows (so Auto picks it on every device), and
+    /// ROW_BLOCKS_PER_SM of them fit an SM of sm_80 and later (164 KB and more; 1 KB per block reserved).
     #[test]
     fn row_kernels_fit_every_device() {
         for hd in HEAD_DIMS {
             for dtype in [KvDtype::Int8, KvDtype::Bf16] {
-                for gb in [1usize, 2, 4, 8, 16] {
+                for gb in [1usize, 2, 4] {
                     let bytes = row_smem_bytes(hd, dtype, gb);
                     assert!(bytes <= 64 * 1024, "head_dim {hd} {dtype:?} group {gb}: {bytes} bytes");
+                    assert!(ROW_BLOCKS_PER_SM * (bytes + 1024) <= 164 * 1024, "head_dim {hd} {dtype:?} group {gb}");
                 }
             }
         }
+    }
+
+    /// The query parts of every group size 1..=ROW_MAX_GROUP: at most ROW_QB heads (and an instance of 1, 2 or 4)
+    /// per block, none empty, the parts covering the group; the kernel's ceil(group / parts) is the same qpb.
+    #[test]
+    fn row_parts_cover_the_group() {
+        for group in 1..=ROW_MAX_GROUP {
+            let parts = row_parts(group);
+            let (qpb, gb) = row_heads_per_block(group);
+            assert!(qpb <= ROW_QB && qpb <= gb && [1, 2, 4].contains(&gb), "group {group}: {qpb} {gb}");
+            assert_eq!(qpb, group.div_ceil(parts), "group {group}");
+            assert_eq!(group.div_ceil(qpb), parts, "group {group}: choose_kernel's qtiles");
+            assert!(parts * qpb >= group && (parts - 1) * qpb < group, "group {group}: {parts} parts of {qpb}");
+        }
+        assert_eq!((row_parts(8), row_heads_per_block(8)), (2, (4, 4)));
+        assert_eq!((row_parts(10), row_heads_per_block(10)), (3, (4, 4)));
+        assert_eq!((row_parts(3), row_heads_per_block(3)), (1, (3, 4)));
+    }
+
+    /// The plans of the profiled shapes on an H200 (132 SMs): Qwen3-30B-A3B (4 kv heads, group 8: 2 parts) at
+    /// 4128 keys: 33 splits of 128 (264 blocks, 2 per SM); at 16 keys one split; Qwen3-Next (2 kv heads, group
+    /// 8) at 4128 keys: 65 splits of 64.
+    #[test]
+    fn row_plans_of_the_models() {
+        assert_eq!(row_target_splits(4, 2, 132), 33);
+        assert_eq!(plan_row_splits(4128, 4, 2, 132), SplitPlan { splits: 33, chunk: 128 });
+        assert_eq!(plan_row_splits(16, 4, 2, 132), SplitPlan { splits: 1, chunk: 64 });
+        assert_eq!(row_target_splits(2, 2, 132), 66);
+        assert_eq!(plan_row_splits(4128, 2, 2, 132), SplitPlan { splits: 65, chunk: 64 });
     }
 
     #[test]
