@@ -709,9 +709,7 @@ impl GpuModel {
         let gpu = &*self.gpu;
         let (t, e, k) = (s.t, c.num_experts, c.num_experts_per_tok);
         moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
-        let mut ids = vec![0u32; t * k];
-        gpu.stream().memcpy_dtoh(&s.ids.slice(..t * k), &mut ids)?;
-        gpu.sync()?;
+        let ids = x.read_ids(&s.ids, t * k)?;
         let plan = x.plan_step(pack, l, &ids)?;
         let p = self.grouped_precision();
         let layout = &self.layout;

@@ -95,6 +95,8 @@ pub struct GpuExpertCache {
     tables: Vec<CudaSlice<u64>>,
     /// The tables' host copy (page-locked: the writes are asynchronous).
     mirror: Pinned,
+    /// Page-locked landing place of a step's routed ids.
+    ids: cudarc::driver::PinnedHostSlice<u32>,
 }
 
 fn address<T>(gpu: &Gpu, buf: &CudaSlice<T>) -> u64 {
@@ -171,6 +173,8 @@ impl GpuExpertCache {
             computed: [ctx.new_event(None)?, ctx.new_event(None)?],
             tables,
             mirror: Pinned::new(gpu, layers * experts * 8)?,
+            // SAFETY: written by a device copy before it is read.
+            ids: unsafe { ctx.alloc_pinned_with_flags::<u32>(c.num_experts_per_tok * 64, 0) }?,
         };
         cache.apply(pack, &fills)?;
         gpu.sync()?;
@@ -263,6 +267,19 @@ impl GpuExpertCache {
     pub fn end_forward(&mut self, pack: &Pack, tokens: usize) -> Result<()> {
         let fills = self.planner.end_forward(tokens);
         self.apply(pack, &fills)
+    }
+
+    /// The first `n` routed ids of a step (`[T * k]` on the device), read
+    /// back through page-locked memory; waits for the stream.
+    pub fn read_ids(&mut self, ids: &CudaSlice<u32>, n: usize) -> Result<Vec<u32>> {
+        if self.ids.len() < n {
+            // SAFETY: as at load.
+            self.ids = unsafe { self.gpu.context().alloc_pinned_with_flags::<u32>(n.next_power_of_two(), 0) }?;
+        }
+        let stream = self.gpu.stream();
+        stream.memcpy_dtoh(&ids.slice(..n), &mut self.ids)?;
+        stream.synchronize()?;
+        Ok(self.ids.as_slice()?[..n].to_vec())
     }
 
     /// Plans the MoE step of `layer` whose routed expert ids (`[T * k]`,

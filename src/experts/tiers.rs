@@ -247,9 +247,13 @@ impl Planner {
         }
         self.stats.hits += (routed.len() - misses.len()) as u64;
         self.stats.misses += misses.len() as u64;
-        // Empty slots, or ready ones whose expert this step does not need.
-        let mut victims: Vec<usize> =
-            (0..self.slots.len()).filter(|&s| self.slots[s].ready && !needed(self.slots[s].key)).collect();
+        // Empty slots, or ready ones whose expert this step does not need
+        // (a step without misses needs none: no scan of every slot).
+        let mut victims: Vec<usize> = if misses.is_empty() {
+            Vec::new()
+        } else {
+            (0..self.slots.len()).filter(|&s| self.slots[s].ready && !needed(self.slots[s].key)).collect()
+        };
         let by_fraction = routed.len() as f64 > self.policy.ring_threshold * self.experts as f64;
         let stream = !misses.is_empty() && (by_fraction || misses.len() > victims.len());
         let (mut fills, mut ring) = (Vec::new(), Vec::new());
@@ -263,6 +267,13 @@ impl Planner {
             }
             self.stats.streamed += misses.len() as u64;
         } else {
+            // The misses.len() coldest, in eviction order (a total order:
+            // the same victims as a full sort, without sorting every slot).
+            let n = misses.len();
+            if n < victims.len() {
+                victims.select_nth_unstable_by(n - 1, |&a, &b| self.colder_slot(a, b));
+                victims.truncate(n);
+            }
             victims.sort_by(|&a, &b| self.colder_slot(a, b));
             for (&m, &s) in misses.iter().zip(&victims) {
                 let fill = self.place_slot(s, ExpertKey::new(layer, routed[m].0));

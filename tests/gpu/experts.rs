@@ -74,7 +74,8 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
             (
                 "minimum slots, misses from the pack",
                 ExpertCacheOptions { slots: Some(k), ring_threshold: 2.0, adapt_every: 0, ..Default::default() },
-                |s| s.misses > 0 && s.streamed == 0 && s.bytes_from_pack > 0,
+                // Prefill steps needing more experts than the slots overflow into the ring.
+                |s| s.misses > s.streamed && s.evictions > 0 && s.bytes_from_pack > 0,
             ),
             (
                 "a ring of one slot for every miss",
