@@ -40,8 +40,9 @@ use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping, GroupedPrecisi
 use crate::backend::cuda::{CudaSlice, DevicePtr, Gpu};
 use crate::backend::{AttentionShape, DeltaNetState, Rope};
 use crate::error::{Error, Result};
-use crate::experts::gpu::GpuExpertCache;
+use crate::experts::gpu::{GpuExpertCache, TracePhase};
 use crate::experts::ExpertCacheOptions;
+use crate::experts::StepPlan as ExpertStepPlan;
 use crate::model::weights::{layer_tensor_name, model_tensor_name, Role};
 use crate::model::ModelConfig;
 use crate::pack::format::ExpertLayout;
@@ -708,9 +709,32 @@ impl GpuModel {
         let c = &self.config;
         let gpu = &*self.gpu;
         let (t, e, k) = (s.t, c.num_experts, c.num_experts_per_tok);
+        let started = std::time::Instant::now();
         moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
         let ids = x.read_ids(&s.ids, t * k)?;
+        x.trace(TracePhase::Route, started);
+        let started = std::time::Instant::now();
         let plan = x.plan_step(pack, l, &ids)?;
+        x.trace(TracePhase::Plan, started);
+        let started = std::time::Instant::now();
+        let r = self.cached_compute(pack, x, l, s, &ids, &plan);
+        x.trace(TracePhase::Compute, started);
+        r
+    }
+
+    /// The expert kernels of a planned cached step (`cached_experts`).
+    fn cached_compute(
+        &self,
+        pack: &Pack,
+        x: &mut GpuExpertCache,
+        l: usize,
+        s: &mut Scratch,
+        ids: &[u32],
+        plan: &ExpertStepPlan,
+    ) -> Result<()> {
+        let c = &self.config;
+        let gpu = &*self.gpu;
+        let (t, e, k) = (s.t, c.num_experts, c.num_experts_per_tok);
         let p = self.grouped_precision();
         let layout = &self.layout;
         if plan.ring.is_empty() {
@@ -728,7 +752,7 @@ impl GpuModel {
         let mut counts = vec![0usize; e];
         ids.iter().for_each(|&i| counts[i as usize] += 1);
         let all_tiles = std::mem::replace(&mut g.tile_offsets, gpu.alloc_zeros(e + 1)?);
-        let waves = x.waves(&plan);
+        let waves = x.waves(plan);
         let ring_waves: Vec<Vec<usize>> =
             waves.ring.iter().map(|w| w.iter().map(|&n| plan.ring[n].expert).collect()).collect();
         let y = m.y.as_mut().expect("set above");
@@ -738,7 +762,7 @@ impl GpuModel {
             }
             let ring_wave = w.checked_sub(1);
             if let Some(rw) = ring_wave {
-                x.stream_wave(pack, &plan, &waves, rw)?;
+                x.stream_wave(pack, plan, &waves, rw)?;
             }
             let mut tiles = vec![0u32; e + 1];
             for j in 0..e {

@@ -78,8 +78,14 @@ pub struct GpuExpertCache {
     stride: usize,
     /// Bytes of a blob a copy moves (`ExpertLayout::used_len`).
     used: usize,
-    slots: CudaSlice<u8>,
+    /// The slots' memory (held: copies and kernels use `slot_base`).
+    _slots: CudaSlice<u8>,
     ring: CudaSlice<u8>,
+    /// Device addresses of `slots`, `ring` and each table (asked once:
+    /// cudarc orders every address request on the stream).
+    slot_base: u64,
+    ring_base: u64,
+    table_addrs: Vec<u64>,
     host: Pinned,
     /// One staging blob per pool worker, and the event of its last copy.
     staging: Vec<(Pinned, CudaEvent)>,
@@ -95,8 +101,27 @@ pub struct GpuExpertCache {
     tables: Vec<CudaSlice<u64>>,
     /// The tables' host copy (page-locked: the writes are asynchronous).
     mirror: Pinned,
-    /// Page-locked landing place of a step's routed ids.
-    ids: cudarc::driver::PinnedHostSlice<u32>,
+    /// Page-locked landing place of a step's routed ids (u32 bytes).
+    ids: Pinned,
+    /// Host time of a forward's MoE steps by phase (`TracePhase`), printed
+    /// and reset at its end under `STRATA_TRACE_FORWARD=1`.
+    trace: [std::time::Duration; 3],
+}
+
+/// The phases of a cached MoE step the trace times.
+#[derive(Clone, Copy, Debug)]
+pub enum TracePhase {
+    /// Routing, and the wait for the routed ids (the queued layers' work).
+    Route = 0,
+    /// Planning, copies, the table.
+    Plan = 1,
+    /// Queueing the expert kernels (and streamed waves).
+    Compute = 2,
+}
+
+fn trace_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("STRATA_TRACE_FORWARD").is_ok_and(|v| v == "1"))
 }
 
 fn address<T>(gpu: &Gpu, buf: &CudaSlice<T>) -> u64 {
@@ -157,13 +182,17 @@ impl GpuExpertCache {
             // Until a step points them somewhere: slot 0 (readable memory).
             tables.push(gpu.upload(&vec![address(gpu, &slots); experts])?);
         }
+        let table_addrs = tables.iter().map(|t| address(gpu, t)).collect();
         let mut cache = GpuExpertCache {
+            slot_base: address(gpu, &slots),
+            ring_base: address(gpu, &ring),
+            table_addrs,
             planner,
             gpu: gpu.clone(),
             experts,
             stride,
             used,
-            slots,
+            _slots: slots,
             ring,
             host: Pinned::new(gpu, cap.host_blobs * stride)?,
             staging,
@@ -173,8 +202,8 @@ impl GpuExpertCache {
             computed: [ctx.new_event(None)?, ctx.new_event(None)?],
             tables,
             mirror: Pinned::new(gpu, layers * experts * 8)?,
-            // SAFETY: written by a device copy before it is read.
-            ids: unsafe { ctx.alloc_pinned_with_flags::<u32>(c.num_experts_per_tok * 64, 0) }?,
+            ids: Pinned::new(gpu, c.num_experts_per_tok * 64 * 4)?,
+            trace: Default::default(),
         };
         cache.apply(pack, &fills)?;
         gpu.sync()?;
@@ -196,11 +225,11 @@ impl GpuExpertCache {
     }
 
     fn slot_addr(&self, slot: usize) -> u64 {
-        address(&self.gpu, &self.slots) + (slot * self.stride) as u64
+        self.slot_base + (slot * self.stride) as u64
     }
 
     fn ring_addr(&self, ring_slot: usize) -> u64 {
-        address(&self.gpu, &self.ring) + (ring_slot * self.stride) as u64
+        self.ring_base + (ring_slot * self.stride) as u64
     }
 
     /// Queues on the copy stream a copy of `key`'s blob from `from` to the
@@ -265,21 +294,37 @@ impl GpuExpertCache {
     /// A forward ended: queues the adaptive swaps it triggers (they complete
     /// before the next step's kernels, not before this returns).
     pub fn end_forward(&mut self, pack: &Pack, tokens: usize) -> Result<()> {
+        if trace_on() {
+            let [r, p, c] = self.trace.map(|d| d.as_secs_f64() * 1e3);
+            eprintln!("strata: expert cache, forward of {tokens} rows: route+ids {r:.3} ms, plan+copies {p:.3} ms, queue experts {c:.3} ms");
+        }
+        self.trace = Default::default();
         let fills = self.planner.end_forward(tokens);
         self.apply(pack, &fills)
+    }
+
+    /// Adds host time to a phase of the forward's trace.
+    pub fn trace(&mut self, phase: TracePhase, since: Instant) {
+        self.trace[phase as usize] += since.elapsed();
     }
 
     /// The first `n` routed ids of a step (`[T * k]` on the device), read
     /// back through page-locked memory; waits for the stream.
     pub fn read_ids(&mut self, ids: &CudaSlice<u32>, n: usize) -> Result<Vec<u32>> {
-        if self.ids.len() < n {
-            // SAFETY: as at load.
-            self.ids = unsafe { self.gpu.context().alloc_pinned_with_flags::<u32>(n.next_power_of_two(), 0) }?;
+        if ids.len() < n {
+            return Err(Error::InvalidArgument(format!("read_ids: {n} ids of {}", ids.len())));
+        }
+        if self.ids.len < 4 * n {
+            self.ids = Pinned::new(&self.gpu, 4 * n.next_power_of_two())?;
         }
         let stream = self.gpu.stream();
-        stream.memcpy_dtoh(&ids.slice(..n), &mut self.ids)?;
+        let src = address(&self.gpu, ids);
+        // SAFETY: copies 4 n bytes from the first n ids (checked above) into the page-locked buffer,
+        // which nothing else reads or writes until the stream is synchronized below.
+        unsafe { result::memcpy_dtoh_async(self.ids.range_mut(0, 4 * n), src, stream.cu_stream()) }?;
         stream.synchronize()?;
-        Ok(self.ids.as_slice()?[..n].to_vec())
+        let bytes = self.ids.range(0, 4 * n);
+        Ok(bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))).collect())
     }
 
     /// Plans the MoE step of `layer` whose routed expert ids (`[T * k]`,
@@ -326,7 +371,7 @@ impl GpuExpertCache {
             self.copied.synchronize()?;
             self.planner.record_wait(started.elapsed().as_nanos() as u64);
         }
-        let dst = address(&self.gpu, &self.tables[layer]);
+        let dst = self.table_addrs[layer];
         // SAFETY: the table holds `experts` u64; the source row is page-locked and rewritten only by
         // the next plan_step of this layer, which comes after this step's ids were read back (so
         // after this copy, queued before them).
