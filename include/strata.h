@@ -201,11 +201,17 @@ typedef struct strata_engine_params {
    */
   uint32_t n_threads;
   /*
-   GPU memory for cached experts; 0 (default) = automatic. Ignored on cpu.
+   GPU memory for the expert cache (slots and the prefill ring);
+   0 (default) = no cache, every expert resident in GPU memory. A budget
+   below one token's experts plus the ring fails with
+   `STRATA_ERR_INVALID_ARGUMENT` naming the budget and the need.
+   Ignored on cpu (experts stay mapped).
    */
   uint64_t vram_budget_bytes;
   /*
-   Pinned host memory for experts; 0 (default) = automatic. Ignored on cpu.
+   Page-locked host memory for experts outside the GPU cache; 0
+   (default) = none (misses read the mapped pack). Needs
+   `vram_budget_bytes`. Ignored on cpu.
    */
   uint64_t host_budget_bytes;
   /*

@@ -10,6 +10,7 @@ use super::log::{log, strata_log_level};
 use super::params::{self, field, Field, Kind, Versioned};
 use super::status::{run, strata_status, FfiError};
 use crate::engine::{Engine, EngineOptions, GpuPrecision};
+use crate::experts::ExpertCacheOptions;
 use crate::tokenizer::Tokenizer;
 use crate::Error;
 
@@ -56,9 +57,15 @@ pub struct strata_engine_params {
     /// CPU threads for this engine (a pool of its own); 0 (default) = all
     /// cores, shared with other engines.
     pub n_threads: u32,
-    /// GPU memory for cached experts; 0 (default) = automatic. Ignored on cpu.
+    /// GPU memory for the expert cache (slots and the prefill ring);
+    /// 0 (default) = no cache, every expert resident in GPU memory. A budget
+    /// below one token's experts plus the ring fails with
+    /// `STRATA_ERR_INVALID_ARGUMENT` naming the budget and the need.
+    /// Ignored on cpu (experts stay mapped).
     pub vram_budget_bytes: u64,
-    /// Pinned host memory for experts; 0 (default) = automatic. Ignored on cpu.
+    /// Page-locked host memory for experts outside the GPU cache; 0
+    /// (default) = none (misses read the mapped pack). Needs
+    /// `vram_budget_bytes`. Ignored on cpu.
     pub host_budget_bytes: u64,
     /// Recompute every checksum of the pack while loading (reads the whole
     /// pack). Default false.
@@ -242,6 +249,7 @@ pub unsafe extern "C" fn strata_engine_load(
         if p.n_threads > MAX_THREADS {
             return Err(FfiError::invalid(format!("n_threads {} is more than {MAX_THREADS}", p.n_threads)));
         }
+        let on_gpu = devices.first().is_some_and(|d| d.starts_with("cuda"));
         let opts = EngineOptions {
             threads: (p.n_threads > 0).then_some(p.n_threads as usize),
             devices,
@@ -250,7 +258,14 @@ pub unsafe extern "C" fn strata_engine_load(
                 strata_gpu_precision::STRATA_GPU_PRECISION_ACCURATE => GpuPrecision::Accurate,
                 strata_gpu_precision::STRATA_GPU_PRECISION_FAST => GpuPrecision::Fast,
             },
-            expert_cache: Default::default(),
+            expert_cache: {
+                let budget = |b: u64| (on_gpu && b > 0).then_some(b);
+                ExpertCacheOptions {
+                    vram_budget: budget(p.vram_budget_bytes),
+                    host_budget: budget(p.host_budget_bytes),
+                    ..Default::default()
+                }
+            },
             // One device: no layer split, so no split or help options.
             ..Default::default()
         };

@@ -125,7 +125,7 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
 }
 
 /// A VRAM budget below one token's experts plus the ring fails at load,
-/// naming the budget and the need.
+/// naming the budget and the need, through Rust and the C API.
 fn budget_refused(_gpu: &Arc<Gpu>) -> Result<(), String> {
     let dir = tempfile::tempdir().map_err(e)?;
     let c = strata::pack::synth::preset(strata::model::Arch::Qwen3Moe, "tiny").map_err(e)?;
@@ -136,8 +136,36 @@ fn budget_refused(_gpu: &Arc<Gpu>) -> Result<(), String> {
         ..Default::default()
     };
     match Engine::load(dir.path(), &opts) {
-        Ok(_) => Err("a 1 KiB VRAM budget was accepted".into()),
-        Err(x) if x.to_string().contains("VRAM budget") && x.to_string().contains("minimum") => Ok(()),
-        Err(x) => Err(format!("the refusal does not name the budget and the need: {x}")),
+        Ok(_) => return Err("a 1 KiB VRAM budget was accepted".into()),
+        Err(x) if x.to_string().contains("VRAM budget") && x.to_string().contains("minimum") => {}
+        Err(x) => return Err(format!("the refusal does not name the budget and the need: {x}")),
     }
+    // The same through the C API's vram_budget_bytes; a budget that fits loads a cached engine.
+    use std::ffi::{CStr, CString};
+    use strata::ffi::{self, strata_status};
+    let path = CString::new(dir.path().to_str().ok_or("path")?).map_err(e)?;
+    let cuda = CString::new("cuda").map_err(e)?;
+    let devices = [cuda.as_ptr(), std::ptr::null()];
+    for (budget, ok) in [(1024u64, false), (64 << 20, true)] {
+        // SAFETY: params is written by default_params before use; every pointer outlives the calls.
+        unsafe {
+            let mut p = std::mem::zeroed::<ffi::strata_engine_params>();
+            let size = std::mem::size_of::<ffi::strata_engine_params>() as u32;
+            if ffi::strata_engine_default_params(&mut p, size) != strata_status::STRATA_OK {
+                return Err("default params".into());
+            }
+            p.devices = devices.as_ptr();
+            p.vram_budget_bytes = budget;
+            let mut engine = std::ptr::null_mut();
+            let status = ffi::strata_engine_load(path.as_ptr(), &p, &mut engine);
+            let msg = CStr::from_ptr(ffi::strata_last_error()).to_string_lossy().into_owned();
+            ffi::strata_engine_free(engine);
+            match (ok, status) {
+                (true, strata_status::STRATA_OK) => {}
+                (false, strata_status::STRATA_ERR_INVALID_ARGUMENT) if msg.contains("VRAM budget") => {}
+                _ => return Err(format!("C API, vram_budget_bytes {budget}: {status:?} ({msg})")),
+            }
+        }
+    }
+    Ok(())
 }
