@@ -380,10 +380,7 @@ impl GpuModel {
         if t == 1 {
             return dense::gemv_rmsnorm(gpu, x, norm, normed, store_normed, w, n, k, out, Write::Store);
         }
-        match norm.check {
-            Some((flags, slot)) => dense::rmsnorm_checked(gpu, x, norm.w, norm.eps, normed, flags, slot)?,
-            None => dense::rmsnorm(gpu, x, norm.w, norm.eps, normed)?,
-        }
+        norm.apply(gpu, x, normed)?;
         self.proj(Write::Store, normed, w, t, n, k, out, scratch)
     }
 

@@ -6,12 +6,10 @@
 
 use std::time::Instant;
 
-use super::policy::ranking;
-use super::profile::{ExpertProfile, PACK_PROFILE_FILE};
 use super::tiers::{Fills, Place, Planner, SlotFill, Source};
-use super::{Capacity, ExpertCacheOptions, ExpertKey, ExpertStats};
+use super::{ExpertCacheOptions, ExpertKey, ExpertStats};
 use crate::backend::{Backend, ExpertRows};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::moe::{self, ExpertCompute, ExpertGroup, ExpertSource, MoeLayer, Routing};
 use crate::pack::{ExpertLayout, ExpertView, Pack};
 
@@ -38,26 +36,10 @@ impl CpuExpertCache {
     /// the initial placement copied in. Fails when a budget is below the
     /// minimum (`Capacity::plan`) or a profile does not fit the model.
     pub fn load(pack: &Pack, opts: &ExpertCacheOptions) -> Result<Option<CpuExpertCache>> {
-        if !opts.enabled() {
-            if opts.host_budget.is_some() || opts.profile.is_some() {
-                return Err(Error::InvalidArgument(
-                    "expert cache: host_budget and profile need a cache (slots or vram_budget)".into(),
-                ));
-            }
+        let Some((cap, planner, fills)) = super::plan_cache(pack, opts)? else {
             return Ok(None);
-        }
-        let c = pack.config();
-        let layout = pack.layout();
-        let policy = opts.policy()?;
-        let cap = Capacity::plan(opts, c, layout.stride, layout.used_len())?;
-        let shipped = pack.dir().join(PACK_PROFILE_FILE);
-        let profile = match &opts.profile {
-            Some(p) => Some(ExpertProfile::load(p, c)?),
-            None if shipped.is_file() => Some(ExpertProfile::load(&shipped, c)?),
-            None => None,
         };
-        let rank = ranking(c.num_hidden_layers, c.num_experts, profile.as_ref().map(|p| &p.counts[..]));
-        let (planner, fills) = Planner::new(c.num_hidden_layers, c.num_experts, cap, policy, &rank);
+        let layout = pack.layout();
         let used = layout.used_len() as usize;
         let mut cache = CpuExpertCache {
             planner,

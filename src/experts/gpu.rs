@@ -18,10 +18,8 @@ use std::time::Instant;
 
 use cudarc::driver::result;
 
-use super::policy::ranking;
-use super::profile::{ExpertProfile, PACK_PROFILE_FILE};
 use super::tiers::{Fills, Place, Planner, Source, StepPlan};
-use super::{Capacity, ExpertCacheOptions, ExpertKey, ExpertStats};
+use super::{ExpertCacheOptions, ExpertKey, ExpertStats};
 use crate::backend::cuda::{CudaEvent, CudaSlice, CudaStream, DevicePtr, Gpu};
 use crate::error::{Error, Result};
 use crate::pack::Pack;
@@ -135,18 +133,11 @@ impl GpuExpertCache {
     /// and the need, when a budget is below the minimum, or when the device
     /// cannot hold what the budget allows.
     pub fn load(pack: &Pack, gpu: &Arc<Gpu>, opts: &ExpertCacheOptions) -> Result<Option<GpuExpertCache>> {
-        if !opts.enabled() {
-            if opts.host_budget.is_some() || opts.profile.is_some() {
-                return Err(Error::InvalidArgument(
-                    "expert cache: host_budget and profile need a cache (slots or vram_budget)".into(),
-                ));
-            }
+        let Some((cap, planner, fills)) = super::plan_cache(pack, opts)? else {
             return Ok(None);
-        }
+        };
         let c = pack.config();
         let layout = pack.layout();
-        let policy = opts.policy()?;
-        let cap = Capacity::plan(opts, c, layout.stride, layout.used_len())?;
         let (stride, used) = (layout.stride as usize, layout.used_len() as usize);
         let (free, _) = gpu.memory_info()?;
         let want = (cap.slots + cap.ring_slots) * stride;
@@ -161,15 +152,7 @@ impl GpuExpertCache {
                 free as f64 / 1048576.0
             )));
         }
-        let shipped = pack.dir().join(PACK_PROFILE_FILE);
-        let profile = match &opts.profile {
-            Some(p) => Some(ExpertProfile::load(p, c)?),
-            None if shipped.is_file() => Some(ExpertProfile::load(&shipped, c)?),
-            None => None,
-        };
         let (layers, experts) = (c.num_hidden_layers, c.num_experts);
-        let rank = ranking(layers, experts, profile.as_ref().map(|p| &p.counts[..]));
-        let (planner, fills) = Planner::new(layers, experts, cap, policy, &rank);
         let ctx = gpu.context();
         let mut staging = Vec::with_capacity(cap.staging_blobs.max(1));
         for _ in 0..cap.staging_blobs.max(1) {

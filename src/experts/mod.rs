@@ -208,6 +208,38 @@ impl Capacity {
     }
 }
 
+/// The cache `opts` asks for over `pack`: `None` when it is off (a host
+/// budget or profile without it is refused); else its tier sizes and the
+/// planner, with the copies of the initial placement (from the profile
+/// `opts` names, else the one the pack ships, else the default ranking)
+/// for an executor to carry out.
+pub(crate) fn plan_cache(
+    pack: &crate::pack::Pack,
+    opts: &ExpertCacheOptions,
+) -> Result<Option<(Capacity, Planner, tiers::Fills)>> {
+    if !opts.enabled() {
+        if opts.host_budget.is_some() || opts.profile.is_some() {
+            return Err(Error::InvalidArgument(
+                "expert cache: host_budget and profile need a cache (slots or vram_budget)".into(),
+            ));
+        }
+        return Ok(None);
+    }
+    let c = pack.config();
+    let layout = pack.layout();
+    let policy = opts.policy()?;
+    let cap = Capacity::plan(opts, c, layout.stride, layout.used_len())?;
+    let shipped = pack.dir().join(profile::PACK_PROFILE_FILE);
+    let profile = match &opts.profile {
+        Some(p) => Some(ExpertProfile::load(p, c)?),
+        None if shipped.is_file() => Some(ExpertProfile::load(&shipped, c)?),
+        None => None,
+    };
+    let rank = policy::ranking(c.num_hidden_layers, c.num_experts, profile.as_ref().map(|p| &p.counts[..]));
+    let (planner, fills) = Planner::new(c.num_hidden_layers, c.num_experts, cap, policy, &rank);
+    Ok(Some((cap, planner, fills)))
+}
+
 /// What the cache did, since load. `hits + misses` is the number of
 /// (step, expert) lookups: one per distinct expert a MoE step routes to
 /// (for one token, its `num_experts_per_tok` experts).

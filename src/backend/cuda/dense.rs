@@ -242,6 +242,17 @@ pub struct NormIn<'a> {
     pub check: Option<(&'a mut CudaSlice<u32>, usize)>,
 }
 
+impl NormIn<'_> {
+    /// `out = rmsnorm(x)` on its own launch (`rmsnorm`, or `rmsnorm_checked`
+    /// with the guard).
+    pub fn apply(self, gpu: &Gpu, x: &CudaSlice<f32>, out: &mut CudaSlice<f32>) -> Result<()> {
+        match self.check {
+            Some((flags, slot)) => rmsnorm_checked(gpu, x, self.w, self.eps, out, flags, slot),
+            None => rmsnorm(gpu, x, self.w, self.eps, out),
+        }
+    }
+}
+
 /// `out [1, N] (+)= rmsnorm(x) [1, K] * W^T` with the norm inside the GEMV
 /// (`dense_gemv_norm_t1`: every block normalizes x itself, so the norm costs
 /// no launch). `normed` receives `rmsnorm(x)` when `store_normed` (later
@@ -270,10 +281,7 @@ pub fn gemv_rmsnorm(
         }
     }
     if k % 8 != 0 || norm.w.len() != k {
-        match norm.check {
-            Some((flags, slot)) => rmsnorm_checked(gpu, x, norm.w, norm.eps, normed, flags, slot)?,
-            None => rmsnorm(gpu, x, norm.w, norm.eps, normed)?,
-        }
+        norm.apply(gpu, x, normed)?;
         return gemv(gpu, normed, w, 1, n, k, out, write);
     }
     check_matmul(x, w, 1, n, k, out)?;
