@@ -11,9 +11,9 @@ use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 use strata::backend::cpu::ops;
 use strata::backend::cuda::attention::{
-    attention, attention_at, attention_with, attention_with_scratch, kv_append, kv_append_at, kv_read_f32, qkv_prepare,
-    qkv_prepare_at, step_chunk, step_plan, AttnConfig, AttnKernel, AttnPrecision, AttnScratch, DeviceKv, KvDtype,
-    QkvPrep, StepPlan, StepPos,
+    attention, attention_at, attention_row_fused, attention_row_fused_at, attention_with, attention_with_scratch,
+    kv_append, kv_append_at, kv_read_f32, qkv_prepare, qkv_prepare_at, row_fusable, step_chunk, step_plan, AttnConfig,
+    AttnKernel, AttnPrecision, AttnScratch, DeviceKv, KvDtype, QkvPrep, StepPlan, StepPos,
 };
 use strata::backend::cuda::dense::{self, RopeTable};
 use strata::backend::cuda::{CudaSlice, Gpu};
@@ -56,6 +56,10 @@ pub const TESTS: &[GpuTest] = &[
     ("attention_qkv_prepare_bf16_exact", qkv_prepare_bf16_exact),
     ("attention_qkv_prepare_rejects_bad_arguments", qkv_prepare_rejects_bad_arguments),
     ("attention_row_timing", row_timing),
+    ("attention_row_fused_int8_exact", row_fused_int8_exact),
+    ("attention_row_fused_bf16_exact", row_fused_bf16_exact),
+    ("attention_row_fused_graph_replay", row_fused_graph_replay),
+    ("attention_row_fused_rejects_bad_arguments", row_fused_rejects_bad_arguments),
 ];
 
 /// Shapes (heads, kv_heads, head_dim): Qwen3-30B-A3B, Qwen3-Next, a small
@@ -1146,6 +1150,363 @@ fn qkv_prepare_rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
         ("(at) rows past the capacity", qkv_prepare_at(gpu, &plain, &qkv9, 9, &mut kv, &pos, &mut qn9, None).is_ok()),
     ];
     failures.extend(cases.iter().filter(|c| c.1).map(|c| format!("accepted: {}", c.0)));
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join(", "))
+    }
+}
+
+// ------------------------------------------------------------------------
+// attention_row_fused (attn_row_prep_*): qkv_prepare + the one-row attention in one launch.
+
+/// (heads, kv_heads, head_dim, rotary_dim, gated): Qwen3-30B-A3B (plain, full rotary), Qwen3-Next (gated, partial
+/// rotary 64 of 256), a gated group of 7 (parts of 4 and 3) and the fixture head_dim 16 (one part of 3 heads,
+/// padded to 4).
+const FUSED_SHAPES: [(usize, usize, usize, usize, bool); 4] =
+    [(32, 4, 128, 128, false), (16, 2, 256, 64, true), (14, 2, 128, 64, true), (6, 2, 16, 16, false)];
+
+/// Positions of the fused cases: the first (one key), 1, 127 / 128 (one split, then two), 1023 / 1024 (for 4 kv
+/// heads x 2 parts: 16 splits, the most one merge level takes, then 17: two levels), 4127 (33 splits) and a long
+/// one (20000: many splits, a last split of few keys).
+const FUSED_POSITIONS: [usize; 8] = [0, 1, 127, 128, 1023, 1024, 4127, 20000];
+const FUSED_CAPACITY: usize = 20001;
+
+/// The inputs of one fused case: norm weights (near 1) and the rope table.
+struct FusedInputs {
+    q_norm: CudaSlice<f32>,
+    k_norm: CudaSlice<f32>,
+    table: RopeTable,
+}
+
+fn fused_inputs(gpu: &Arc<Gpu>, hd: usize, rot: usize, seed: u64) -> Result<FusedInputs, String> {
+    let norm = |seed| rand_f32(seed, hd, 0.3).iter().map(|x| 1.0 + x).collect::<Vec<f32>>();
+    Ok(FusedInputs {
+        q_norm: gpu.upload(&norm(seed)).map_err(e)?,
+        k_norm: gpu.upload(&norm(seed + 1)).map_err(e)?,
+        table: test_rope(gpu, rot)?,
+    })
+}
+
+/// The gate buffer's contents (gated), else empty.
+fn gate_vals(gpu: &Arc<Gpu>, g: &Option<CudaSlice<f32>>) -> Result<Vec<f32>, String> {
+    g.as_ref().map_or(Ok(Vec::new()), |g| gpu.download(g).map_err(e))
+}
+
+/// `attention_row_fused` against `qkv_prepare` + `attention_with_scratch` (Auto: the one-row kernel), and
+/// `attention_row_fused_at` against `qkv_prepare_at` + `attention_at` (one StepPlan per shape, fixed grid, one
+/// StepPos set per step), BIT FOR BIT: the output, the gate, and the cache's bytes and scales at the new position
+/// (four caches filled alike with random K/V at EVERY position, so a kernel that read the stale cache row of the
+/// new position instead of the one it computes, or did not write it, fails), on fresh random projection rows with
+/// poisoned outputs, at FUSED_POSITIONS in increasing order (each step appends, as decode does). After the
+/// positions: every byte of the fused caches equals the reference caches (nothing written elsewhere). The fused
+/// step also equals the fused plain launch.
+fn row_fused_exact(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
+    let eps = 1e-6f32;
+    for (si, &(heads, kv_heads, hd, rot, gated)) in FUSED_SHAPES.iter().enumerate() {
+        let shape = AttentionShape { heads, kv_heads, head_dim: hd };
+        let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
+        let seed = 9000 + si as u64 * 100;
+        let inp = fused_inputs(gpu, hd, rot, seed)?;
+        let prep = QkvPrep { heads, gated, q_norm: &inp.q_norm, k_norm: &inp.k_norm, eps, rope: &inp.table };
+        let width = if gated { 2 * qd } else { qd } + 2 * kvd;
+        let sh = (heads, kv_heads, hd, rot, gated);
+        if !row_fusable(gpu, shape, dtype).map_err(e)? {
+            return Err(format!("{dtype:?} {sh:?}: row_fusable is false"));
+        }
+        let cap = FUSED_CAPACITY;
+        let mut kv_ref = filled_cache(gpu, dtype, shape, cap, cap, seed + 10)?.0;
+        let mut kv_fused = filled_cache(gpu, dtype, shape, cap, cap, seed + 10)?.0;
+        let mut kv_ref_at = filled_cache(gpu, dtype, shape, cap, cap, seed + 10)?.0;
+        let mut kv_fused_at = filled_cache(gpu, dtype, shape, cap, cap, seed + 10)?.0;
+        let plan = step_plan(gpu, shape, 1, dtype).map_err(e)?;
+        if !plan.fuses_prep() || plan.splits < 2 {
+            return Err(format!("{dtype:?} {sh:?}: step plan {plan:?} does not fuse the preparation"));
+        }
+        let mut pos = StepPos::new(gpu).map_err(e)?;
+        let mut scratch = [(); 4].map(|_| AttnScratch::new(gpu, shape, 1));
+        let [s_ref, s_fused, s_ref_at, s_fused_at] = &mut scratch;
+        let (s_ref, s_fused) = (s_ref.as_mut().map_err(e)?, s_fused.as_mut().map_err(e)?);
+        let (s_ref_at, s_fused_at) = (s_ref_at.as_mut().map_err(e)?, s_fused_at.as_mut().map_err(e)?);
+        for (pi, &sp) in FUSED_POSITIONS.iter().enumerate() {
+            let what = format!("{dtype:?} {sh:?} start_pos {sp}");
+            let mut row = rand_f32(seed + 20 + pi as u64, width, 1.0);
+            if pi == 1 {
+                // An all-zero K head and V head (an int8 scale of 0 after the norm).
+                let qw = width - 2 * kvd;
+                row[qw..qw + hd].fill(0.0);
+                row[qw + kvd..qw + kvd + hd].fill(0.0);
+            }
+            let qkv = gpu.upload(&row).map_err(e)?;
+            let new_gate = |gpu: &Arc<Gpu>| -> Result<Option<CudaSlice<f32>>, String> {
+                if gated {
+                    Ok(Some(poisoned(gpu, qd)?))
+                } else {
+                    Ok(None)
+                }
+            };
+            // Reference, plain position.
+            let mut qn = poisoned(gpu, qd)?;
+            let mut gate_ref = new_gate(gpu)?;
+            qkv_prepare(gpu, &prep, &qkv, 1, &mut kv_ref, sp, &mut qn, gate_ref.as_mut()).map_err(e)?;
+            let mut want = poisoned(gpu, qd)?;
+            attention_with_scratch(gpu, &qn, &kv_ref, shape, sp, 1, &mut want, AUTO, s_ref).map_err(e)?;
+            // Fused, plain position.
+            let mut got = poisoned(gpu, qd)?;
+            let mut gate_fused = new_gate(gpu)?;
+            attention_row_fused(gpu, &prep, &qkv, &mut kv_fused, shape, sp, &mut got, gate_fused.as_mut(), s_fused)
+                .map_err(e)?;
+            // Reference and fused, step pointer.
+            pos.set(gpu, sp, step_chunk(&plan, sp + 1)).map_err(e)?;
+            let mut qn_at = poisoned(gpu, qd)?;
+            let mut gate_ref_at = new_gate(gpu)?;
+            qkv_prepare_at(gpu, &prep, &qkv, 1, &mut kv_ref_at, &pos, &mut qn_at, gate_ref_at.as_mut()).map_err(e)?;
+            let mut want_at = poisoned(gpu, qd)?;
+            attention_at(gpu, &qn_at, &kv_ref_at, shape, 1, &mut want_at, &plan, &pos, s_ref_at).map_err(e)?;
+            let mut got_at = poisoned(gpu, qd)?;
+            let mut gate_fused_at = new_gate(gpu)?;
+            attention_row_fused_at(
+                gpu,
+                &prep,
+                &qkv,
+                &mut kv_fused_at,
+                shape,
+                &mut got_at,
+                gate_fused_at.as_mut(),
+                &plan,
+                &pos,
+                s_fused_at,
+            )
+            .map_err(e)?;
+
+            let want = gpu.download(&want).map_err(e)?;
+            all_finite(&format!("{what}: reference"), &want)?;
+            exact(&format!("{what}: fused output"), &gpu.download(&got).map_err(e)?, &want)?;
+            let want_at = gpu.download(&want_at).map_err(e)?;
+            all_finite(&format!("{what}: reference (at)"), &want_at)?;
+            exact(&format!("{what}: fused output (at)"), &gpu.download(&got_at).map_err(e)?, &want_at)?;
+            exact(&format!("{what}: fused (at) vs fused plain"), &gpu.download(&got_at).map_err(e)?, &want)?;
+            let gw = gate_vals(gpu, &gate_ref)?;
+            if gated {
+                all_finite(&format!("{what}: reference gate"), &gw)?;
+            }
+            exact(&format!("{what}: gate"), &gate_vals(gpu, &gate_fused)?, &gw)?;
+            exact(&format!("{what}: gate (at, reference)"), &gate_vals(gpu, &gate_ref_at)?, &gw)?;
+            exact(&format!("{what}: gate (at)"), &gate_vals(gpu, &gate_fused_at)?, &gw)?;
+            let row_want = cache_row(gpu, &kv_ref, sp)?;
+            for (name, kv) in [("fused", &kv_fused), ("reference (at)", &kv_ref_at), ("fused (at)", &kv_fused_at)] {
+                if cache_row(gpu, kv, sp)? != row_want {
+                    return Err(format!("{what}: the {name} cache row at the new position differs from qkv_prepare's"));
+                }
+            }
+        }
+        if cache_bytes(gpu, &kv_fused)? != cache_bytes(gpu, &kv_ref)? {
+            return Err(format!("{dtype:?} {sh:?}: the fused cache differs from qkv_prepare's somewhere"));
+        }
+        if cache_bytes(gpu, &kv_fused_at)? != cache_bytes(gpu, &kv_ref_at)? {
+            return Err(format!("{dtype:?} {sh:?}: the fused (at) cache differs from qkv_prepare_at's somewhere"));
+        }
+    }
+    Ok(())
+}
+
+fn row_fused_int8_exact(gpu: &Arc<Gpu>) -> Result<(), String> {
+    row_fused_exact(gpu, KvDtype::Int8)
+}
+
+fn row_fused_bf16_exact(gpu: &Arc<Gpu>) -> Result<(), String> {
+    row_fused_exact(gpu, KvDtype::Bf16)
+}
+
+/// attention_row_fused_at captured once into a CUDA graph and replayed at 5 positions (the projection row
+/// rewritten in place and StepPos::set between replays) gives the same output, gate and cache row as the plain
+/// qkv_prepare + attention_with_scratch at each position.
+fn row_fused_graph_replay(gpu: &Arc<Gpu>) -> Result<(), String> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    for (si, &(sh, dtype)) in [(0usize, KvDtype::Int8), (1, KvDtype::Bf16), (1, KvDtype::Int8)].iter().enumerate() {
+        let (heads, kv_heads, hd, rot, gated) = FUSED_SHAPES[sh];
+        let shape = AttentionShape { heads, kv_heads, head_dim: hd };
+        let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
+        let width = if gated { 2 * qd } else { qd } + 2 * kvd;
+        let seed = 9500 + si as u64 * 100;
+        let inp = fused_inputs(gpu, hd, rot, seed)?;
+        let prep = QkvPrep { heads, gated, q_norm: &inp.q_norm, k_norm: &inp.k_norm, eps: 1e-6, rope: &inp.table };
+        let cap = 5000;
+        let mut kv_plain = filled_cache(gpu, dtype, shape, cap, cap, seed + 10)?.0;
+        let mut kv_step = filled_cache(gpu, dtype, shape, cap, cap, seed + 10)?.0;
+        let plan = step_plan(gpu, shape, 1, dtype).map_err(e)?;
+        let mut pos = StepPos::new(gpu).map_err(e)?;
+        let mut scratch_plain = AttnScratch::new(gpu, shape, 1).map_err(e)?;
+        let mut scratch_step = AttnScratch::new(gpu, shape, 1).map_err(e)?;
+        let mut qkv = gpu.upload(&rand_f32(seed + 1, width, 1.0)).map_err(e)?;
+        let mut out_step = poisoned(gpu, qd)?;
+        let mut gate_step = if gated { Some(poisoned(gpu, qd)?) } else { None };
+        pos.set(gpu, 0, step_chunk(&plan, 1)).map_err(e)?;
+        gpu.sync().map_err(e)?;
+        let stream = gpu.stream().clone();
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(e)?;
+        let captured = attention_row_fused_at(
+            gpu,
+            &prep,
+            &qkv,
+            &mut kv_step,
+            shape,
+            &mut out_step,
+            gate_step.as_mut(),
+            &plan,
+            &pos,
+            &mut scratch_step,
+        );
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(e)?;
+        captured.map_err(e)?;
+        let graph = graph.ok_or_else(|| format!("{sh:?}: the capture gave no graph"))?;
+        for (step, &sp) in [3usize, 64, 65, 1999, 4990].iter().enumerate() {
+            let what = format!("fused graph replay {dtype:?} {:?} step {step} start_pos {sp}", FUSED_SHAPES[sh]);
+            stream.memcpy_htod(&rand_f32(seed + 20 + step as u64, width, 1.0), &mut qkv).map_err(e)?;
+            gpu.fill_f32(&mut out_step, f32::NAN).map_err(e)?;
+            if let Some(g) = gate_step.as_mut() {
+                gpu.fill_f32(g, f32::NAN).map_err(e)?;
+            }
+            pos.set(gpu, sp, step_chunk(&plan, sp + 1)).map_err(e)?;
+            graph.launch().map_err(e)?;
+            let got = gpu.download(&out_step).map_err(e)?;
+
+            let mut qn = poisoned(gpu, qd)?;
+            let mut gate = if gated { Some(poisoned(gpu, qd)?) } else { None };
+            qkv_prepare(gpu, &prep, &qkv, 1, &mut kv_plain, sp, &mut qn, gate.as_mut()).map_err(e)?;
+            let mut want = poisoned(gpu, qd)?;
+            attention_with_scratch(gpu, &qn, &kv_plain, shape, sp, 1, &mut want, AUTO, &mut scratch_plain)
+                .map_err(e)?;
+            let want = gpu.download(&want).map_err(e)?;
+            all_finite(&what, &want)?;
+            exact(&what, &got, &want)?;
+            exact(&format!("{what}: gate"), &gate_vals(gpu, &gate_step)?, &gate_vals(gpu, &gate)?)?;
+            if cache_row(gpu, &kv_step, sp)? != cache_row(gpu, &kv_plain, sp)? {
+                return Err(format!("{what}: the cache row at the new position differs from qkv_prepare's"));
+            }
+        }
+        drop(graph);
+    }
+    Ok(())
+}
+
+/// Wrong lengths, shapes, a missing or extra gate, a position past the capacity, a plan of another shape, dtype
+/// or row count (and a plan for more than one row: not the one-row kernel), a group past 16 and a short step
+/// buffer are refused before any launch (and correct calls are accepted).
+fn row_fused_rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
+    let (heads, kv_heads, hd) = (8usize, 2usize, 64usize);
+    let shape = AttentionShape { heads, kv_heads, head_dim: hd };
+    let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
+    let inp = fused_inputs(gpu, hd, 32, 1)?;
+    let wide = test_rope(gpu, 128)?;
+    let plain = QkvPrep { heads, gated: false, q_norm: &inp.q_norm, k_norm: &inp.k_norm, eps: 1e-6, rope: &inp.table };
+    let gated = QkvPrep { gated: true, ..plain };
+    let qkv = gpu.upload(&rand_f32(3, 2 * qd + 2 * kvd, 1.0)).map_err(e)?;
+    let qkv_short = gpu.upload(&rand_f32(4, qd + 2 * kvd - 1, 1.0)).map_err(e)?;
+    let mut kv = DeviceKv::new(gpu, KvDtype::Int8, 8, kv_heads, hd).map_err(e)?;
+    let mut kv_bf16 = DeviceKv::new(gpu, KvDtype::Bf16, 8, kv_heads, hd).map_err(e)?;
+    let mut out = poisoned(gpu, qd)?;
+    let mut out_short = poisoned(gpu, qd - 1)?;
+    let mut gate = poisoned(gpu, qd)?;
+    let mut gate_short = poisoned(gpu, qd - 1)?;
+    let mut sc = AttnScratch::new(gpu, shape, 1).map_err(e)?;
+    let mut pos = StepPos::new(gpu).map_err(e)?;
+    pos.set(gpu, 0, 64).map_err(e)?;
+    let plan = step_plan(gpu, shape, 1, KvDtype::Int8).map_err(e)?;
+    let plan_bf16 = step_plan(gpu, shape, 1, KvDtype::Bf16).map_err(e)?;
+    let plan_rows2 = step_plan(gpu, shape, 2, KvDtype::Int8).map_err(e)?;
+    let other = AttentionShape { heads: 4, kv_heads, head_dim: hd };
+    let plan_other = step_plan(gpu, other, 1, KvDtype::Int8).map_err(e)?;
+    let mut failures = Vec::new();
+    if let Err(err) = attention_row_fused(gpu, &plain, &qkv, &mut kv, shape, 7, &mut out, None, &mut sc) {
+        failures.push(format!("a correct call refused: {err}"));
+    }
+    if let Err(err) = attention_row_fused(gpu, &gated, &qkv, &mut kv, shape, 0, &mut out, Some(&mut gate), &mut sc) {
+        failures.push(format!("a correct gated call refused: {err}"));
+    }
+    if let Err(err) = attention_row_fused_at(gpu, &plain, &qkv, &mut kv, shape, &mut out, None, &plan, &pos, &mut sc) {
+        failures.push(format!("a correct step call refused: {err}"));
+    }
+    if plan_rows2.fuses_prep() {
+        failures.push("a plan for 2 rows fuses the preparation".into());
+    }
+    let bad_rope = QkvPrep { rope: &wide, ..plain };
+    let other_heads = QkvPrep { heads: 4, ..plain };
+    let bad_shape = AttentionShape { head_dim: 32, ..shape };
+    let group32 = AttentionShape { heads: 64, ..shape };
+    let prep32 = QkvPrep { heads: 64, ..plain };
+    let qkv32 = gpu.upload(&rand_f32(5, 64 * hd + 2 * kvd, 1.0)).map_err(e)?;
+    let mut out32 = poisoned(gpu, 64 * hd)?;
+    let cases: Vec<(&str, bool)> = vec![
+        (
+            "qkv one value short",
+            attention_row_fused(gpu, &plain, &qkv_short, &mut kv, shape, 0, &mut out, None, &mut sc).is_ok(),
+        ),
+        (
+            "out one value short",
+            attention_row_fused(gpu, &plain, &qkv, &mut kv, shape, 0, &mut out_short, None, &mut sc).is_ok(),
+        ),
+        (
+            "gated without a gate",
+            attention_row_fused(gpu, &gated, &qkv, &mut kv, shape, 0, &mut out, None, &mut sc).is_ok(),
+        ),
+        (
+            "plain with a gate",
+            attention_row_fused(gpu, &plain, &qkv, &mut kv, shape, 0, &mut out, Some(&mut gate), &mut sc).is_ok(),
+        ),
+        (
+            "a gate one value short",
+            attention_row_fused(gpu, &gated, &qkv, &mut kv, shape, 0, &mut out, Some(&mut gate_short), &mut sc).is_ok(),
+        ),
+        (
+            "position at the capacity",
+            attention_row_fused(gpu, &plain, &qkv, &mut kv, shape, 8, &mut out, None, &mut sc).is_ok(),
+        ),
+        (
+            "rotary_dim past head_dim",
+            attention_row_fused(gpu, &bad_rope, &qkv, &mut kv, shape, 0, &mut out, None, &mut sc).is_ok(),
+        ),
+        (
+            "prepared heads != shape heads",
+            attention_row_fused(gpu, &other_heads, &qkv, &mut kv, shape, 0, &mut out, None, &mut sc).is_ok(),
+        ),
+        (
+            "head_dim != the cache's",
+            attention_row_fused(gpu, &plain, &qkv, &mut kv, bad_shape, 0, &mut out, None, &mut sc).is_ok(),
+        ),
+        ("group 32", attention_row_fused(gpu, &prep32, &qkv32, &mut kv, group32, 0, &mut out32, None, &mut sc).is_ok()),
+        (
+            "(at) a bf16 plan on an int8 cache",
+            attention_row_fused_at(gpu, &plain, &qkv, &mut kv, shape, &mut out, None, &plan_bf16, &pos, &mut sc)
+                .is_ok(),
+        ),
+        (
+            "(at) an int8 plan on a bf16 cache",
+            attention_row_fused_at(gpu, &plain, &qkv, &mut kv_bf16, shape, &mut out, None, &plan, &pos, &mut sc)
+                .is_ok(),
+        ),
+        (
+            "(at) a plan for 2 rows",
+            attention_row_fused_at(gpu, &plain, &qkv, &mut kv, shape, &mut out, None, &plan_rows2, &pos, &mut sc)
+                .is_ok(),
+        ),
+        (
+            "(at) a plan of another shape",
+            attention_row_fused_at(gpu, &plain, &qkv, &mut kv, shape, &mut out, None, &plan_other, &pos, &mut sc)
+                .is_ok(),
+        ),
+        (
+            "(at) gated without a gate",
+            attention_row_fused_at(gpu, &gated, &qkv, &mut kv, shape, &mut out, None, &plan, &pos, &mut sc).is_ok(),
+        ),
+        (
+            "(at) out one value short",
+            attention_row_fused_at(gpu, &plain, &qkv, &mut kv, shape, &mut out_short, None, &plan, &pos, &mut sc)
+                .is_ok(),
+        ),
+    ];
+    failures.extend(cases.iter().filter(|c| c.1).map(|c| format!("accepted: {}", c.0)));
+    gpu.sync().map_err(e)?;
     if failures.is_empty() {
         Ok(())
     } else {
