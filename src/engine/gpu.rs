@@ -583,35 +583,7 @@ impl GpuModel {
         let prep = QkvPrep { heads: shape.heads, gated: c.has_attention_gate(), q_norm, k_norm, eps, rope: &self.rope };
         let gate = if prep.gated { Some(&mut s.gate) } else { None };
         let kv = cache.kv[l].as_mut().expect("an attention layer has KV");
-        // One decode row: the preparation runs inside the attention kernel.
         match step {
-            Some(st) if st.plan.fuses_prep() => {
-                attention::attention_row_fused_at(
-                    gpu,
-                    &prep,
-                    &s.qkv,
-                    kv,
-                    shape,
-                    &mut s.attn,
-                    gate,
-                    &st.plan,
-                    &st.pos,
-                    &mut s.attn_split,
-                )?;
-            }
-            None if t == 1 && attention::row_fusable(gpu, shape, kv.dtype)? => {
-                attention::attention_row_fused(
-                    gpu,
-                    &prep,
-                    &s.qkv,
-                    kv,
-                    shape,
-                    start,
-                    &mut s.attn,
-                    gate,
-                    &mut s.attn_split,
-                )?;
-            }
             None => {
                 attention::qkv_prepare(gpu, &prep, &s.qkv, t, kv, start, &mut s.qn, gate)?;
                 attention::attention_with_scratch(
