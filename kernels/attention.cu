@@ -24,8 +24,6 @@
 //   attn_mma_* (prefill) and attn_dec_* (a few rows): tensor cores, sm_80+.
 //   attn_row_hd{HD}_{i8,bf16}_g{1,2,4}: one row (batch-1 decode), f32
 //     on CUDA cores, the split merge fused in (see its section).
-//   attn_row_prep_hd{HD}_{i8,bf16}_g{1,2,4}: attn_qkv_prep + attn_row_* of
-//     one row in one launch (see the one-row section).
 //   attn_qkv_prep_{i8,bf16}: q/k norm + RoPE, gate split and KV append of
 //     one qkv projection in one launch (see its section).
 //
@@ -50,38 +48,27 @@
 // attn_qkv_prep_* both call it). int8: amax over the block, scale = amax /
 // 127, value = rint(x / scale) clamped to +-127 (0 when the scale is 0);
 // bf16: round to nearest even.
-// The row -> dst (head_dim values) and, int8, *scale_dst (lane 0): the one
-// quantization / rounding code, writing either the cache itself or a
-// shared-memory copy (attn_row_prep_*) that is then copied to the cache.
-static __device__ __forceinline__ void attn_quant_row(const float* src, int8_t* dst, float* scale_dst, int head_dim,
-                                                      int lane) {
+static __device__ __forceinline__ void attn_append_row(const float* src, int8_t* __restrict__ cache,
+                                                       float* __restrict__ scales, size_t block, int head_dim,
+                                                       int lane) {
     float amax = 0.0f;
     for (int d = lane; d < head_dim; d += 32) amax = fmaxf(amax, fabsf(src[d]));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float scale = amax / 127.0f;
+    int8_t* dst = cache + block * (size_t)head_dim;
     for (int d = lane; d < head_dim; d += 32) {
         float qv = 0.0f;
         if (scale > 0.0f) qv = fminf(fmaxf(rintf(src[d] / scale), -127.0f), 127.0f);
         dst[d] = (int8_t)(int)qv;
     }
-    if (lane == 0) *scale_dst = scale;
-}
-
-static __device__ __forceinline__ void attn_quant_row(const float* src, __nv_bfloat16* dst, float*, int head_dim,
-                                                      int lane) {
-    for (int d = lane; d < head_dim; d += 32) dst[d] = __float2bfloat16_rn(src[d]);
-}
-
-static __device__ __forceinline__ void attn_append_row(const float* src, int8_t* __restrict__ cache,
-                                                       float* __restrict__ scales, size_t block, int head_dim,
-                                                       int lane) {
-    attn_quant_row(src, cache + block * (size_t)head_dim, scales + block, head_dim, lane);
+    if (lane == 0) scales[block] = scale;
 }
 
 static __device__ __forceinline__ void attn_append_row(const float* src, __nv_bfloat16* __restrict__ cache, float*,
                                                        size_t block, int head_dim, int lane) {
-    attn_quant_row(src, cache + block * (size_t)head_dim, nullptr, head_dim, lane);
+    __nv_bfloat16* dst = cache + block * (size_t)head_dim;
+    for (int d = lane; d < head_dim; d += 32) dst[d] = __float2bfloat16_rn(src[d]);
 }
 
 // One warp per (row, kv head, K or V): amax over head_dim, scale, quantize.
@@ -1227,21 +1214,6 @@ ATTN_DEC_INSTANCES(256)
 // a fixed split count and the splits past ceil((start_pos + 1) / chunk) exit:
 // the same operations, in the same order, as the null-step launch with
 // gridDim.x = ceil((start_pos + 1) / chunk) (bit-identical results).
-//
-// attn_row_prep_hd{HD}_{i8,bf16}_g{GB} (PREP): attn_qkv_prep of the one row
-// fused in (decode: one launch instead of two). From the projection row qkv
-// ([q' | k | v], as attn_qkv_prep reads it) each block normalizes and
-// rotates its own query heads into q_s (attn_row_prep_block, before the key
-// loop; split 0 also writes their gate halves); the blocks of the last split
-// (the only range holding the new position start_pos) also make the new K
-// row (norm, RoPE, quantization: strata_rmsnorm_rope_row and attn_quant_row,
-// attn_qkv_prep's functions, so the same bits) and V row into shared memory
-// (new_s), and part 0 of them writes both (and the int8 scales) to the
-// cache. No block reads the new position from the cache: the tile loader
-// stops at kload (start_pos in the last split, kstop elsewhere) and the
-// last tile's K and V rows of the new position are patched in from new_s
-// (two extra barriers in that one tile). Everything else is attn_row's: the
-// same bits as attn_qkv_prep + attn_row_*. The q vectors are not written.
 
 #define ATTN_ROW_THREADS 256
 #define ATTN_ROW_WARPS (ATTN_ROW_THREADS / 32)
@@ -1284,31 +1256,6 @@ struct AttnRowShape {
     static_assert(SEGB % 16 == 0 && DPT % 4 == 0 && HD % DV == 0, "segments");
     static_assert(LPR <= 32 ? 32 % LPR == 0 : LPR % 32 == 0, "P V map");
     static_assert(oStat % 16 == 0, "stats alignment");
-    // attn_row_prep_*: the new position's K and V rows (cache bytes) and their 2 scales after the stats; the
-    // normed queries and the f32 K row pass through the V tile's space before the first tile.
-    static constexpr int oNew = (kBytes + 15) / 16 * 16;
-    static constexpr int kPrepBytes = oNew + 2 * HD * VB + 16;  // + K row, V row, 2 scales, kload (int)
-    static_assert((GB + 1) * HD * 4 <= TK * HD * VB, "prep rows fit the V tile");
-    static_assert(2 * ROWV <= NT && GB + 2 <= NW, "prep map");
-};
-
-// What attn_row_prep_* adds to attn_row (unused by attn_row_*): the projection row and the preparation's
-// weights (attn_qkv_prep's arguments), the gate output and the writable cache.
-template <typename KV>
-struct AttnRowPrep {
-    const float* qkv;
-    const float* q_norm;
-    const float* k_norm;
-    const float* inv_freq;
-    float* gate;
-    KV* kc;
-    KV* vc;
-    float* ks;
-    float* vs;
-    float eps;
-    float attention_factor;
-    int half;
-    int gated;
 };
 
 // 16 bytes of cache values -> exact floats (16 int8 integers, unscaled, or 8 bf16).
@@ -1478,75 +1425,13 @@ static __device__ __forceinline__ bool attn_row_arrive(unsigned int* counter, un
     return *flag != 0;
 }
 
-// attn_row_prep_*'s preparation, before the key loop (its own function, not inlined: its registers are not
-// the key loop's): warp g < qn normalizes and rotates query head hb + g into the query tile q_s (split 0 also
-// copies its gate); in the last split (has_new) warp NW - 2 makes the new K row (norm, RoPE, quantization) and
-// warp NW - 1 the V row into new_s, as attn_qkv_prep does (the same functions: the same bits), and part 0
-// writes both to the cache. Ends with kload in new_s and everything stored (a barrier).
 template <int HD, typename KV, int GB>
-static __device__ __noinline__ void attn_row_prep_block(const AttnRowPrep<KV> pp, unsigned char* base, int heads,
-                                                        int kv_heads, int hb, int qn, int kvh, int start_pos,
-                                                        int kload, bool has_new) {
-    using S = AttnRowShape<HD, KV, GB>;
-    constexpr int NT = ATTN_ROW_THREADS, NW = ATTN_ROW_WARPS, ROWV = S::ROWV, QGS = S::QGS, DPT = S::DPT;
-    constexpr int QV = GB * HD / 4;
-    constexpr bool I8 = sizeof(KV) == 1;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    float* q_s = reinterpret_cast<float*>(base);
-    unsigned char* new_s = base + S::oNew;
-    float* new_sc = reinterpret_cast<float*>(new_s + 2 * HD * S::VB);
-    float* qtmp = reinterpret_cast<float*>(base + S::oV);  // [GB][HD] (v_s is free until the first tile's V)
-    float* ktmp = qtmp + GB * HD;                          // [HD]
-    const int qhd = pp.gated ? 2 * HD : HD;
-    const size_t qw = (size_t)heads * qhd;
-    const unsigned long long pos = (unsigned long long)start_pos;
-    if (warp < qn) {
-        const float* xr = pp.qkv + (size_t)(hb + warp) * qhd;
-        strata_rmsnorm_rope_row(xr, pp.q_norm, qtmp + warp * HD, HD, pp.eps, pp.inv_freq, pp.half, pos,
-                                pp.attention_factor, lane);
-        if (pp.gated && blockIdx.x == 0)
-            for (int d = lane; d < HD; d += 32) pp.gate[(size_t)(hb + warp) * HD + d] = xr[HD + d];
-    } else if (has_new && warp == NW - 2) {
-        strata_rmsnorm_rope_row(pp.qkv + qw + (size_t)kvh * HD, pp.k_norm, ktmp, HD, pp.eps, pp.inv_freq, pp.half,
-                                pos, pp.attention_factor, lane);
-        __syncwarp();
-        attn_quant_row(ktmp, reinterpret_cast<KV*>(new_s), new_sc, HD, lane);
-    } else if (has_new && warp == NW - 1) {
-        attn_quant_row(pp.qkv + qw + (size_t)(kv_heads + kvh) * HD, reinterpret_cast<KV*>(new_s + HD * S::VB),
-                       new_sc + 1, HD, lane);
-    }
-    if (tid == 0) *reinterpret_cast<int*>(new_s + 2 * HD * S::VB + 8) = kload;
-    __syncthreads();
-    // The new K and V rows -> the cache, by one block per kv head (the last split's part 0).
-    if (has_new && blockIdx.z == 0) {
-        const size_t blk = (size_t)start_pos * (size_t)kv_heads + (size_t)kvh;
-        if (tid < 2 * ROWV) {
-            const int w = tid / ROWV, c = tid % ROWV;
-            KV* dst = (w ? pp.vc : pp.kc) + blk * HD;
-            reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(new_s + w * HD * S::VB)[c];
-        }
-        if (I8 && tid == 0) {
-            pp.ks[blk] = new_sc[0];
-            pp.vs[blk] = new_sc[1];
-        }
-    }
-    // Queries -> q_s [GB][DSQ][DPT + 4] as attn_row stores them (the heads past qn zero).
-    for (int idx = tid; idx < QV; idx += NT) {
-        const int g = idx / (HD / 4), d = (idx % (HD / 4)) * 4;
-        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (g < qn) x = *reinterpret_cast<const float4*>(qtmp + g * HD + d);
-        *reinterpret_cast<float4*>(q_s + g * QGS + (d / DPT) * (DPT + 4) + d % DPT) = x;
-    }
-}
-
-template <int HD, typename KV, int GB, bool PREP>
 static __device__ __forceinline__ void attn_row(const float* __restrict__ q, const KV* __restrict__ kc,
                                                 const KV* __restrict__ vc, const float* __restrict__ ks,
                                                 const float* __restrict__ vs, float* __restrict__ out,
                                                 float* __restrict__ part_acc, float* __restrict__ part_ml,
                                                 unsigned int* __restrict__ counters, int heads, int kv_heads,
-                                                int start_pos, int chunk, float scale, const int* __restrict__ step,
-                                                const AttnRowPrep<KV>& pp) {
+                                                int start_pos, int chunk, float scale, const int* __restrict__ step) {
     using S = AttnRowShape<HD, KV, GB>;
     constexpr int NT = ATTN_ROW_THREADS, NW = ATTN_ROW_WARPS;
     constexpr int TK = S::TK, DSQ = S::DSQ, DPT = S::DPT, SEGB = S::SEGB, CPS = S::CPS, KRS = S::KRS;
@@ -1566,13 +1451,11 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
 
     // The queries first (independent of the step values): in flight with the rest.
     float4 qr[QPT];
-    if constexpr (!PREP) {
 #pragma unroll
-        for (int i = 0; i < QPT; ++i) {
-            const int idx = tid + NT * i;
-            qr[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (idx < QV && idx / (HD / 4) < qn) qr[i] = reinterpret_cast<const float4*>(q + (size_t)hb * HD)[idx];
-        }
+    for (int i = 0; i < QPT; ++i) {
+        const int idx = tid + NT * i;
+        qr[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (idx < QV && idx / (HD / 4) < qn) qr[i] = reinterpret_cast<const float4*>(q + (size_t)hb * HD)[idx];
     }
     if (step != nullptr) {
         start_pos = step[0];
@@ -1585,10 +1468,6 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     if (split >= nsplit) return;
     const int kbeg = split * chunk;
     const int kstop = min(kbeg + chunk, kend);
-    // PREP: the last split's range ends with the new position, whose K and V this launch computes: no block
-    // reads it from the cache (kload excludes it); its blocks take it from shared memory (new_s) instead.
-    const bool has_new = PREP && kstop == kend;
-    const int kload = has_new ? kstop - 1 : kstop;
 
     extern __shared__ float4 attn_smem4[];
     unsigned char* base = reinterpret_cast<unsigned char*>(attn_smem4);
@@ -1605,41 +1484,34 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     float* l_s = m_s + GB;
     int* flag_s = reinterpret_cast<int*>(l_s + GB);
     int* keep_s = flag_s + 1;  // nsplit, hb, qn: kept here across the key loop (not in registers)
-    unsigned char* new_s = base + S::oNew;  // PREP: the new K row, V row (cache bytes), their scales, kload
-    const float* new_sc = reinterpret_cast<const float*>(new_s + 2 * HD * S::VB);
 
-    // Raw K/V vectors (and int8 scales) of one tile, loaded ahead of their use. PREP: keys < kload (the new
-    // position, kload, is left zero here and patched into k_s / v_s from new_s in the key loop).
+    // Raw K/V vectors (and int8 scales) of one tile, loaded ahead of their use.
     uint4 kr[NLD], vr[NLD];
     float ksr = 1.0f, vsr = 1.0f;
     auto load_tile = [&](int k0) {
-        // (PREP: the end kload, from shared memory: not a register held across the key loop)
-        const int kl = PREP ? *reinterpret_cast<volatile int*>(new_s + 2 * HD * S::VB + 8) : kstop;
 #pragma unroll
         for (int j = 0; j < NLD; ++j) {  // K first: the scores need it first
             const int i = tid + NT * j;
             const int r = i / ROWV, c = i % ROWV;
             kr[j] = make_uint4(0u, 0u, 0u, 0u);
-            if (k0 + r < kl)
+            if (k0 + r < kstop)
                 kr[j] = reinterpret_cast<const uint4*>(kc + ((size_t)(k0 + r) * (size_t)kv_heads + kvh) * HD)[c];
         }
         if (I8 && tid < TK) {
             ksr = 0.0f;
-            if (k0 + tid < kl)
-                ksr = ks[(size_t)(k0 + tid) * (size_t)kv_heads + kvh];
+            if (k0 + tid < kstop) ksr = ks[(size_t)(k0 + tid) * (size_t)kv_heads + kvh];
         }
 #pragma unroll
         for (int j = 0; j < NLD; ++j) {
             const int i = tid + NT * j;
             const int r = i / ROWV, c = i % ROWV;
             vr[j] = make_uint4(0u, 0u, 0u, 0u);
-            if (k0 + r < kl)
+            if (k0 + r < kstop)
                 vr[j] = reinterpret_cast<const uint4*>(vc + ((size_t)(k0 + r) * (size_t)kv_heads + kvh) * HD)[c];
         }
         if (I8 && tid < TK) {
             vsr = 0.0f;
-            if (k0 + tid < kl)
-                vsr = vs[(size_t)(k0 + tid) * (size_t)kv_heads + kvh];
+            if (k0 + tid < kstop) vsr = vs[(size_t)(k0 + tid) * (size_t)kv_heads + kvh];
         }
     };
     // K registers -> k_s (rows cut into DSQ padded segments), its scales -> ksc_s.
@@ -1652,19 +1524,15 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
         }
         if (tid < TK) ksc_s[tid] = ksr;
     };
-    if constexpr (PREP)
-        attn_row_prep_block<HD, KV, GB>(pp, base, heads, kv_heads, hb, qn, kvh, start_pos, kload, has_new);
     load_tile(kbeg);
 
-    if constexpr (!PREP) {
-        // Queries -> q_s [GB][DSQ][DPT + 4] (the padding makes the DSQ segments' reads conflict-free).
+    // Queries -> q_s [GB][DSQ][DPT + 4] (the padding makes the DSQ segments' reads conflict-free).
 #pragma unroll
-        for (int i = 0; i < QPT; ++i) {
-            const int idx = tid + NT * i;
-            if (idx < QV) {
-                const int g = idx / (HD / 4), d = (idx % (HD / 4)) * 4;
-                *reinterpret_cast<float4*>(q_s + g * QGS + (d / DPT) * (DPT + 4) + d % DPT) = qr[i];
-            }
+    for (int i = 0; i < QPT; ++i) {
+        const int idx = tid + NT * i;
+        if (idx < QV) {
+            const int g = idx / (HD / 4), d = (idx % (HD / 4)) * 4;
+            *reinterpret_cast<float4*>(q_s + g * QGS + (d / DPT) * (DPT + 4) + d % DPT) = qr[i];
         }
     }
     if (tid < GB) l_s[tid] = 0.0f;
@@ -1690,17 +1558,6 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
         __syncthreads();  // this tile's K (and q_s, l_s) stored; the previous tile's P V done (v_s, p_s free)
         const int nvalid = min(TK, kstop - k0);
         const bool more = k0 + TK < kstop;
-        if constexpr (PREP) {
-            // The tile holding the new position (the last split's last): its K row and scale from new_s.
-            const int rn = *reinterpret_cast<volatile int*>(new_s + 2 * HD * S::VB + 8) - k0;
-            if (rn >= 0 && rn < nvalid) {  // (block-uniform)
-                if (tid < ROWV)
-                    *reinterpret_cast<uint4*>(k_s + rn * KRS + (tid / CPS) * (SEGB + 16) + (tid % CPS) * 16) =
-                        reinterpret_cast<const uint4*>(new_s)[tid];
-                if (tid == 0) ksc_s[rn] = I8 ? new_sc[0] : 1.0f;
-                __syncthreads();
-            }
-        }
 
         // Scores of key kk: this thread's DPT dims, then the sum over the key's DSQ threads.
         float s[GB];
@@ -1751,17 +1608,6 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
         }
         if (tid < TK) vsc_s[tid] = vsr;
         __syncthreads();
-        if constexpr (PREP) {
-            // The new position's V row and scale from new_s (as its K above).
-            const int rn = *reinterpret_cast<volatile int*>(new_s + 2 * HD * S::VB + 8) - k0;
-            if (rn >= 0 && rn < nvalid) {  // (block-uniform)
-                if (tid < ROWV)
-                    *reinterpret_cast<uint4*>(v_s + (rn * ROWV + tid) * 16) =
-                        reinterpret_cast<const uint4*>(new_s + HD * S::VB)[tid];
-                if (tid == 0) vsc_s[rn] = I8 ? new_sc[1] : 1.0f;
-                __syncthreads();
-            }
-        }
         if (more) load_tile(k0 + TK);  // the next tile, in flight during this one's math
         // The new max per query (every thread alike: the warps' maxima in warp order) and the rescale.
         float corr[GB];
@@ -1888,26 +1734,8 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
             int heads, int kv_heads, int start_pos, int chunk, float scale, const int* __restrict__ step) {       \
         strata_pdl_trigger();                                                                                     \
         strata_pdl_wait();                                                                                        \
-        const AttnRowPrep<KV> none = {};                                                                        \
-        attn_row<HD, KV, GB, false>(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads,         \
-                                    start_pos, chunk, scale, step, none);                                         \
-    }
-
-// attn_row_prep_hd{HD}_{i8,bf16}_g{GB}: attn_qkv_prep (rows == 1) and attn_row_* in one launch (see attn_row).
-#define ATTN_ROW_PREP_INSTANCE(HD, KVNAME, KV, GB)                                                                \
-    extern "C" __global__ void __launch_bounds__(ATTN_ROW_THREADS, ATTN_ROW_MINB)                                 \
-        attn_row_prep_hd##HD##_##KVNAME##_g##GB(                                                                  \
-            const float* __restrict__ qkv, const float* __restrict__ q_norm, const float* __restrict__ k_norm,    \
-            float eps, const float* __restrict__ inv_freq, int half, float attention_factor,                      \
-            float* __restrict__ gate, int gated, KV* kc, KV* vc, float* ks, float* vs, float* __restrict__ out,   \
-            float* __restrict__ part_acc, float* __restrict__ part_ml, unsigned int* __restrict__ counters,       \
-            int heads, int kv_heads, int start_pos, int chunk, float scale, const int* __restrict__ step) {       \
-        strata_pdl_trigger();                                                                                     \
-        strata_pdl_wait();                                                                                        \
-        const AttnRowPrep<KV> pp = {qkv, q_norm, k_norm, inv_freq, gate, kc, vc, ks, vs, eps, attention_factor,   \
-                                    half, gated};                                                                 \
-        attn_row<HD, KV, GB, true>(nullptr, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads,    \
-                                   start_pos, chunk, scale, step, pp);                                            \
+        attn_row<HD, KV, GB>(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads, start_pos,     \
+                             chunk, scale, step);                                                                 \
     }
 
 #define ATTN_ROW_INSTANCES(HD)                    \
@@ -1916,13 +1744,7 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     ATTN_ROW_INSTANCE(HD, i8, int8_t, 4)          \
     ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 1) \
     ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 2) \
-    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 4)      \
-    ATTN_ROW_PREP_INSTANCE(HD, i8, int8_t, 1)          \
-    ATTN_ROW_PREP_INSTANCE(HD, i8, int8_t, 2)          \
-    ATTN_ROW_PREP_INSTANCE(HD, i8, int8_t, 4)          \
-    ATTN_ROW_PREP_INSTANCE(HD, bf16, __nv_bfloat16, 1) \
-    ATTN_ROW_PREP_INSTANCE(HD, bf16, __nv_bfloat16, 2) \
-    ATTN_ROW_PREP_INSTANCE(HD, bf16, __nv_bfloat16, 4)
+    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 4)
 
 ATTN_ROW_INSTANCES(16)
 ATTN_ROW_INSTANCES(32)

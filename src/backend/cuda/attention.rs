@@ -264,7 +264,7 @@ pub fn qkv_prepare(
     qn: &mut CudaSlice<f32>,
     gate: Option<&mut CudaSlice<f32>>,
 ) -> Result<()> {
-    check_qkv_prep("qkv_prepare", p, qkv, rows, kv, Some(qn), gate.as_deref())?;
+    check_qkv_prep("qkv_prepare", p, qkv, rows, kv, qn, gate.as_deref())?;
     if start_pos.checked_add(rows).is_none_or(|end| end > kv.capacity) {
         return Err(Error::InvalidArgument(format!(
             "qkv_prepare: positions {start_pos}..{start_pos}+{rows} past the capacity {}",
@@ -288,7 +288,7 @@ pub fn qkv_prepare_at(
     qn: &mut CudaSlice<f32>,
     gate: Option<&mut CudaSlice<f32>>,
 ) -> Result<()> {
-    check_qkv_prep("qkv_prepare_at", p, qkv, rows, kv, Some(qn), gate.as_deref())?;
+    check_qkv_prep("qkv_prepare_at", p, qkv, rows, kv, qn, gate.as_deref())?;
     if rows > kv.capacity || pos.buf.is_empty() {
         return Err(Error::InvalidArgument(format!(
             "qkv_prepare_at: {rows} rows, capacity {}, a step buffer of {} ints",
@@ -299,14 +299,14 @@ pub fn qkv_prepare_at(
     qkv_prep_launch(gpu, p, qkv, rows, kv, 0, Some(&pos.buf), qn, gate)
 }
 
-/// The shape and length checks of `qkv_prepare` (everything but the positions; `qn` None: not written).
+/// The shape and length checks of `qkv_prepare` (everything but the positions).
 fn check_qkv_prep(
     what: &str,
     p: &QkvPrep,
     qkv: &CudaSlice<f32>,
     rows: usize,
     kv: &DeviceKv,
-    qn: Option<&CudaSlice<f32>>,
+    qn: &CudaSlice<f32>,
     gate: Option<&CudaSlice<f32>>,
 ) -> Result<()> {
     let (hd, kv_dim) = (kv.head_dim, kv.kv_dim());
@@ -321,8 +321,8 @@ fn check_qkv_prep(
         Some(format!("rotary_dim {rot} ({} frequencies) with head_dim {hd}", p.rope.inv_freq.len()))
     } else if qkv.len() < rows * width {
         Some(format!("qkv holds {} values, {rows} rows of {width} need {}", qkv.len(), rows * width))
-    } else if qn.is_some_and(|qn| qn.len() < rows * q_dim) {
-        Some(format!("qn holds {} values, {rows} rows need {}", qn.map_or(0, |qn| qn.len()), rows * q_dim))
+    } else if qn.len() < rows * q_dim {
+        Some(format!("qn holds {} values, {rows} rows need {}", qn.len(), rows * q_dim))
     } else if p.gated != gate.is_some() {
         Some(format!("gated {} with{} a gate buffer", p.gated, if gate.is_some() { "" } else { "out" }))
     } else if gate.is_some_and(|g| g.len() < rows * q_dim) {
@@ -519,12 +519,6 @@ fn row_smem_bytes(head_dim: usize, dtype: KvDtype, gb: usize) -> usize {
     tile.max(red) + (2 * (nt / 32) * gb + 2 * gb + 4) * 4
 }
 
-/// Dynamic shared memory of attn_row_prep_hd{HD}_{tag}_g{gb}: mirrors AttnRowShape::kPrepBytes (attn_row's, rounded
-/// up to 16 bytes, then the new position's K and V rows, their 2 scales and an int).
-fn row_prep_smem_bytes(head_dim: usize, dtype: KvDtype, gb: usize) -> usize {
-    row_smem_bytes(head_dim, dtype, gb).next_multiple_of(16) + 2 * head_dim * dtype.value_bytes() + 16
-}
-
 /// Query parts (grid z) of attn_row_* for `group` query heads per kv head: at most ROW_QB heads each.
 fn row_parts(group: usize) -> usize {
     group.div_ceil(ROW_QB).max(1)
@@ -583,16 +577,6 @@ fn simt_choice(head_dim: usize, nq_total: usize, smem_max: usize) -> (AttnKernel
         .find(|&m| simt_smem_bytes(head_dim, m) <= smem_max)
         .unwrap_or(8);
     (AttnKernel::Simt, maxq, SIMT_THREADS, maxq, SIMT_TK, simt_smem_bytes(head_dim, maxq))
-}
-
-/// Shared memory a block may opt into (227 KB on sm_90, 99 KB on sm_86/89, 64 KB on sm_75).
-fn smem_optin(gpu: &Gpu) -> Result<usize> {
-    Ok(gpu.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize)
-}
-
-/// attn_row_prep_hd{HD}_{tag}_g{GB} of a one-row kernel choice.
-fn row_prep_name(choice: &KernelChoice, head_dim: usize, dtype: KvDtype) -> String {
-    format!("attn_row_prep_hd{head_dim}_{}_g{}", dtype.kernel_tag(), choice.variant)
 }
 
 fn set_smem(f: &CudaFunction, bytes: usize) -> Result<()> {
@@ -875,7 +859,9 @@ fn choose_kernel(
     let nq_total = rows * group;
     let has_mma = gpu.compute_capability().0 >= 8;
     let tc_head_dim = TC_HEAD_DIMS.contains(&head_dim);
-    let smem_max = smem_optin(gpu)?;
+    // Shared memory a block may opt into (227 KB on sm_90, 99 KB on sm_86/89, 64 KB on sm_75).
+    let smem_max =
+        gpu.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize;
     let (row_qpb, row_gb) = row_heads_per_block(group);
     let row_ok = rows == 1 && group <= ROW_MAX_GROUP;
     let kernel = match config.kernel {
@@ -1013,31 +999,6 @@ fn launch_attention(
     Ok(())
 }
 
-/// The grid of attn_row_* / attn_row_prep_* over `plan.splits` splits (checked: sizes, and the query parts the
-/// kernel derives from the grid fit its GB with none empty) with `smem` bytes of dynamic shared memory.
-fn row_grid(shape: AttentionShape, choice: &KernelChoice, plan: SplitPlan, smem: usize) -> Result<LaunchConfig> {
-    let AttentionShape { heads, kv_heads, .. } = shape;
-    let splits = u32::try_from(plan.splits).ok().filter(|&s| (1..=65535).contains(&s));
-    let kvh_grid = u32::try_from(kv_heads).ok().filter(|&k| (1..=65535).contains(&k));
-    // The kernel gives part z the query heads [z * qpb, min((z + 1) * qpb, group)), qpb = ceil(group / parts):
-    // qpb must fit its GB and no part be empty.
-    let (group, parts) = (heads / kv_heads.max(1), choice.qtiles);
-    let qpb = group.div_ceil(parts.max(1));
-    let parts_ok = parts >= 1 && parts == row_parts(group) && qpb <= choice.variant && (parts - 1) * qpb < group;
-    let (Some(splits), Some(kvh_grid), true) = (splits, kvh_grid, parts_ok) else {
-        return Err(Error::InvalidArgument(format!(
-            "attention: grid of {} splits x {kv_heads} kv heads x {parts} query parts of {qpb} (group {group}, \
-             kernel g{})",
-            plan.splits, choice.variant
-        )));
-    };
-    Ok(LaunchConfig {
-        grid_dim: (splits, kvh_grid, parts as u32),
-        block_dim: (choice.threads, 1, 1),
-        shared_mem_bytes: smem as u32,
-    })
-}
-
 /// The one-row decode kernel over `plan.splits` splits (grid fixed), the split merge fused in. `step`: None
 /// (start_pos `sp`, chunk `plan.chunk`, and then `plan.splits` must be `ceil((sp + 1) / chunk)`) or the StepPos
 /// buffer (both read on the device). The partials and counters must fit `scratch` (checked by the callers).
@@ -1056,7 +1017,25 @@ fn launch_row(
     scratch: &mut AttnScratch,
 ) -> Result<()> {
     let AttentionShape { heads, kv_heads, head_dim } = shape;
-    let cfg = row_grid(shape, choice, plan, choice.smem)?;
+    let splits = u32::try_from(plan.splits).ok().filter(|&s| s <= 65535);
+    let kvh_grid = u32::try_from(kv_heads).ok().filter(|&k| k <= 65535);
+    // The kernel gives part z the query heads [z * qpb, min((z + 1) * qpb, group)), qpb = ceil(group / parts):
+    // qpb must fit its GB and no part be empty.
+    let (group, parts) = (heads / kv_heads, choice.qtiles);
+    let qpb = group.div_ceil(parts.max(1));
+    let parts_ok = parts == row_parts(group) && qpb <= choice.variant && (parts - 1) * qpb < group;
+    let (Some(splits), Some(kvh_grid), true) = (splits, kvh_grid, parts_ok) else {
+        return Err(Error::InvalidArgument(format!(
+            "attention: grid of {} splits x {kv_heads} kv heads x {parts} query parts of {qpb} (group {group}, \
+             kernel g{})",
+            plan.splits, choice.variant
+        )));
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (splits, kvh_grid, parts as u32),
+        block_dim: (choice.threads, 1, 1),
+        shared_mem_bytes: choice.smem as u32,
+    };
     let scale = 1.0f32 / (head_dim as f32).sqrt();
     let (h, kvh, chunk) = (i32_arg("heads", heads)?, i32_arg("kv_heads", kv_heads)?, i32_arg("chunk", plan.chunk)?);
     let AttnScratch { part_acc, part_ml, counters } = scratch;
@@ -1124,17 +1103,6 @@ pub struct StepPlan {
     shape: AttentionShape,
     rows: usize,
     dtype: KvDtype,
-    /// The one-row kernel with the preparation fused in (attn_row_prep_*) fits this device (its shared-memory
-    /// attribute set): `attention_row_fused_at` takes this plan.
-    prep: bool,
-}
-
-impl StepPlan {
-    /// Whether `attention_row_fused_at` takes this plan (one row through the one-row kernel, whose fused
-    /// variant fits the device): else the step runs `qkv_prepare_at` + `attention_at`.
-    pub fn fuses_prep(&self) -> bool {
-        self.prep
-    }
 }
 
 /// The plan for `rows` query rows (1 for decode) of `shape` over a cache of `kv_dtype` on this device: the kernel
@@ -1161,14 +1129,7 @@ pub fn step_plan(gpu: &Gpu, shape: AttentionShape, rows: usize, kv_dtype: KvDtyp
     let f = gpu.function(&choice.name(head_dim, kv_dtype))?;
     set_smem(&f, choice.smem)?;
     gpu.function("attn_combine")?;
-    let prep = choice.kernel == AttnKernel::Row && {
-        let bytes = row_prep_smem_bytes(head_dim, kv_dtype, choice.variant);
-        bytes <= smem_optin(gpu)? && {
-            set_smem(&gpu.function(&row_prep_name(&choice, head_dim, kv_dtype))?, bytes)?;
-            true
-        }
-    };
-    Ok(StepPlan { splits, tile: choice.tile, choice, shape, rows, dtype: kv_dtype, prep })
+    Ok(StepPlan { splits, tile: choice.tile, choice, shape, rows, dtype: kv_dtype })
 }
 
 /// The chunk (keys per split, a multiple of `plan.tile`) for keys `0..kend` (`kend = start_pos + rows`) with
@@ -1241,196 +1202,6 @@ pub fn attention_at(
     launch_attention(gpu, &f, q, kv, shape, rows, out, &plan.choice, split_plan, 0, Some(&pos.buf), scratch)
 }
 
-// ------------------------------------------------------------------------
-// One decode row: the preparation and the attention in one launch.
-
-/// Whether `attention_row_fused` takes one row of `shape` over a cache of `dtype` on this device: the kernel
-/// `AttnKernel::Auto` picks for one row is the one-row kernel (at most ROW_MAX_GROUP query heads per kv head)
-/// and its fused variant fits the device's shared memory. Else run `qkv_prepare` + `attention_with_scratch`.
-pub fn row_fusable(gpu: &Gpu, shape: AttentionShape, dtype: KvDtype) -> Result<bool> {
-    let AttentionShape { heads, kv_heads, head_dim } = shape;
-    if kv_heads == 0 || heads == 0 || heads % kv_heads != 0 || !HEAD_DIMS.contains(&head_dim) {
-        return Ok(false);
-    }
-    let choice = choose_kernel(gpu, shape, 1, dtype, AttnConfig::default())?;
-    Ok(choice.kernel == AttnKernel::Row && row_prep_smem_bytes(head_dim, dtype, choice.variant) <= smem_optin(gpu)?)
-}
-
-/// `qkv_prepare` (one row) then `attention_with_scratch` (Auto: the one-row kernel) in ONE launch
-/// (attn_row_prep_*): from the projection row `qkv` (`[q' | k | v]`, as `qkv_prepare` reads it), K and V of
-/// position `start_pos` appended to `kv` (the same bytes and scales as `qkv_prepare`), the gate halves written to
-/// `gate` (gated only, else None), and `out[0..heads * head_dim]` = attention of the normed, rotated query over
-/// positions `0..=start_pos`: the same bits as the two calls. The normed queries (`qkv_prepare`'s `qn`) are not
-/// written. Refused (InvalidArgument) when `row_fusable` is false for this shape. `scratch` grows if needed
-/// (`AttnScratch::new(gpu, shape, 1)` never does). `p.heads` must be `shape.heads`.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_row_fused(
-    gpu: &Gpu,
-    p: &QkvPrep,
-    qkv: &CudaSlice<f32>,
-    kv: &mut DeviceKv,
-    shape: AttentionShape,
-    start_pos: usize,
-    out: &mut CudaSlice<f32>,
-    gate: Option<&mut CudaSlice<f32>>,
-    scratch: &mut AttnScratch,
-) -> Result<()> {
-    check_row_fused("attention_row_fused", p, qkv, kv, shape, out, gate.as_deref())?;
-    if start_pos >= kv.capacity {
-        return Err(Error::InvalidArgument(format!(
-            "attention_row_fused: position {start_pos} past the capacity {}",
-            kv.capacity
-        )));
-    }
-    let sp = i32_arg("start_pos", start_pos)?;
-    let choice = choose_kernel(gpu, shape, 1, kv.dtype, AttnConfig::default())?;
-    let smem = row_prep_smem_bytes(shape.head_dim, kv.dtype, choice.variant);
-    if choice.kernel != AttnKernel::Row || smem > smem_optin(gpu)? {
-        return Err(Error::InvalidArgument(format!(
-            "attention_row_fused: shape {shape:?} over a {:?} cache does not run the one-row kernel with the \
-             preparation fused in (row_fusable is false)",
-            kv.dtype
-        )));
-    }
-    let f = gpu.function(&row_prep_name(&choice, shape.head_dim, kv.dtype))?;
-    set_smem(&f, smem)?;
-    let plan = plan_row_splits(start_pos + 1, shape.kv_heads, choice.qtiles, gpu.sm_count() as usize);
-    let prow = row_partial_rows(plan.splits) * shape.heads;
-    scratch.reserve(gpu, prow * shape.head_dim, prow * 2, row_counters(shape.kv_heads, choice.qtiles, plan.splits))?;
-    let cfg = row_grid(shape, &choice, plan, smem)?;
-    launch_row_prep(gpu, &f, cfg, p, qkv, kv, shape, out, gate, plan.chunk, sp, None, scratch)
-}
-
-/// `attention_row_fused` with start_pos = `pos.buf[0]` and chunk = `pos.buf[1]` read on the device
-/// (`StepPos::set` with `step_chunk(plan, start_pos + 1)` first) over `plan.splits` splits (grid fixed): the same
-/// bits as `qkv_prepare_at` + `attention_at` with this plan and position (and as `attention_row_fused` at that
-/// start_pos). `plan` from `step_plan(gpu, shape, 1, kv.dtype)` with `plan.fuses_prep()`. Position start_pos must
-/// lie within the cache (the caller's duty). Checks only the shapes and buffer sizes: no allocation,
-/// synchronization or host copy (capturable).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_row_fused_at(
-    gpu: &Gpu,
-    p: &QkvPrep,
-    qkv: &CudaSlice<f32>,
-    kv: &mut DeviceKv,
-    shape: AttentionShape,
-    out: &mut CudaSlice<f32>,
-    gate: Option<&mut CudaSlice<f32>>,
-    plan: &StepPlan,
-    pos: &StepPos,
-    scratch: &mut AttnScratch,
-) -> Result<()> {
-    check_row_fused("attention_row_fused_at", p, qkv, kv, shape, out, gate.as_deref())?;
-    if !plan.prep
-        || plan.choice.kernel != AttnKernel::Row
-        || shape != plan.shape
-        || plan.rows != 1
-        || kv.dtype != plan.dtype
-        || pos.buf.len() < 2
-        || !scratch.fits_row(shape, plan.choice.qtiles, plan.splits)
-    {
-        return Err(Error::InvalidArgument(format!(
-            "attention_row_fused_at: shape {shape:?} over a {:?} cache with plan {plan:?} (fuses_prep {}), a step \
-             buffer of {} ints, scratch {}/{} floats",
-            kv.dtype,
-            plan.prep,
-            pos.buf.len(),
-            scratch.part_acc.len(),
-            scratch.part_ml.len()
-        )));
-    }
-    let f = gpu.function(&row_prep_name(&plan.choice, shape.head_dim, kv.dtype))?;
-    let split_plan = SplitPlan { splits: plan.splits, chunk: plan.tile };
-    let smem = row_prep_smem_bytes(shape.head_dim, kv.dtype, plan.choice.variant);
-    let cfg = row_grid(shape, &plan.choice, split_plan, smem)?;
-    launch_row_prep(gpu, &f, cfg, p, qkv, kv, shape, out, gate, plan.tile, 0, Some(&pos.buf), scratch)
-}
-
-/// The checks of `attention_row_fused(_at)` common to both: `qkv_prepare`'s for one row (no qn), the shape
-/// against the preparation and the cache, and `out`.
-fn check_row_fused(
-    what: &str,
-    p: &QkvPrep,
-    qkv: &CudaSlice<f32>,
-    kv: &DeviceKv,
-    shape: AttentionShape,
-    out: &CudaSlice<f32>,
-    gate: Option<&CudaSlice<f32>>,
-) -> Result<()> {
-    let AttentionShape { heads, kv_heads, head_dim } = shape;
-    if p.heads != heads
-        || kv_heads != kv.kv_heads
-        || head_dim != kv.head_dim
-        || kv_heads == 0
-        || heads % kv_heads != 0
-        || heads / kv_heads > ROW_MAX_GROUP
-        || out.len() < heads * head_dim
-    {
-        return Err(Error::InvalidArgument(format!(
-            "{what}: shape {shape:?}, {} prepared heads, a cache of {} kv heads of {}, out of {} values",
-            p.heads,
-            kv.kv_heads,
-            kv.head_dim,
-            out.len()
-        )));
-    }
-    check_qkv_prep(what, p, qkv, 1, kv, None, gate)
-}
-
-/// attn_row_prep_hd{HD}_{tag}_g{GB} over the grid `cfg` (from row_grid); `step`: None (start_pos `sp`, `chunk`)
-/// or the StepPos buffer. Everything checked by the callers.
-#[allow(clippy::too_many_arguments)]
-fn launch_row_prep(
-    gpu: &Gpu,
-    f: &CudaFunction,
-    cfg: LaunchConfig,
-    p: &QkvPrep,
-    qkv: &CudaSlice<f32>,
-    kv: &mut DeviceKv,
-    shape: AttentionShape,
-    out: &mut CudaSlice<f32>,
-    gate: Option<&mut CudaSlice<f32>>,
-    chunk: usize,
-    sp: i32,
-    step: Option<&CudaSlice<i32>>,
-    scratch: &mut AttnScratch,
-) -> Result<()> {
-    let AttentionShape { heads, kv_heads, head_dim } = shape;
-    let scale = 1.0f32 / (head_dim as f32).sqrt();
-    let (h, kvh, chunk) = (i32_arg("heads", heads)?, i32_arg("kv_heads", kv_heads)?, i32_arg("chunk", chunk)?);
-    let (half, gated) = ((p.rope.rotary_dim / 2) as i32, p.gated as i32);
-    let AttnScratch { part_acc, part_ml, counters } = scratch;
-    let mut a = KernelArgs::new();
-    a.buf(gpu, qkv).buf(gpu, p.q_norm).buf(gpu, p.k_norm).val(p.eps).buf(gpu, &p.rope.inv_freq).val(half);
-    a.val(p.rope.attention_factor);
-    match gate {
-        Some(g) => a.buf_mut(gpu, g),
-        None => a.null(),
-    };
-    a.val(gated);
-    a.buf_mut(gpu, &mut kv.k).buf_mut(gpu, &mut kv.v).buf_mut(gpu, &mut kv.k_scale).buf_mut(gpu, &mut kv.v_scale);
-    a.buf_mut(gpu, out).buf_mut(gpu, part_acc).buf_mut(gpu, part_ml).buf_mut(gpu, counters);
-    a.val(h).val(kvh).val(sp).val(chunk).val(scale);
-    match step {
-        Some(s) => a.buf(gpu, s),
-        None => a.null(),
-    };
-    // SAFETY: attn_row_prep_hd{HD}_{tag}_g{GB}(const float* qkv, const float* q_norm, const float* k_norm, float
-    // eps, const float* inv_freq, int half, float attention_factor, float* gate, int gated, KV* kc, KV* vc, float*
-    // ks, float* vs, float* out, float* part_acc, float* part_ml, u32* counters, int heads, int kv_heads, int
-    // start_pos, int chunk, float scale, const int* step): reads one qkv row of W floats (q'dim + 2 * kv_dim,
-    // checked by check_qkv_prep), head_dim of each norm, half (<= head_dim / 2) frequencies; writes the gate's
-    // heads*head_dim values (gated, else null and untouched; checked), the cache's position start_pos (< capacity:
-    // checked by attention_row_fused, kept by attention_row_fused_at's caller) of every kv head (the scales for
-    // int8) and reads positions 0..start_pos; writes out[0..heads*HD] (checked) and, with more than one split,
-    // the part_acc/part_ml rows and counters attn_row_* uses (held by the scratch: reserved or checked); grid
-    // from row_grid (parts fit GB, none empty); dynamic shared memory AttnRowShape::kPrepBytes
-    // (row_prep_smem_bytes, attribute set by attention_row_fused / step_plan); step null or a StepPos's 2 ints.
-    // The kernel waits for its predecessor (strata_pdl_wait) before touching memory.
-    unsafe { gpu.launch(f, cfg, &mut a) }?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1487,7 +1258,6 @@ mod tests {
                         shape: AttentionShape { heads: kv_heads, kv_heads, head_dim: 64 },
                         rows: 1,
                         dtype: KvDtype::Int8,
-                        prep: false,
                     };
                     for kend in (1usize..=700).chain([4095, 4096, 4097, 40000, 40001, 262144]) {
                         let p = plan_splits(kend, kv_heads, sms, tile);
@@ -1524,7 +1294,6 @@ mod tests {
                     shape: AttentionShape { heads: 4 * parts * kv_heads, kv_heads, head_dim: 128 },
                     rows: 1,
                     dtype: KvDtype::Int8,
-                    prep: false,
                 };
                 for kend in (1usize..=3000).chain([4128, 8195, 40001, 262144]) {
                     let p = plan_row_splits(kend, kv_heads, parts, sms);
@@ -1547,11 +1316,9 @@ mod tests {
         for hd in HEAD_DIMS {
             for dtype in [KvDtype::Int8, KvDtype::Bf16] {
                 for gb in [1usize, 2, 4] {
-                    // (the fused variant too: it adds the new position's rows)
-                    for bytes in [row_smem_bytes(hd, dtype, gb), row_prep_smem_bytes(hd, dtype, gb)] {
-                        assert!(bytes <= 64 * 1024, "head_dim {hd} {dtype:?} group {gb}: {bytes} bytes");
-                        assert!(ROW_BLOCKS_PER_SM * (bytes + 1024) <= 164 * 1024, "head_dim {hd} {dtype:?} group {gb}");
-                    }
+                    let bytes = row_smem_bytes(hd, dtype, gb);
+                    assert!(bytes <= 64 * 1024, "head_dim {hd} {dtype:?} group {gb}: {bytes} bytes");
+                    assert!(ROW_BLOCKS_PER_SM * (bytes + 1024) <= 164 * 1024, "head_dim {hd} {dtype:?} group {gb}");
                 }
             }
         }
