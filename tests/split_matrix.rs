@@ -1,6 +1,7 @@
 //! The path-equivalence matrix on CPU devices (architecture invariant 1):
 //! {one device; a layer split at every possible layer; those splits with
-//! prefill help forced on; three stages} x {qwen3_moe, qwen3_next} x
+//! prefill help forced on; three stages; a split, with and without help,
+//! while experts stream through the expert cache's ring} x {qwen3_moe, qwen3_next} x
 //! {prefill lengths, a 1024..3276-token turn after a reused prefix} x
 //! {chunk sizes}. Tiny synthetic NVFP4 packs whose global scales are far
 //! from 1 (`pack::synth`), so a dropped scale cannot hide. On the CPU every
@@ -11,6 +12,7 @@
 use std::path::Path;
 
 use strata::engine::{Engine, EngineOptions, Help};
+use strata::experts::ExpertCacheOptions;
 use strata::model::Arch;
 use strata::pack::synth::{self, SynthOptions};
 use strata::sampling::Sampler;
@@ -28,23 +30,29 @@ fn synth_pack(dir: &Path, arch: Arch) -> usize {
     c.num_hidden_layers
 }
 
-/// A path of the matrix: devices, split points, help.
+/// A path of the matrix: devices, split points, help, and whether experts
+/// go through the expert cache (top_k slots, every miss streamed through a
+/// ring of two).
 #[derive(Clone, Debug)]
 struct ExecPath {
     devices: usize,
     split: Option<Vec<usize>>,
     help: Help,
+    cache: bool,
 }
 
 fn paths(layers: usize) -> Vec<ExecPath> {
-    let mut p = vec![ExecPath { devices: 1, split: None, help: Help::Off }];
+    let path = |devices, split: Option<Vec<usize>>, help, cache| ExecPath { devices, split, help, cache };
+    let mut p = vec![path(1, None, Help::Off, false)];
     for at in 1..layers {
-        p.push(ExecPath { devices: 2, split: Some(vec![at]), help: Help::Off });
-        p.push(ExecPath { devices: 2, split: Some(vec![at]), help: Help::On });
+        p.push(path(2, Some(vec![at]), Help::Off, false));
+        p.push(path(2, Some(vec![at]), Help::On, false));
     }
     if layers >= 3 {
-        p.push(ExecPath { devices: 3, split: None, help: Help::On });
+        p.push(path(3, None, Help::On, false));
     }
+    p.push(path(2, Some(vec![layers / 2]), Help::Off, true));
+    p.push(path(2, Some(vec![layers / 2]), Help::On, true));
     p
 }
 
@@ -54,6 +62,12 @@ fn engine(dir: &Path, path: &ExecPath) -> Engine {
         layer_split: path.split.clone(),
         prefill_help: path.help,
         threads: Some(2),
+        expert_cache: if path.cache {
+            let top_k = strata::pack::Pack::open(dir).unwrap().config().num_experts_per_tok;
+            ExpertCacheOptions { slots: Some(top_k), ring_slots: 2, ring_threshold: 0.0, ..Default::default() }
+        } else {
+            ExpertCacheOptions::default()
+        },
         ..Default::default()
     };
     Engine::load(dir, &opts).unwrap()
@@ -132,6 +146,8 @@ fn matrix(arch: Arch) {
         assert!(stats.handoffs > 0 && stats.handoff_bytes > 0, "{path:?}: {stats:?}");
         assert_eq!(stats.helped_layers > 0, path.help == Help::On, "{path:?}: {stats:?}");
         assert_eq!(stats.helper_rows > 0, path.help == Help::On, "{path:?}: {stats:?}");
+        let cache = e.expert_stats();
+        assert_eq!(cache.is_some_and(|c| c.streamed > 0), path.cache, "{path:?}: {cache:?}");
     }
     assert!(engines[0].split_stats().is_none());
 }
@@ -154,8 +170,9 @@ fn field_report_multi_turn_on_a_split_with_help() {
     for arch in [Arch::Qwen3Moe, Arch::Qwen3Next] {
         let dir = tempfile::tempdir().unwrap();
         let layers = synth_pack(dir.path(), arch);
-        let one = engine(dir.path(), &ExecPath { devices: 1, split: None, help: Help::Off });
-        let split = engine(dir.path(), &ExecPath { devices: 2, split: Some(vec![layers / 2]), help: Help::On });
+        let one = engine(dir.path(), &ExecPath { devices: 1, split: None, help: Help::Off, cache: false });
+        let split =
+            engine(dir.path(), &ExecPath { devices: 2, split: Some(vec![layers / 2]), help: Help::On, cache: false });
         let turns = [1024, 1500, 1200];
         let reference = conversation(&one, 0, &turns);
         check_trace(&conversation(&split, 0, &turns), &reference, &format!("{arch:?} field report"));

@@ -684,11 +684,6 @@ impl Engine {
         let devices = Device::parse_list(&opts.devices)?;
         let device = devices[0];
         let ranges = stage_layers(c.num_hidden_layers, devices.len(), opts.layer_split.as_deref())?;
-        if ranges.len() > 1 && opts.expert_cache.enabled() {
-            return Err(Error::Unsupported(
-                "the expert cache with a layer split (a cache per stage is not built yet)".into(),
-            ));
-        }
         let experts = match device {
             Device::Cpu => CpuExpertCache::load(&pack, &opts.expert_cache)?.map(parking_lot::Mutex::new),
             Device::Cuda(_) => None, // the GPU model holds its own
@@ -1056,20 +1051,23 @@ impl Engine {
         let moe =
             MoeLayer { layer, router: &lw.router, top_k: c.num_experts_per_tok, norm_topk_prob: c.norm_topk_prob };
         let mut out = vec![0.0f32; x.len()];
-        match (&self.inner.experts, helper) {
-            (Some(cache), _) => cache.lock().moe_forward(b, &self.inner.pack, &moe, &h, &mut out)?,
+        let helper_rows = match (&self.inner.experts, helper) {
+            (Some(cache), helper) => cache.lock().moe_forward(b, helper, &self.inner.pack, &moe, &h, &mut out)?.1,
             (None, Some((helper, share))) => {
                 let mut help = moe::HelpedCompute::new(&self.inner.pack, helper, share);
-                let routing = moe::forward_with(b, &mut help, &moe, &h, &mut out)?;
-                if let Some(split) = &self.inner.split {
-                    let mut s = split.lock();
-                    s.helped_layers += 1;
-                    s.helper_rows += help.helper_rows() as u64;
-                }
-                routing
+                moe::forward_with(b, &mut help, &moe, &h, &mut out)?;
+                help.helper_rows()
             }
-            (None, None) => moe::forward(b, &self.inner.pack, &moe, &h, &mut out)?,
+            (None, None) => {
+                moe::forward(b, &self.inner.pack, &moe, &h, &mut out)?;
+                0
+            }
         };
+        if let (Some(split), Some(_)) = (&self.inner.split, helper) {
+            let mut s = split.lock();
+            s.helped_layers += 1;
+            s.helper_rows += helper_rows as u64;
+        }
         if let Some(shared) = &lw.shared {
             self.shared_expert(b, shared, &h, &mut out)?;
         }
@@ -1303,7 +1301,7 @@ mod tests {
     }
 
     #[test]
-    fn a_split_refuses_cuda_stages_and_the_expert_cache() {
+    fn a_split_refuses_cuda_stages_and_bad_split_points() {
         let two = |a: &str, b: &str| vec![a.to_string(), b.to_string()];
         assert_eq!(Device::parse_list(&two("cpu", "cpu")).unwrap(), vec![Device::Cpu, Device::Cpu]);
         for list in [two("cpu", "cuda"), two("cuda:0", "cuda:1")] {
@@ -1313,12 +1311,6 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         write_tiny_pack(dir.path(), &tiny_config(), &TinyPack::default()).unwrap();
         let split = EngineOptions { devices: two("cpu", "cpu"), ..Default::default() };
-        let cached = EngineOptions {
-            expert_cache: ExpertCacheOptions { slots: Some(4), ..Default::default() },
-            ..split.clone()
-        };
-        let err = Engine::load(dir.path(), &cached).err().unwrap();
-        assert!(matches!(err, Error::Unsupported(ref m) if m.contains("expert cache")), "{err}");
         let bad = EngineOptions { layer_split: Some(vec![2]), ..split.clone() };
         assert!(matches!(Engine::load(dir.path(), &bad), Err(Error::InvalidArgument(_))));
         let one = EngineOptions { layer_split: Some(vec![1]), ..Default::default() };

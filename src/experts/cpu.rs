@@ -89,15 +89,22 @@ impl CpuExpertCache {
     }
 
     /// `moe::forward` with the experts placed by the planner (`CacheCompute`).
+    /// With a `helper` (another backend and the share of rows it takes),
+    /// each wave's groups are cut as `moe::help_cut` cuts them and the two
+    /// parts computed at the same time (prefill help while experts stream).
+    /// Returns the routing and the rows the helper computed.
     pub fn moe_forward(
         &mut self,
         backend: &dyn Backend,
+        helper: Option<(&dyn Backend, f64)>,
         pack: &Pack,
         layer: &MoeLayer<'_>,
         h: &[f32],
         out: &mut [f32],
-    ) -> Result<Routing> {
-        moe::forward_with(backend, &mut CacheCompute { cache: self, pack }, layer, h, out)
+    ) -> Result<(Routing, usize)> {
+        let mut compute = CacheCompute { cache: self, pack, helper, helper_rows: 0 };
+        let routing = moe::forward_with(backend, &mut compute, layer, h, out)?;
+        Ok((routing, compute.helper_rows))
     }
 
     pub fn stats(&self) -> ExpertStats {
@@ -110,7 +117,8 @@ impl CpuExpertCache {
 }
 
 /// The expert step of `moe::forward_with` through the cache: plans the
-/// step, copies its misses into slots, then computes the groups in waves,
+/// step, copies its misses into slots, then computes the groups in waves
+/// (each shared with the helper, when there is one),
 /// each holding at most `ring_slots` streamed experts (copied into the ring
 /// before the wave computes). Without streamed experts that is one wave, the
 /// pipeline's single `expert_ffn`; the backend computes each row on its own,
@@ -118,6 +126,8 @@ impl CpuExpertCache {
 struct CacheCompute<'a> {
     cache: &'a mut CpuExpertCache,
     pack: &'a Pack,
+    helper: Option<(&'a dyn Backend, f64)>,
+    helper_rows: usize,
 }
 
 impl ExpertCompute for CacheCompute<'_> {
@@ -182,7 +192,23 @@ impl ExpertCompute for CacheCompute<'_> {
                 .collect::<Result<Vec<_>>>()?;
             let rows: usize = work.iter().map(|w| w.rows).sum();
             let span = row * hidden..(row + rows) * hidden;
-            backend.expert_ffn(&work, &x[span.clone()], &mut y[span]);
+            let (xs, ys) = (&x[span.clone()], &mut y[span]);
+            match self.helper {
+                None => backend.expert_ffn(&work, xs, ys),
+                Some((helper, share)) => {
+                    let cut = moe::help_cut(&groups[g..end], share);
+                    let own: usize = work[..cut].iter().map(|w| w.rows).sum();
+                    let (x_own, x_helped) = xs.split_at(own * hidden);
+                    let (y_own, y_helped) = ys.split_at_mut(own * hidden);
+                    let (mine, theirs) = work.split_at(cut);
+                    std::thread::scope(|scope| {
+                        let h = scope.spawn(|| helper.expert_ffn(theirs, x_helped, y_helped));
+                        backend.expert_ffn(mine, x_own, y_own);
+                        h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                    });
+                    self.helper_rows += rows - own;
+                }
+            }
             (g, row) = (end, row + rows);
         }
         cache.planner.record_wait(wait.as_nanos() as u64);
