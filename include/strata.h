@@ -119,6 +119,25 @@ typedef enum strata_gpu_precision {
 } strata_gpu_precision;
 
 /*
+ When an idle stage of a layer split helps the active one with its
+ expert rows (docs/layer-split.md).
+ */
+typedef enum strata_prefill_help {
+  /*
+   On forwards of a prefill chunk's size (not decode steps).
+   */
+  STRATA_PREFILL_HELP_AUTO = 0,
+  /*
+   On every forward of a split engine.
+   */
+  STRATA_PREFILL_HELP_ON = 1,
+  /*
+   Never.
+   */
+  STRATA_PREFILL_HELP_OFF = 2,
+} strata_prefill_help;
+
+/*
  KV cache element type.
  */
 typedef enum strata_kv_type {
@@ -232,6 +251,22 @@ typedef struct strata_engine_params {
    (prefill); default `STRATA_GPU_PRECISION_ACCURATE`. Ignored on cpu.
    */
   strata_gpu_precision gpu_precision;
+  /*
+   With several devices (CPU devices for now): the first layer of each
+   stage after the first, ascending, `n_devices - 1` entries
+   (`n_layer_split` of them); NULL (default) = layers split evenly.
+   Read during the call only.
+   */
+  const uint32_t *layer_split;
+  /*
+   Entries of `layer_split`. Default 0.
+   */
+  uint32_t n_layer_split;
+  /*
+   Prefill help on a split (an idle stage takes a share of the active
+   stage's expert rows); default `STRATA_PREFILL_HELP_AUTO`.
+   */
+  strata_prefill_help prefill_help;
 } strata_engine_params;
 
 /*

@@ -35,7 +35,7 @@ def main(argv):
             lines.append(f'  printf("{cname} {field} %zu\\n", offsetof({cname}, {field}));')
             want.append(f"{cname} {field} {getattr(py, field).offset}")
     # Enums are passed as C int.
-    for enum in ("strata_status", "strata_log_level", "strata_kv_type", "strata_gpu_precision"):
+    for enum in ("strata_status", "strata_log_level", "strata_kv_type", "strata_gpu_precision", "strata_prefill_help"):
         lines.append(f'  printf("{enum} sizeof %zu\\n", sizeof({enum}));')
         want.append(f"{enum} sizeof {ctypes.sizeof(ctypes.c_int)}")
     lines += ["  return 0;", "}"]

@@ -134,6 +134,9 @@ class EngineParams(_Sized):
         ("progress", _progress_fn),
         ("progress_user_data", c_void_p),
         ("gpu_precision", c_int),
+        ("layer_split", POINTER(c_uint32)),
+        ("n_layer_split", c_uint32),
+        ("prefill_help", c_int),
     ]
 
 
@@ -338,8 +341,13 @@ class Engine:
         n_threads: int = 0,
         verify_checksums: bool = False,
         progress=None,
+        layer_split: Optional[Sequence[int]] = None,
+        prefill_help: str = "auto",
     ):
-        """progress(fraction) -> bool: return False to cancel the load."""
+        """progress(fraction) -> bool: return False to cancel the load.
+        With several devices: layer_split, the first layer of each stage
+        after the first (default: even), and prefill_help "auto", "on" or
+        "off"."""
         self._ptr = None
         params = EngineParams()
         _check("strata_engine_default_params", _lib.strata_engine_default_params(byref(params), sizeof(params)))
@@ -348,6 +356,14 @@ class Engine:
         if devices is not None:
             arr = (c_char_p * (len(devices) + 1))(*[d.encode() for d in devices], None)
             params.devices = ctypes.cast(arr, POINTER(c_char_p))
+        if layer_split is not None:
+            self._split = (c_uint32 * len(layer_split))(*layer_split)  # read during the load only
+            params.layer_split = ctypes.cast(self._split, POINTER(c_uint32))
+            params.n_layer_split = len(layer_split)
+        helps = {"auto": 0, "on": 1, "off": 2}
+        if prefill_help not in helps:
+            raise ValueError(f"prefill_help {prefill_help!r}: one of auto, on, off")
+        params.prefill_help = helps[prefill_help]
         if progress is not None:
             def progress_py(_user, fraction):
                 try:

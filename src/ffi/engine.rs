@@ -9,7 +9,7 @@ use super::args;
 use super::log::{log, strata_log_level};
 use super::params::{self, field, Field, Kind, Versioned};
 use super::status::{run, strata_status, FfiError};
-use crate::engine::{Engine, EngineOptions, GpuPrecision};
+use crate::engine::{Engine, EngineOptions, GpuPrecision, Help};
 use crate::experts::ExpertCacheOptions;
 use crate::tokenizer::Tokenizer;
 use crate::Error;
@@ -77,6 +77,30 @@ pub struct strata_engine_params {
     /// How a CUDA device rounds activations in its tensor-core products
     /// (prefill); default `STRATA_GPU_PRECISION_ACCURATE`. Ignored on cpu.
     pub gpu_precision: strata_gpu_precision,
+    /// With several devices (CPU devices for now): the first layer of each
+    /// stage after the first, ascending, `n_devices - 1` entries
+    /// (`n_layer_split` of them); NULL (default) = layers split evenly.
+    /// Read during the call only.
+    pub layer_split: *const u32,
+    /// Entries of `layer_split`. Default 0.
+    pub n_layer_split: u32,
+    /// Prefill help on a split (an idle stage takes a share of the active
+    /// stage's expert rows); default `STRATA_PREFILL_HELP_AUTO`.
+    pub prefill_help: strata_prefill_help,
+}
+
+/// When an idle stage of a layer split helps the active one with its
+/// expert rows (docs/layer-split.md).
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum strata_prefill_help {
+    /// On forwards of a prefill chunk's size (not decode steps).
+    STRATA_PREFILL_HELP_AUTO = 0,
+    /// On every forward of a split engine.
+    STRATA_PREFILL_HELP_ON = 1,
+    /// Never.
+    STRATA_PREFILL_HELP_OFF = 2,
 }
 
 /// Activation precision of the GPU's tensor-core products (the
@@ -105,6 +129,9 @@ unsafe impl Versioned for strata_engine_params {
             progress: None,
             progress_user_data: std::ptr::null_mut(),
             gpu_precision: strata_gpu_precision::STRATA_GPU_PRECISION_ACCURATE,
+            layer_split: std::ptr::null(),
+            n_layer_split: 0,
+            prefill_help: strata_prefill_help::STRATA_PREFILL_HELP_AUTO,
         }
     }
     fn fields() -> Vec<Field> {
@@ -118,6 +145,9 @@ unsafe impl Versioned for strata_engine_params {
             field!(T, progress, Kind::Plain),
             field!(T, progress_user_data, Kind::Plain),
             field!(T, gpu_precision, Kind::Enum { max: strata_gpu_precision::STRATA_GPU_PRECISION_FAST as u32 }),
+            field!(T, layer_split, Kind::Plain),
+            field!(T, n_layer_split, Kind::Plain),
+            field!(T, prefill_help, Kind::Enum { max: strata_prefill_help::STRATA_PREFILL_HELP_OFF as u32 }),
         ]
     }
 }
@@ -240,12 +270,15 @@ pub unsafe extern "C" fn strata_engine_load(
         let path = args::c_str(pack_path, "pack_path")?;
         let p = params::read(params)?;
         let devices = read_devices(p.devices)?;
-        if devices.len() > 1 {
-            // The layer split (docs/layer-split.md) has no C fields yet.
-            return Err(FfiError::invalid(format!(
-                "devices {devices:?}: one device per engine through the C API (layer split is not exposed yet)"
-            )));
-        }
+        let layer_split = match (p.layer_split.is_null(), p.n_layer_split) {
+            (_, 0) => None,
+            (true, n) => return Err(FfiError::invalid(format!("layer_split is NULL with n_layer_split {n}"))),
+            (false, n) if n as usize > MAX_DEVICES => {
+                return Err(FfiError::invalid(format!("n_layer_split {n} is more than {MAX_DEVICES}")))
+            }
+            // SAFETY: the caller vouches for n_layer_split readable entries (bounded above).
+            (false, n) => Some(unsafe { std::slice::from_raw_parts(p.layer_split, n as usize) }),
+        };
         if p.n_threads > MAX_THREADS {
             return Err(FfiError::invalid(format!("n_threads {} is more than {MAX_THREADS}", p.n_threads)));
         }
@@ -266,8 +299,12 @@ pub unsafe extern "C" fn strata_engine_load(
                     ..Default::default()
                 }
             },
-            // One device: no layer split, so no split or help options.
-            ..Default::default()
+            layer_split: layer_split.map(|s| s.iter().map(|&l| l as usize).collect()),
+            prefill_help: match p.prefill_help {
+                strata_prefill_help::STRATA_PREFILL_HELP_AUTO => Help::Auto,
+                strata_prefill_help::STRATA_PREFILL_HELP_ON => Help::On,
+                strata_prefill_help::STRATA_PREFILL_HELP_OFF => Help::Off,
+            },
         };
         log(strata_log_level::STRATA_LOG_INFO, &format!("loading pack {path} ({opts:?})"));
         let start = Instant::now();
