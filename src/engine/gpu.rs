@@ -240,6 +240,18 @@ impl GpuModel {
         };
         let final_norm = upload_f32(&gpu, pack, model_tensor_name(Role::FinalNorm), h, zc)?;
         let rope = RopeTable::new(&gpu, rope)?;
+        if cached && moe::grouped_tensor_core_paths(&gpu, &layout) != (true, true) {
+            // Streamed waves limit the grouped kernels to a wave's experts
+            // through their row-tile offsets, which only the tensor-core
+            // kernels read.
+            return Err(Error::Unsupported(format!(
+                "the expert cache on the GPU needs the tensor-core grouped kernels: compute capability 8.0+ \
+                 (this device: {:?}) and hidden and moe_intermediate sizes multiples of 32 ({} and {})",
+                gpu.compute_capability(),
+                layout.hidden,
+                layout.intermediate
+            )));
+        }
         let experts_cache = GpuExpertCache::load(pack, &gpu, cache_opts)?.map(parking_lot::Mutex::new);
         gpu.sync()?;
         progress(total, total)?;
@@ -746,9 +758,10 @@ impl GpuModel {
         }
         let g = m.grouping.as_mut().expect("set above");
         moe::group_by_expert_into(gpu, &s.ids, t, k, g)?;
+        // (An id >= E marks a non-finite routing: no row of any wave; the
+        // kernels turn it into NaN for the guard.)
         let mut counts = vec![0usize; e];
-        ids.iter().for_each(|&i| counts[i as usize] += 1);
-        let all_tiles = std::mem::replace(&mut g.tile_offsets, gpu.alloc_zeros(e + 1)?);
+        ids.iter().filter(|&&i| (i as usize) < e).for_each(|&i| counts[i as usize] += 1);
         let waves = x.waves(plan);
         let ring_waves: Vec<Vec<usize>> =
             waves.ring.iter().map(|w| w.iter().map(|&n| plan.ring[n].expert).collect()).collect();
@@ -766,6 +779,7 @@ impl GpuModel {
                 let mine = experts.binary_search(&j).is_ok();
                 tiles[j + 1] = tiles[j] + if mine { counts[j].div_ceil(moe::TILE_M) as u32 } else { 0 };
             }
+            // The grouping's own tile offsets are rewritten by its next fill.
             gpu.stream().memcpy_htod(&tiles, &mut g.tile_offsets)?;
             moe::expert_gate_up_grouped_with(gpu, &s.h, g, x.table(l), layout, &mut m.act, p)?;
             moe::expert_down_grouped_with(gpu, &m.act, g, x.table(l), layout, y, p)?;
@@ -773,7 +787,6 @@ impl GpuModel {
                 x.wave_computed(rw)?;
             }
         }
-        g.tile_offsets = all_tiles;
         moe::moe_combine(gpu, y, g, &s.weights, layout.hidden as usize, &mut s.x, true)
     }
 }

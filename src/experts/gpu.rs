@@ -104,6 +104,8 @@ pub struct GpuExpertCache {
     /// Host time of a forward's MoE steps by phase (`TracePhase`), printed
     /// and reset at its end under `STRATA_TRACE_FORWARD=1`.
     trace: [std::time::Duration; 3],
+    /// Set by a failed copy: every later step fails with it.
+    poisoned: Option<String>,
 }
 
 /// The phases of a cached MoE step the trace times.
@@ -187,6 +189,7 @@ impl GpuExpertCache {
             mirror: Pinned::new(gpu, layers * experts * 8)?,
             ids: Pinned::new(gpu, c.num_experts_per_tok * 64 * 4)?,
             trace: Default::default(),
+            poisoned: None,
         };
         cache.apply(pack, &fills)?;
         gpu.sync()?;
@@ -244,10 +247,34 @@ impl GpuExpertCache {
         Ok(())
     }
 
+    /// The planner takes a planned copy as done: after a failed one, the
+    /// slots no longer hold what it believes, so the cache refuses every
+    /// later step (the engine must be reloaded).
+    fn poison_on(&mut self, r: Result<()>) -> Result<()> {
+        if let Err(e) = &r {
+            self.poisoned = Some(e.to_string());
+        }
+        r
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.poisoned {
+            Some(why) => {
+                Err(Error::Cuda(format!("the expert cache is unusable after a failed copy ({why}); reload the engine")))
+            }
+            None => Ok(()),
+        }
+    }
+
     /// Carries out copies planned off the critical path (initial placement,
     /// adaptive swaps): host fills, then slot fills; the compute stream
     /// waits for them before its next kernel.
     fn apply(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
+        let r = self.apply_fills(pack, fills);
+        self.poison_on(r)
+    }
+
+    fn apply_fills(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
         if !fills.host.is_empty() {
             // A host buffer may still be the source of a queued copy.
             self.copy.synchronize()?;
@@ -277,6 +304,7 @@ impl GpuExpertCache {
     /// A forward ended: queues the adaptive swaps it triggers (they complete
     /// before the next step's kernels, not before this returns).
     pub fn end_forward(&mut self, pack: &Pack, tokens: usize) -> Result<()> {
+        self.check_usable()?;
         if trace_on() {
             let [r, p, c] = self.trace.map(|d| d.as_secs_f64() * 1e3);
             eprintln!("strata: expert cache, forward of {tokens} rows: route+ids {r:.3} ms, plan+copies {p:.3} ms, queue experts {c:.3} ms");
@@ -316,13 +344,12 @@ impl GpuExpertCache {
     /// expert: a slot, or for a streamed one its ring slot (filled by
     /// `stream_wave`). Returns the plan.
     pub fn plan_step(&mut self, pack: &Pack, layer: usize, ids: &[u32]) -> Result<StepPlan> {
+        self.check_usable()?;
         let mut counts = vec![0usize; self.experts];
-        for &id in ids {
-            let e = id as usize;
-            if e >= self.experts {
-                return Err(Error::Cuda(format!("expert id {e} routed at layer {layer} (of {})", self.experts)));
-            }
-            counts[e] += 1;
+        // An id >= experts marks a non-finite routing: nothing to place; the
+        // kernels turn it into NaN, which the guard reports.
+        for &id in ids.iter().filter(|&&id| (id as usize) < self.experts) {
+            counts[id as usize] += 1;
         }
         let routed: Vec<(usize, usize)> =
             counts.iter().enumerate().filter(|c| *c.1 > 0).map(|(e, &n)| (e, n)).collect();
@@ -332,7 +359,8 @@ impl GpuExpertCache {
         let started = Instant::now();
         for f in &plan.fills {
             let dst = self.slot_addr(f.slot);
-            self.copy_in(pack, f.key, f.from, dst)?;
+            let copied = self.copy_in(pack, f.key, f.from, dst);
+            self.poison_on(copied)?;
         }
         for f in &plan.fills {
             self.planner.slot_fill_done(f.slot);
@@ -378,6 +406,11 @@ impl GpuExpertCache {
     /// them. Call in wave order, each before that wave's kernels, and
     /// `wave_computed(w)` after them.
     pub fn stream_wave(&mut self, pack: &Pack, plan: &StepPlan, waves: &Waves, w: usize) -> Result<()> {
+        let r = self.stream_wave_copies(pack, plan, waves, w);
+        self.poison_on(r)
+    }
+
+    fn stream_wave_copies(&mut self, pack: &Pack, plan: &StepPlan, waves: &Waves, w: usize) -> Result<()> {
         let started = Instant::now();
         let ring_slots = (self.ring.len() / self.stride.max(1)).max(1);
         if w >= 1 && ring_slots >= 2 {
