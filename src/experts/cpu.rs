@@ -196,17 +196,23 @@ impl ExpertCompute for CacheCompute<'_> {
             match self.helper {
                 None => backend.expert_ffn(&work, xs, ys),
                 Some((helper, share)) => {
-                    let cut = moe::help_cut(&groups[g..end], share);
-                    let own: usize = work[..cut].iter().map(|w| w.rows).sum();
-                    let (x_own, x_helped) = xs.split_at(own * hidden);
-                    let (y_own, y_helped) = ys.split_at_mut(own * hidden);
-                    let (mine, theirs) = work.split_at(cut);
-                    std::thread::scope(|scope| {
-                        let h = scope.spawn(|| helper.expert_ffn(theirs, x_helped, y_helped));
-                        backend.expert_ffn(mine, x_own, y_own);
-                        h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-                    });
-                    self.helper_rows += rows - own;
+                    // The wave's groups and its work are in the same order.
+                    let wave = &groups[g..end];
+                    let (work, n) = (&work, wave.len());
+                    self.helper_rows += moe::compute_helped(
+                        wave,
+                        share,
+                        xs,
+                        ys,
+                        |own, x, y| {
+                            backend.expert_ffn(&work[..own.len()], x, y);
+                            Ok(())
+                        },
+                        |helped, x, y| {
+                            helper.expert_ffn(&work[n - helped.len()..], x, y);
+                            Ok(())
+                        },
+                    )?;
                 }
             }
             (g, row) = (end, row + rows);

@@ -226,23 +226,44 @@ impl ExpertCompute for HelpedCompute<'_> {
         x: &[f32],
         y: &mut [f32],
     ) -> Result<()> {
-        let cut = help_cut(groups, self.share);
-        let (own, helped) = groups.split_at(cut);
-        let rows = |gs: &[ExpertGroup]| gs.iter().map(|g| g.tokens.len()).sum::<usize>();
-        let hidden = x.len().checked_div(rows(groups)).unwrap_or(0);
-        let (x_own, x_helped) = x.split_at(rows(own) * hidden);
-        let (y_own, y_helped) = y.split_at_mut(rows(own) * hidden);
         let (source, helper) = (self.source, self.helper);
-        let (mine, theirs) = std::thread::scope(|scope| {
-            let theirs = scope.spawn(|| SourceCompute(source).compute(helper, layer, helped, x_helped, y_helped));
-            let mine = SourceCompute(source).compute(backend, layer, own, x_own, y_own);
-            (mine, theirs.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
-        });
-        mine?;
-        theirs?;
-        self.helper_rows += rows(helped);
+        self.helper_rows += compute_helped(
+            groups,
+            self.share,
+            x,
+            y,
+            |own, x, y| SourceCompute(source).compute(backend, layer, own, x, y),
+            |helped, x, y| SourceCompute(source).compute(helper, layer, helped, x, y),
+        )?;
         Ok(())
     }
+}
+
+/// Prefill help's split, for every `ExpertCompute` that helps: `groups`
+/// (their rows of `x` and `y` in group order) are cut at `help_cut`, and
+/// `mine` computes the first part while `theirs` (on another thread: the
+/// helper) computes the rest. Returns the helper's rows.
+pub fn compute_helped<'g>(
+    groups: &'g [ExpertGroup],
+    share: f64,
+    x: &[f32],
+    y: &mut [f32],
+    mine: impl FnOnce(&'g [ExpertGroup], &[f32], &mut [f32]) -> Result<()>,
+    theirs: impl FnOnce(&'g [ExpertGroup], &[f32], &mut [f32]) -> Result<()> + Send,
+) -> Result<usize> {
+    let (own, helped) = groups.split_at(help_cut(groups, share));
+    let rows = |gs: &[ExpertGroup]| gs.iter().map(|g| g.tokens.len()).sum::<usize>();
+    let hidden = x.len().checked_div(rows(groups)).unwrap_or(0);
+    let (x_own, x_helped) = x.split_at(rows(own) * hidden);
+    let (y_own, y_helped) = y.split_at_mut(rows(own) * hidden);
+    let (a, b) = std::thread::scope(|scope| {
+        let b = scope.spawn(|| theirs(helped, x_helped, y_helped));
+        let a = mine(own, x_own, y_own);
+        (a, b.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+    });
+    a?;
+    b?;
+    Ok(rows(helped))
 }
 
 /// The whole pipeline for `h [T, hidden]` (already normalized): writes the
