@@ -1197,9 +1197,9 @@ ATTN_DEC_INSTANCES(256)
 // part_acc rows `split * heads + h` (h the query head: the parts' rows are
 // disjoint); the splits are merged in a tree fixed by the split index
 // (deterministic: the same operations whatever the arrival order). At most
-// ATTN_ROW_ONE_LEVEL splits: one level, the last-arriving block of the
-// (kv head, part) (an arrival counter: __threadfence, atomicAdd) merges all
-// splits into `out`. More: groups of ATTN_ROW_GS splits, whose last-arriving
+// `one_level` splits (the wrapper's ROW_ONE_LEVEL): one level, the
+// last-arriving block of the (kv head, part) (an arrival counter:
+// __threadfence, atomicAdd) merges all splits into `out`. More: groups of ATTN_ROW_GS splits, whose last-arriving
 // block merges the group into a group partial (rows `(gridDim.x + group) *
 // heads + h`), and the last-arriving group merger of the (kv head, part)
 // merges the groups in group order into `out`. A merge: P threads per float4
@@ -1219,7 +1219,6 @@ ATTN_DEC_INSTANCES(256)
 #define ATTN_ROW_WARPS (ATTN_ROW_THREADS / 32)
 #define ATTN_ROW_MINB 2        // blocks per SM the launch bounds ask for (<= 128 registers)
 #define ATTN_ROW_GS 8          // splits of a first-level merge group
-#define ATTN_ROW_ONE_LEVEL 16  // at most this many splits: one merge level
 
 // Tiles, thread maps and the dynamic shared memory (bytes) of attn_row:
 // mirrored by the Rust wrapper (row_smem_bytes).
@@ -1431,7 +1430,8 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
                                                 const float* __restrict__ vs, float* __restrict__ out,
                                                 float* __restrict__ part_acc, float* __restrict__ part_ml,
                                                 unsigned int* __restrict__ counters, int heads, int kv_heads,
-                                                int start_pos, int chunk, float scale, const int* __restrict__ step) {
+                                                int start_pos, int chunk, float scale, const int* __restrict__ step,
+                                                int one_level) {
     using S = AttnRowShape<HD, KV, GB>;
     constexpr int NT = ATTN_ROW_THREADS, NW = ATTN_ROW_WARPS;
     constexpr int TK = S::TK, DSQ = S::DSQ, DPT = S::DPT, SEGB = S::SEGB, CPS = S::CPS, KRS = S::KRS;
@@ -1711,7 +1711,7 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
 
     // Merge: one level (few splits): the (kv head, part)'s last block merges every split; else the group's
     // last block merges its splits, the (kv head, part)'s last group merger the groups.
-    const int one = nsplit_b <= ATTN_ROW_ONE_LEVEL;
+    const int one = nsplit_b <= one_level;
     const int gsz = one ? nsplit_b : ATTN_ROW_GS;
     const int ngroups = (nsplit_b + gsz - 1) / gsz;
     const int grp = split / gsz;
@@ -1731,11 +1731,12 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
             const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,                    \
             const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                  \
             float* __restrict__ part_acc, float* __restrict__ part_ml, unsigned int* __restrict__ counters,       \
-            int heads, int kv_heads, int start_pos, int chunk, float scale, const int* __restrict__ step) {       \
+            int heads, int kv_heads, int start_pos, int chunk, float scale, const int* __restrict__ step,         \
+            int one_level) {                                                                                      \
         strata_pdl_trigger();                                                                                     \
         strata_pdl_wait();                                                                                        \
         attn_row<HD, KV, GB>(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads, start_pos,     \
-                             chunk, scale, step);                                                                 \
+                             chunk, scale, step, one_level);                                                      \
     }
 
 #define ATTN_ROW_INSTANCES(HD)                    \

@@ -225,12 +225,23 @@ static __device__ __forceinline__ void moe_topk_warp_n(const float* __restrict__
         int bi = 0x7fffffff;
 #pragma unroll
         for (int u = 0; u < MOE_ROUTE_PER_LANE; ++u) moe_argmax_merge(bv, bi, p[u], lane + 32 * u);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+        // Two warp reductions (redux.sync) instead of five shuffle rounds:
+        // the largest value as an ordered key (a probability p >= 0 is
+        // bits(p) + 1, as unsigned ordered like p; retired (-1), NaN and
+        // absent are 0, which never wins), then the lowest id holding it.
+        const unsigned int key = bv >= 0.0f ? __float_as_uint(bv) + 1u : 0u;
+        const unsigned int best = __reduce_max_sync(0xffffffffu, key);
+        bi = (int)__reduce_min_sync(0xffffffffu, best != 0u && key == best ? (unsigned int)bi : 0x7fffffffu);
+        bv = best != 0u ? __uint_as_float(best - 1u) : -1.0f;
+#else
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             const float v2 = __shfl_xor_sync(0xffffffffu, bv, o);
             const int i2 = __shfl_xor_sync(0xffffffffu, bi, o);
             moe_argmax_merge(bv, bi, v2, i2);
         }
+#endif
         // No winner (NaN logits): an id >= E, which later kernels turn into NaN.
         if (bi < num_experts && (bi & 31) == lane) {
 #pragma unroll
@@ -360,8 +371,12 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 3)
     strata_pdl_wait();
     __shared__ uint32_t routed_ids[MOE_MAX_TOP_K];
     __shared__ float routed_w[MOE_MAX_TOP_K];
+    // The routed path's table, loaded by warps 1.. while warp 0 routes (the
+    // blob address is then a shared-memory read, not an L2 round trip).
+    __shared__ uint64_t table_s[MOE_FUSED_ROUTE_MAX];
     const int a = blockIdx.x, t = a / top_k, j = a - t * top_k;
     const int H = (int)L.hidden, I = (int)L.intermediate, nchunk = H >> 5, lane = threadIdx.x & 31;
+    const int table_s_len = min(table_len, MOE_FUSED_ROUTE_MAX);
     uint32_t e;
     if (logits != nullptr) {
         // Routed here (decode: no moe_route_topk launch): every block of
@@ -376,6 +391,8 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 3)
             else
                 moe_topk_warp_n<MOE_FUSED_ROUTE_MAX / 32>(row, num_experts, top_k, norm_topk_prob, routed_ids,
                                                           routed_w);
+        } else {
+            for (int i = threadIdx.x - 32; i < table_s_len; i += blockDim.x - 32) table_s[i] = __ldg(table + i);
         }
         __syncthreads();
         e = routed_ids[j];
@@ -392,7 +409,8 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 3)
         if (lane < MOE_GEMV_ROWS && row0 + lane < I) act_row[row0 + lane] = __int_as_float(0x7fc00000);
         return;
     }
-    const uint8_t* blob = reinterpret_cast<const uint8_t*>(__ldg(table + e));
+    const uint8_t* blob = reinterpret_cast<const uint8_t*>(
+        logits != nullptr && e < (uint32_t)table_s_len ? table_s[e] : __ldg(table + e));
     const size_t code_row = (size_t)H >> 1, scale_row = (size_t)H >> 4;
     // The warp's rows are row0, row0 + 1 (I is even); a row0 past I (none in
     // the wrapper's grid: I % 16 == 0) reads rows I - 2, I - 1 and writes
@@ -551,6 +569,11 @@ extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
     extern __shared__ float4 moe_down_acts[];
     __shared__ float red[MOE_MAX_TOP_K][MOE_DN_ROWS];
     __shared__ float coefs[MOE_MAX_TOP_K];
+    // The token's ids and the table (its first MOE_FUSED_ROUTE_MAX entries)
+    // read at once into shared memory: a blob address is one L2 round trip
+    // after the wait, not two dependent ones.
+    __shared__ uint64_t table_s[MOE_FUSED_ROUTE_MAX];
+    __shared__ uint32_t ids_s[MOE_MAX_TOP_K];
     strata_pdl_trigger();  // programmatic dependent launch: wait before any access
     strata_pdl_wait();
     const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate, nchunk = I >> 5;
@@ -564,14 +587,19 @@ extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
 
     // This warp's experts: j = jw + q * MOE_DN_JW (q < MOE_DN_EXP), the same
     // in all lanes; blob nullptr: no expert (j >= k) or a bad expert id.
+    const int table_s_len = min(table_len, MOE_FUSED_ROUTE_MAX);
+    for (int i = threadIdx.x; i < table_s_len; i += blockDim.x) table_s[i] = __ldg(table + i);
+    if (threadIdx.x < top_k) ids_s[threadIdx.x] = __ldg(ids + t * top_k + threadIdx.x);
+    __syncthreads();
     const uint8_t* bq[MOE_DN_EXP];
 #pragma unroll
     for (int q = 0; q < MOE_DN_EXP; ++q) {
         const int j = jw + q * MOE_DN_JW;
         bq[q] = nullptr;
         if (j < top_k) {
-            const uint32_t e = __ldg(ids + t * top_k + j);
-            if (e < (uint32_t)table_len) bq[q] = reinterpret_cast<const uint8_t*>(__ldg(table + e));
+            const uint32_t e = ids_s[j];
+            if (e < (uint32_t)table_len)
+                bq[q] = reinterpret_cast<const uint8_t*>(e < (uint32_t)table_s_len ? table_s[e] : __ldg(table + e));
         }
     }
     uint4 cd[MOE_DN_EXP][MOE_DOWN_CHUNKS];

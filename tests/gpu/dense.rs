@@ -768,6 +768,29 @@ fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
             moved / s / 1e9
         );
     }
+    // The K split of the decode projections' shapes (qkv, o_proj, router of
+    // 30b-a3b), each choice against the heuristic's.
+    for (n, k) in [(5120, 2048), (2048, 4096), (128, 2048)] {
+        let bytes = n * k * 2;
+        let copies = (256usize << 20).div_ceil(bytes).clamp(1, 64);
+        let mut ws: Vec<CudaSlice<bf16>> = Vec::new();
+        for c in 0..copies {
+            let mut w = gpu.alloc_zeros::<bf16>(n * k).map_err(e)?;
+            gpu.fill_uniform_bf16(&mut w, c as u64 + 1).map_err(e)?;
+            ws.push(w);
+        }
+        let x = gpu.upload(&rand_f32(1, k, 1.0)).map_err(e)?;
+        let mut out = poisoned(gpu, n)?;
+        let mut line = format!("     GEMV T=1 N={n} K={k} by K split:");
+        for ks in [0usize, 1, 2, 4, 8] {
+            dense::force_gemv_ksplit((ks > 0).then_some(ks));
+            let s = time_it(gpu, 20, |i| dense::matmul(gpu, &x, &ws[i % copies], 1, n, k, &mut out).map_err(e));
+            dense::force_gemv_ksplit(None);
+            let name = if ks == 0 { "auto".to_string() } else { ks.to_string() };
+            line += &format!(" {name} {:.2} us", s? * 1e6);
+        }
+        println!("{line}");
+    }
     let logits = gpu.upload(&rand_f32(3, 151_936, 1.0)).map_err(e)?;
     let mut ids = gpu.alloc_zeros::<u32>(1).map_err(e)?;
     let s = time_it(gpu, 50, |_| dense::argmax(gpu, &logits, 1, 151_936, &mut ids).map_err(e))?;

@@ -452,6 +452,36 @@ const ROW_GROUP_SPLITS: usize = 8;
 const ROW_QB: usize = 4;
 /// Blocks per SM attn_row_* fits (its launch bounds: at most 128 registers) and its split count aims for.
 const ROW_BLOCKS_PER_SM: usize = 2;
+/// At most this many splits attn_row_* merges in one level (its `one_level` argument; more: groups of
+/// ROW_GROUP_SPLITS first).
+const ROW_ONE_LEVEL: usize = 16;
+
+/// Tests and benches (`test-hooks`): `STRATA_ROW_BLOCKS_PER_SM` and `STRATA_ROW_ONE_LEVEL` replace
+/// ROW_BLOCKS_PER_SM and ROW_ONE_LEVEL, so a bench can compare the choices on one build.
+#[cfg(any(test, feature = "test-hooks"))]
+fn row_knob(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|&v: &usize| v > 0).unwrap_or(default)
+}
+
+fn row_blocks_per_sm() -> usize {
+    #[cfg(any(test, feature = "test-hooks"))]
+    {
+        static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        *V.get_or_init(|| row_knob("STRATA_ROW_BLOCKS_PER_SM", ROW_BLOCKS_PER_SM))
+    }
+    #[cfg(not(any(test, feature = "test-hooks")))]
+    ROW_BLOCKS_PER_SM
+}
+
+fn row_one_level() -> usize {
+    #[cfg(any(test, feature = "test-hooks"))]
+    {
+        static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        *V.get_or_init(|| row_knob("STRATA_ROW_ONE_LEVEL", ROW_ONE_LEVEL))
+    }
+    #[cfg(not(any(test, feature = "test-hooks")))]
+    ROW_ONE_LEVEL
+}
 /// A chunk (keys per split) of attn_row_* is a multiple of this ...
 const ROW_ALIGN: usize = 32;
 /// ... and at least this many keys (below that the merge costs more than the split saves).
@@ -534,7 +564,7 @@ fn row_heads_per_block(group: usize) -> (usize, usize) {
 /// The split count attn_row_* aims for: ROW_BLOCKS_PER_SM blocks per SM over (kv heads x query parts x splits)
 /// (about one wave).
 fn row_target_splits(kv_heads: usize, parts: usize, sm_count: usize) -> usize {
-    (ROW_BLOCKS_PER_SM * sm_count.max(1)).div_ceil(kv_heads.max(1) * parts.max(1)).max(1)
+    (row_blocks_per_sm() * sm_count.max(1)).div_ceil(kv_heads.max(1) * parts.max(1)).max(1)
 }
 
 /// Keys per split of attn_row_* for keys `0..kend` with `target` splits at most: a multiple of ROW_ALIGN, at
@@ -1047,8 +1077,9 @@ fn launch_row(
         Some(s) => a.buf(gpu, s),
         None => a.null(),
     };
+    a.val(row_one_level() as i32);
     // SAFETY: attn_row_hd{HD}_{tag}_g{GB}(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads,
-    // start_pos, chunk, scale, step): reads q[0..heads*HD] (checked), cache positions 0..=start_pos (< capacity:
+    // start_pos, chunk, scale, step, one_level): reads q[0..heads*HD] (checked), cache positions 0..=start_pos (< capacity:
     // checked by attention, kept by attention_at's caller) of kv heads < kv_heads (= the cache's, checked), and
     // writes out[0..heads*HD]; with more than one split it writes and reads part_acc/part_ml rows
     // < splits + ceil(splits / 8) of heads*HD / heads*2 floats and counters[kv_heads * parts * (1 + ceil(splits /

@@ -166,18 +166,49 @@ fn check_matmul(
     Ok(())
 }
 
-/// The GEMV kernels' split of K between the warps of a block: the smallest
-/// power of two (<= 8, <= the 256-wide steps of K) that gives at least four
-/// blocks per SM, so N = 1 .. 2048 still fills the GPU.
+/// Tests: the K split every GEMV launch uses instead of `gemv_ksplit`'s
+/// choice (0: none), for timing the choices against each other; starts as
+/// `STRATA_GEMV_KSPLIT` (a build with `test-hooks`: the bench can compare).
+#[cfg(any(test, feature = "test-hooks"))]
+static KSPLIT_OVERRIDE: std::sync::LazyLock<std::sync::atomic::AtomicUsize> = std::sync::LazyLock::new(|| {
+    let v = std::env::var("STRATA_GEMV_KSPLIT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    std::sync::atomic::AtomicUsize::new(v)
+});
+
+/// Tests: forces the K split of every GEMV launch (a power of two <= 8), or
+/// `None` for the heuristic again.
+#[cfg(any(test, feature = "test-hooks"))]
+pub fn force_gemv_ksplit(ks: Option<usize>) {
+    KSPLIT_OVERRIDE.store(ks.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The GEMV kernels' split of K between the warps of a block: the largest
+/// power of two (<= 8, <= the 256-wide steps of K) that keeps the grid
+/// within GEMV_MAX_WAVES waves of 4 blocks per SM. Measured on the H200
+/// (the suite's `dense_timing`): a decode projection is latency-bound, and
+/// more, shorter warps per row finish sooner (qkv 5120 x 2048: 7.4 us split
+/// 8 ways, 8.1 us 4 ways, 10.4 us 2 ways), while the LM head (151936 rows)
+/// has rows enough without a split.
 fn gemv_ksplit(n: usize, k: usize, sm_count: usize) -> usize {
+    #[cfg(any(test, feature = "test-hooks"))]
+    {
+        let forced = KSPLIT_OVERRIDE.load(std::sync::atomic::Ordering::Relaxed);
+        let forced = if forced.is_power_of_two() { forced } else { 0 };
+        if forced != 0 {
+            return forced.min(GEMV_WARPS);
+        }
+    }
     let steps = k.div_ceil(256);
     let blocks = |ks: usize| n.div_ceil(GEMV_WARPS / ks * GEMV_ROWS_PER_GROUP);
     let mut ks = 1;
-    while ks < GEMV_WARPS && ks * 2 <= steps && blocks(ks) < 4 * sm_count {
+    while ks < GEMV_WARPS && ks * 2 <= steps && blocks(ks * 2) <= GEMV_MAX_WAVES * 4 * sm_count {
         ks *= 2;
     }
     ks
 }
+
+/// Waves (of 4 blocks per SM) a K split may grow a GEMV's grid to.
+const GEMV_MAX_WAVES: usize = 4;
 
 /// `out [T, N] (+)= x [T, K] * W^T` for T in 1..=8 with the own GEMV kernels
 /// (any K; the fast kernels need K % 8 == 0, others take the simple kernel).
@@ -1058,7 +1089,10 @@ mod tests {
         // N = 2048, K = 2048: 64 blocks unsplit -> split 8 ways (512 blocks).
         assert_eq!(gemv_ksplit(2048, 2048, 132), 8);
         assert_eq!(gemv_ksplit(4096, 2048, 132), 8);
-        assert_eq!(gemv_ksplit(12288, 2048, 132), 2);
+        // The stacked q/k/v of 30b-a3b: 1280 blocks, 2.4 waves.
+        assert_eq!(gemv_ksplit(5120, 2048, 132), 8);
+        // 8 ways would be 5.8 waves.
+        assert_eq!(gemv_ksplit(12288, 2048, 132), 4);
         // The shared-expert gate (N = 1) splits K across all warps.
         assert_eq!(gemv_ksplit(1, 2048, 132), 8);
         // Never more warps than 256-wide steps of K.
