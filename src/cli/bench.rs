@@ -181,7 +181,8 @@ fn profiler_collect(_on: bool) -> Result<()> {
 }
 
 /// The expert cache's counters over one phase (prefill or decode) of the
-/// runs: bytes copied, lookups, streamed experts, seconds.
+/// runs: bytes over the host link (copied, or read in place by mapped
+/// decode), lookups, streamed experts, seconds.
 #[derive(Default)]
 struct CachePhase {
     bytes: u64,
@@ -194,7 +195,7 @@ struct CachePhase {
 impl CachePhase {
     fn add(&mut self, before: Option<ExpertStats>, after: Option<ExpertStats>, seconds: f64) {
         if let (Some(b), Some(a)) = (before, after) {
-            self.bytes += a.bytes_copied - b.bytes_copied;
+            self.bytes += (a.bytes_copied - b.bytes_copied) + (a.bytes_mapped - b.bytes_mapped);
             self.hits += a.hits - b.hits;
             self.misses += a.misses - b.misses;
             self.streamed += a.streamed - b.streamed;

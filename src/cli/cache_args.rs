@@ -45,6 +45,10 @@ pub struct ExpertCacheArgs {
     /// Initial placement from a profile written by `strata profile`.
     #[arg(long)]
     expert_profile: Option<PathBuf>,
+    /// Copy decode misses into slots even when every expert is in
+    /// page-locked RAM (by default decode reads them there in place).
+    #[arg(long)]
+    copy_decode_misses: bool,
 }
 
 /// A size in bytes from a count of `unit`s given on the command line.
@@ -65,6 +69,7 @@ impl ExpertCacheArgs {
             adapt_swaps: self.adapt_swaps,
             adapt_decay: self.adapt_decay,
             profile: self.expert_profile.clone(),
+            mapped_decode: !self.copy_decode_misses,
             ..Default::default()
         }
     }
@@ -74,12 +79,15 @@ impl ExpertCacheArgs {
 pub fn stats_line(s: &ExpertStats) -> String {
     let lookups = s.hits + s.misses;
     format!(
-        "expert cache: {} hits, {} misses ({:.1}% hits; {} streamed), {} evictions, {} swaps, {:.1} MB copied \
-         ({:.1} from host buffers, {:.1} from the pack), {:.3} s waiting on copies",
+        "expert cache: {} hits, {} misses ({:.1}% hits; {} streamed, {} read in place from host memory: {:.1} MB), \
+         {} evictions, {} swaps, {:.1} MB copied ({:.1} from host buffers, {:.1} from the pack), {:.3} s waiting on \
+         copies",
         s.hits,
         s.misses,
         100.0 * s.hits as f64 / lookups.max(1) as f64,
         s.streamed,
+        s.mapped,
+        s.bytes_mapped as f64 / 1e6,
         s.evictions,
         s.swaps + s.host_swaps,
         s.bytes_copied as f64 / 1e6,

@@ -53,6 +53,8 @@ use cudarc::driver::{sys, CudaGraph};
 /// Rows up to which the MoE runs the per-token GEMV kernels (decode,
 /// speculative verify); above, the grouped kernels (prefill).
 const MOE_GEMV_MAX_ROWS: usize = 8;
+// Mapped decode runs the GEMV path.
+const _: () = assert!(MOE_GEMV_MAX_ROWS == crate::experts::gpu::MAPPED_MAX_ROWS);
 
 /// `STRATA_TRACE_FORWARD=1`: each forward prints how long queueing its
 /// layers took on the host and how long the whole forward took, which
@@ -330,15 +332,19 @@ impl GpuModel {
             Logits::Last => 1,
             Logits::All => t,
         };
-        let mut s = cache.take_scratch(t)?;
-        let started = std::time::Instant::now();
         let mut experts = self.experts.as_ref().map(|x| x.lock());
         if let Some(x) = experts.as_mut() {
-            x.begin_forward(t);
+            x.begin_forward(t)?;
         }
+        let mut s = cache.take_scratch(t)?;
+        let started = std::time::Instant::now();
+        let k = self.config.num_experts_per_tok;
         let r = (|| -> Result<Vec<f32>> {
             self.gpu.stream().memcpy_htod(tokens, &mut s.tokens)?;
             self.enqueue(engine, cache, &mut s, start, rows, None, experts.as_deref_mut())?;
+            if let Some(x) = experts.as_mut().filter(|x| x.mapped_decode(t)) {
+                x.note_mapped_forward(t, k);
+            }
             self.finish(cache, &mut s, start, rows, started)
         })();
         cache.put_scratch(s);
@@ -416,8 +422,9 @@ impl GpuModel {
     /// injection is a host decision made while queueing).
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(unused_variables))]
     fn graph_allowed(&self, engine: &Engine) -> bool {
-        if self.experts.is_some() {
-            // The expert cache decides copies on the host at every layer.
+        if self.experts.as_ref().is_some_and(|x| !x.lock().mapped_decode(1)) {
+            // The expert cache decides copies on the host at every layer
+            // (unless decode runs mapped).
             return false;
         }
         #[cfg(any(test, feature = "test-hooks"))]
@@ -437,6 +444,10 @@ impl GpuModel {
         let gpu = &*self.gpu;
         let c = &self.config;
         let start = cache.len;
+        let mut experts = self.experts.as_ref().map(|x| x.lock());
+        if let Some(x) = experts.as_mut() {
+            x.begin_forward(1)?;
+        }
         let mut s = cache.take_scratch(1)?;
         let mut step = cache.step.take();
         let started = std::time::Instant::now();
@@ -455,18 +466,24 @@ impl GpuModel {
             if cache.graph.as_ref().is_none_or(|g| g.generation != cache.generation) {
                 cache.graph = None;
                 gpu.stream().begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-                let queued = self.enqueue(engine, cache, &mut s, start, 1, Some(step), None);
+                let queued = self.enqueue(engine, cache, &mut s, start, 1, Some(step), experts.as_deref_mut());
                 let captured = gpu.stream().end_capture(sys::CUgraphInstantiate_flags(0));
                 queued?;
                 let graph = captured?.ok_or_else(|| Error::Cuda("capturing the decode step gave no graph".into()))?;
                 cache.graph = Some(DecodeGraph { graph, generation: cache.generation });
             }
             cache.graph.as_ref().expect("captured above").graph.launch()?;
+            if let Some(x) = experts.as_mut() {
+                x.note_mapped_forward(1, c.num_experts_per_tok);
+            }
             self.finish(cache, &mut s, start, 1, started)
         })();
         cache.step = step;
         cache.put_scratch(s);
-        r
+        match (r, experts.as_mut()) {
+            (Ok(l), Some(x)) => x.end_forward(engine.pack(), 1).map(|()| l),
+            (r, _) => r,
+        }
     }
 
     /// Queues a forward of the `s.t` rows whose tokens are in `s.tokens`,
@@ -659,7 +676,7 @@ impl GpuModel {
         l: usize,
         lw: &GpuLayer,
         s: &mut Scratch,
-        experts: Option<&mut GpuExpertCache>,
+        mut experts: Option<&mut GpuExpertCache>,
     ) -> Result<()> {
         let c = &self.config;
         let gpu = &*self.gpu;
@@ -667,7 +684,21 @@ impl GpuModel {
         let norm = NormIn { w: &lw.post_attn_norm, eps: c.rms_norm_eps as f32, check: None };
         self.normed_proj(norm, &s.x, &mut s.h, true, &lw.router, t, e, h, &mut s.router, &mut s.bf)?;
         let p = self.grouped_precision();
-        if let Some(x) = experts {
+        if let Some(x) = experts.as_deref_mut().filter(|x| x.mapped_decode(t)) {
+            // Mapped decode: the resident path through the cache's table
+            // (slots, and host memory read in place); the ids kept per layer.
+            let (table, mut ids) = x.mapped_step(l)?;
+            let route = moe::Route {
+                logits: &s.router,
+                num_experts: e,
+                norm_topk_prob: c.norm_topk_prob,
+                ids: &mut ids,
+                weights: &mut s.weights,
+            };
+            let layout = &self.layout;
+            moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
+            moe::expert_down_gemv(gpu, &s.moe.act, &ids, &s.weights, table, layout, t, k, &mut s.x, true)?;
+        } else if let Some(x) = experts {
             self.cached_experts(engine.pack(), x, l, s)?;
         } else if t <= MOE_GEMV_MAX_ROWS {
             let (table, layout) = (&self.tables[l], &self.layout);

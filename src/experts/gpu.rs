@@ -12,15 +12,27 @@
 //! written. A step with streamed experts computes in waves
 //! (`Waves`): the experts in slots first, then the ring's entries in waves
 //! of half the ring, whose copies overlap the compute of the wave before.
+//!
+//! Mapped decode (`ExpertCacheOptions::mapped_decode`, when every expert
+//! has a host buffer or a slot): a decode step needs no plan. The tables
+//! point every expert at its slot, or else at its page-locked host buffer,
+//! which the kernels read in place over the host link; the routed ids land
+//! in a per-layer buffer read back once after the step (statistics, use
+//! counts). Nothing waits on the host between layers, so the step is a CUDA
+//! graph like the all-resident engine's. Adaptive swaps re-point the
+//! evicted expert at its host buffer, copy on the copy stream, and re-point
+//! the new one at its slot at a later step once the copy is done: no step
+//! waits for them. A planned (prefill) forward rewrites the tables for its
+//! steps; they are set back to the mapped addresses after it.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::result;
+use cudarc::driver::{result, sys};
 
 use super::tiers::{Fills, Place, Planner, Source, StepPlan};
 use super::{ExpertCacheOptions, ExpertKey, ExpertStats};
-use crate::backend::cuda::{CudaEvent, CudaSlice, CudaStream, DevicePtr, Gpu};
+use crate::backend::cuda::{CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtr, Gpu};
 use crate::error::{Error, Result};
 use crate::pack::Pack;
 
@@ -40,10 +52,24 @@ unsafe impl Sync for Pinned {}
 
 impl Pinned {
     fn new(gpu: &Gpu, len: usize) -> Result<Pinned> {
+        Pinned::with_flags(gpu, len, 0)
+    }
+
+    fn with_flags(gpu: &Gpu, len: usize, flags: u32) -> Result<Pinned> {
         // SAFETY: page-locked bytes, written before any copy reads them.
-        let mut mem = unsafe { gpu.context().alloc_pinned_with_flags::<u8>(len.max(1), 0) }?;
+        let mut mem = unsafe { gpu.context().alloc_pinned_with_flags::<u8>(len.max(1), flags) }?;
         let ptr = mem.as_mut_ptr()?;
         Ok(Pinned { _mem: mem, ptr, len })
+    }
+
+    /// The device address of the first byte (the allocation mapped into the
+    /// device's address space: CU_MEMHOSTALLOC_DEVICEMAP).
+    fn device_address(&self, gpu: &Gpu) -> Result<u64> {
+        gpu.context().bind_to_thread()?;
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: ptr is the start of a live page-locked allocation made by this context.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, self.ptr as *mut std::ffi::c_void, 0) }.result()?;
+        Ok(d)
     }
 
     fn range(&self, off: usize, n: usize) -> &[u8] {
@@ -106,7 +132,33 @@ pub struct GpuExpertCache {
     trace: [std::time::Duration; 3],
     /// Set by a failed copy: every later step fails with it.
     poisoned: Option<String>,
+    /// Mapped decode, when on.
+    mapped: Option<Mapped>,
 }
+
+/// The state of mapped decode (see the module documentation).
+struct Mapped {
+    /// Device address of the host buffers' first byte.
+    host_base: u64,
+    /// Every layer's routed ids of a decode step, `ids_per_layer` each.
+    ids: CudaSlice<u32>,
+    ids_per_layer: usize,
+    ids_host: Pinned,
+    /// Routed ids per layer the last forward left in `ids` (0: it was not
+    /// a mapped decode forward).
+    pending_ids: usize,
+    /// Slot fills of adaptive swaps in flight: (slot, its copy's event).
+    swaps: Vec<(usize, CudaEvent)>,
+    /// A planned forward pointed some table entries elsewhere.
+    tables_dirty: bool,
+}
+
+/// Most rows of a mapped decode step: the engine's GEMV path (whose
+/// kernels take no row-tile offsets, so a table is all they need).
+pub const MAPPED_MAX_ROWS: usize = 8;
+
+/// Page-locked memory the device may read in place.
+const HOST_DEVICE_MAP: u32 = 0x02; // CU_MEMHOSTALLOC_DEVICEMAP
 
 /// The phases of a cached MoE step the trace times.
 #[derive(Clone, Copy, Debug)]
@@ -179,7 +231,7 @@ impl GpuExpertCache {
             used,
             _slots: slots,
             ring,
-            host: Pinned::new(gpu, cap.host_blobs * stride)?,
+            host: Pinned::with_flags(gpu, cap.host_blobs * stride, HOST_DEVICE_MAP)?,
             staging,
             next_staging: 0,
             copy: ctx.new_stream()?,
@@ -190,10 +242,197 @@ impl GpuExpertCache {
             ids: Pinned::new(gpu, c.num_experts_per_tok * 64 * 4)?,
             trace: Default::default(),
             poisoned: None,
+            mapped: None,
         };
         cache.apply(pack, &fills)?;
+        if opts.mapped_decode && cache.planner.all_mapped() {
+            let per = MAPPED_MAX_ROWS * c.num_experts_per_tok;
+            cache.mapped = Some(Mapped {
+                host_base: cache.host.device_address(gpu)?,
+                ids: gpu.alloc_zeros::<u32>(layers * per)?,
+                ids_per_layer: per,
+                ids_host: Pinned::new(gpu, layers * per * 4)?,
+                pending_ids: 0,
+                swaps: Vec::new(),
+                tables_dirty: true,
+            });
+            cache.write_mapped_tables()?;
+        }
         gpu.sync()?;
         Ok(Some(cache))
+    }
+
+    /// Whether decode steps of `rows` rows run mapped: every routed expert
+    /// read where it is, through `table(layer)`, the ids written to
+    /// `mapped_ids(layer)` (no `plan_step`).
+    pub fn mapped_decode(&self, rows: usize) -> bool {
+        self.mapped.is_some() && rows <= MAPPED_MAX_ROWS
+    }
+
+    /// A mapped decode step of `layer`: its table, and where it writes its
+    /// routed ids (`rows * k` of them; `note_mapped_forward` once the
+    /// forward is queued).
+    pub fn mapped_step(&mut self, layer: usize) -> Result<(&CudaSlice<u64>, CudaViewMut<'_, u32>)> {
+        let m = self.mapped.as_mut().ok_or_else(|| Error::Cuda("mapped_step without mapped decode".into()))?;
+        let per = m.ids_per_layer;
+        Ok((&self.tables[layer], m.ids.slice_mut(layer * per..(layer + 1) * per)))
+    }
+
+    /// A mapped decode forward of `rows` rows is queued: `end_forward`
+    /// reads its ids back.
+    pub fn note_mapped_forward(&mut self, rows: usize, top_k: usize) {
+        if let Some(m) = self.mapped.as_mut() {
+            m.pending_ids = rows * top_k;
+        }
+    }
+
+    /// The address a mapped step reads `key` from: its slot once filled,
+    /// else its host buffer.
+    fn mapped_addr(&self, m: &Mapped, key: ExpertKey) -> Result<u64> {
+        if let Some((slot, true)) = self.planner.slot_of(key) {
+            return Ok(self.slot_addr(slot));
+        }
+        match self.planner.host_of(key) {
+            Some(h) => Ok(m.host_base + (h * self.stride) as u64),
+            None => Err(Error::Cuda(format!(
+                "mapped decode: expert {} of layer {} is neither in a slot nor in host memory",
+                key.expert, key.layer
+            ))),
+        }
+    }
+
+    /// Points every table at the mapped addresses (after load, and after a
+    /// planned forward pointed entries at the ring or new slots). Waits for
+    /// the stream first: the mirror may be the source of a queued copy.
+    fn write_mapped_tables(&mut self) -> Result<()> {
+        let Some(m) = self.mapped.take() else { return Ok(()) };
+        let r = (|| -> Result<()> {
+            self.gpu.stream().synchronize()?;
+            let layers = self.tables.len();
+            for l in 0..layers {
+                for e in 0..self.experts {
+                    let addr = self.mapped_addr(&m, ExpertKey::new(l, e))?;
+                    let at = (l * self.experts + e) * 8;
+                    self.mirror.range_mut(at, 8).copy_from_slice(&addr.to_le_bytes());
+                }
+            }
+            let stream = self.gpu.stream().cu_stream();
+            for l in 0..layers {
+                let row = self.mirror.range(l * self.experts * 8, self.experts * 8);
+                // SAFETY: the table holds `experts` u64; the page-locked source is rewritten only after the
+                // stream has completed this copy (see above).
+                unsafe { result::memcpy_htod_async(self.table_addrs[l], row, stream) }?;
+            }
+            Ok(())
+        })();
+        self.mapped = Some(Mapped { tables_dirty: r.is_err(), ..m });
+        r
+    }
+
+    /// Sets table entry `key` to `addr` on the compute stream (by value:
+    /// no host buffer outlives the call).
+    fn set_entry(&self, key: ExpertKey, addr: u64) -> Result<()> {
+        let dst = self.table_addrs[key.layer] + (key.expert * 8) as u64;
+        let stream = self.gpu.stream().cu_stream();
+        self.gpu.context().bind_to_thread()?;
+        for (off, word) in [(0u64, addr as u32), (4, (addr >> 32) as u32)] {
+            // SAFETY: one 32-bit word of the table entry `key` (in bounds: expert < experts).
+            unsafe { sys::cuMemsetD32Async(dst + off, word, 1, stream) }.result()?;
+        }
+        Ok(())
+    }
+
+    /// Mapped decode: completed swap copies make their slot ready and its
+    /// table entry point at it; `wait_all` first waits for every copy (a
+    /// planned forward plans with ready slots only).
+    fn finish_swaps(&mut self, wait_all: bool) -> Result<()> {
+        let Some(mut m) = self.mapped.take() else { return Ok(()) };
+        let mut r = Ok(());
+        let mut left = Vec::new();
+        for (slot, done) in m.swaps.drain(..) {
+            if wait_all {
+                if let Err(x) = done.synchronize() {
+                    r = Err(x.into());
+                }
+            } else if !done.is_complete() {
+                left.push((slot, done));
+                continue;
+            }
+            self.planner.slot_fill_done(slot);
+            let key = self.planner.slot_key(slot);
+            if let (Some(key), Ok(())) = (key, &r) {
+                r = self.set_entry(key, self.slot_addr(slot));
+            }
+        }
+        m.swaps = left;
+        self.mapped = Some(m);
+        self.poison_on(r)
+    }
+
+    /// Mapped decode: queues adaptive swaps without blocking a step: the
+    /// evicted expert's entry goes back to its host buffer first (the
+    /// compute stream), the copy waits for the steps queued before it, and
+    /// `finish_swaps` points the entry at the slot once the copy is done.
+    fn apply_mapped_swaps(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
+        let Some(m) = self.mapped.as_ref() else { return Ok(()) };
+        debug_assert!(fills.host.is_empty(), "every expert already has a host buffer");
+        let mut evicted = Vec::new();
+        for f in &fills.slots {
+            if let Some(old) = f.evicted {
+                evicted.push((old, self.mapped_addr(m, old)?));
+            }
+        }
+        for (old, addr) in evicted {
+            self.set_entry(old, addr)?;
+        }
+        if fills.slots.is_empty() {
+            return Ok(());
+        }
+        let ctx = self.gpu.context().clone();
+        let queued = ctx.new_event(None)?;
+        queued.record(self.gpu.stream())?;
+        self.copy.wait(&queued)?;
+        for f in &fills.slots {
+            let dst = self.slot_addr(f.slot);
+            self.copy_in(pack, f.key, f.from, dst)?;
+            let done = ctx.new_event(None)?;
+            done.record(&self.copy)?;
+            self.mapped.as_mut().expect("checked above").swaps.push((f.slot, done));
+        }
+        Ok(())
+    }
+
+    /// After a forward: reads a mapped decode forward's ids back and records
+    /// its steps; after a planned forward, points the tables back at the
+    /// mapped addresses.
+    fn after_forward(&mut self) -> Result<()> {
+        let Some(m) = self.mapped.as_mut() else { return Ok(()) };
+        let n = m.pending_ids;
+        m.pending_ids = 0;
+        if n == 0 {
+            // A planned forward: its steps pointed entries at the ring and filled slots.
+            return if m.tables_dirty { self.write_mapped_tables() } else { Ok(()) };
+        }
+        let layers = self.tables.len();
+        let per = m.ids_per_layer;
+        let src = address(&self.gpu, &m.ids);
+        let stream = self.gpu.stream();
+        // SAFETY: copies every layer's ids (layers * per u32, the buffer's length) into the page-locked
+        // landing buffer of that size, read only after the synchronize below.
+        unsafe { result::memcpy_dtoh_async(m.ids_host.range_mut(0, layers * per * 4), src, stream.cu_stream()) }?;
+        stream.synchronize()?;
+        let bytes = m.ids_host.range(0, layers * per * 4);
+        let all: Vec<u32> = bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))).collect();
+        for l in 0..layers {
+            let mut counts = vec![0usize; self.experts];
+            for &id in all[l * per..l * per + n].iter().filter(|&&id| (id as usize) < self.experts) {
+                counts[id as usize] += 1;
+            }
+            let routed: Vec<(usize, usize)> =
+                counts.iter().enumerate().filter(|c| *c.1 > 0).map(|(e, &k)| (e, k)).collect();
+            self.planner.record_mapped(l, &routed);
+        }
+        Ok(())
     }
 
     pub fn stats(&self) -> ExpertStats {
@@ -296,9 +535,21 @@ impl GpuExpertCache {
         Ok(())
     }
 
-    /// A forward of `tokens` tokens starts.
-    pub fn begin_forward(&mut self, tokens: usize) {
+    /// A forward of `tokens` tokens starts (mapped decode: swaps whose
+    /// copies are done take effect; a planned forward waits for them all).
+    pub fn begin_forward(&mut self, tokens: usize) -> Result<()> {
+        self.check_usable()?;
         self.planner.begin_forward(tokens);
+        let decode = self.mapped_decode(tokens);
+        if let Some(m) = self.mapped.as_mut() {
+            // (A forward that failed left its ids or its planned tables.)
+            m.pending_ids = 0;
+            if decode && m.tables_dirty {
+                let r = self.write_mapped_tables();
+                self.poison_on(r)?;
+            }
+        }
+        self.finish_swaps(!decode)
     }
 
     /// A forward ended: queues the adaptive swaps it triggers (they complete
@@ -310,7 +561,13 @@ impl GpuExpertCache {
             eprintln!("strata: expert cache, forward of {tokens} rows: route+ids {r:.3} ms, plan+copies {p:.3} ms, queue experts {c:.3} ms");
         }
         self.trace = Default::default();
+        let r = self.after_forward();
+        self.poison_on(r)?;
         let fills = self.planner.end_forward(tokens);
+        if self.mapped.is_some() {
+            let r = self.apply_mapped_swaps(pack, &fills);
+            return self.poison_on(r);
+        }
         self.apply(pack, &fills)
     }
 
@@ -354,6 +611,9 @@ impl GpuExpertCache {
         let routed: Vec<(usize, usize)> =
             counts.iter().enumerate().filter(|c| *c.1 > 0).map(|(e, &n)| (e, n)).collect();
         let plan = self.planner.plan_step(layer, &routed);
+        if let Some(m) = self.mapped.as_mut() {
+            m.tables_dirty = true;
+        }
         // The previous steps' kernels are complete (the caller read these
         // ids back after them), so slots and ring slots may be overwritten.
         let started = Instant::now();

@@ -79,6 +79,13 @@ pub struct ExpertCacheOptions {
     /// Initial placement; `None`: the pack's `expert-profile.json` if it
     /// ships one, else every layer's low expert ids first.
     pub profile: Option<PathBuf>,
+    /// GPU: when every expert has a page-locked host buffer (or a slot),
+    /// decode steps read the experts not in a slot in place from host
+    /// memory (the kernels reach it over the host link): no copy and no
+    /// host round trip per layer, so the step is replayed from a CUDA
+    /// graph; slots change only by adaptive swaps, off the critical path.
+    /// False: decode misses are copied into slots as prefill's are.
+    pub mapped_decode: bool,
 }
 
 impl Default for ExpertCacheOptions {
@@ -95,6 +102,7 @@ impl Default for ExpertCacheOptions {
             adapt_swaps: 16,
             adapt_decay: 0.99,
             profile: None,
+            mapped_decode: true,
         }
     }
 }
@@ -255,6 +263,9 @@ pub struct ExpertStats {
     pub misses: u64,
     /// Misses streamed through the prefill ring (not kept in a slot).
     pub streamed: u64,
+    /// Misses a decode step's kernels read in place from page-locked host
+    /// memory (mapped decode: no copy, no host round trip).
+    pub mapped: u64,
     /// Slot contents replaced by a miss.
     pub evictions: u64,
     /// Slot swaps made by adaptive placement.
@@ -268,6 +279,9 @@ pub struct ExpertStats {
     pub bytes_from_host: u64,
     /// ...and from the mapped pack.
     pub bytes_from_pack: u64,
+    /// Bytes of expert blobs kernels read from host memory in place
+    /// (`mapped`): over the host link, not counted in `bytes_copied`.
+    pub bytes_mapped: u64,
     /// Time a step spent waiting on copies (misses and the ring), in ns.
     /// Measured, never used for a decision.
     pub wait_ns: u64,

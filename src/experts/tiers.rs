@@ -294,6 +294,43 @@ impl Planner {
         StepPlan { layer, experts, fills, ring }
     }
 
+    /// Records a decode step of `layer` that read every routed expert where
+    /// it was (mapped decode): from its slot when that slot is ready (a
+    /// hit), else in place from its host buffer (a miss, `mapped`). No
+    /// copy is planned; use counts grow as in `plan_step`, so adaptive
+    /// swaps follow the routing. `routed` as in `plan_step`.
+    pub fn record_mapped(&mut self, layer: usize, routed: &[(usize, usize)]) {
+        self.step += 1;
+        self.stats.steps += 1;
+        for &(e, rows) in routed {
+            let key = ExpertKey::new(layer, e);
+            let i = self.index(key);
+            match self.slot_of[i] {
+                Some(s) if self.slots[s].ready => {
+                    self.slots[s].last_use = self.step;
+                    self.stats.hits += 1;
+                }
+                _ => {
+                    self.stats.misses += 1;
+                    self.stats.mapped += 1;
+                    self.stats.bytes_mapped += self.cap.copy_bytes;
+                }
+            }
+            self.counts.add(key, rows);
+            self.routed[i] += rows as u64;
+        }
+    }
+
+    /// Whether every expert is always readable where the planner keeps it
+    /// without a copy: in a slot, or in a host buffer (every expert has one,
+    /// so an expert evicted from a slot is still in host memory).
+    pub fn all_mapped(&self) -> bool {
+        let n = self.slot_of.len();
+        let all_host = self.cap.host_blobs >= n && self.host.iter().all(|h| h.ready && h.key.is_some());
+        let all_slots = self.cap.slots >= n && self.slots.iter().take(n).all(|s| s.ready && s.key.is_some());
+        all_host || all_slots
+    }
+
     /// Eviction order of slots: empty first, then the lower use count, the
     /// less recently used, the lower slot.
     fn colder_slot(&self, a: usize, b: usize) -> Ordering {
@@ -363,6 +400,11 @@ impl Planner {
             Source::Host(h) => Some(h),
             Source::Pack => None,
         }
+    }
+
+    /// The expert slot `slot` holds (or is being filled with).
+    pub fn slot_key(&self, slot: usize) -> Option<ExpertKey> {
+        self.slots[slot].key
     }
 
     /// What each slot holds.
@@ -604,5 +646,36 @@ mod tests {
         let (big, _, _) = run_synthetic(11, 36);
         assert!(big.hits > s.hits, "{} vs {}", big.hits, s.hits);
         assert_ne!(run_synthetic(12, 12).0, *s, "another seed routes differently");
+    }
+
+    #[test]
+    fn mapped_steps_count_slot_hits_and_in_place_reads_and_feed_the_swaps() {
+        // 2 layers x 4 experts, every one in host memory, 2 slots (0/0, 1/0).
+        let rank = ranking(2, 4, None);
+        let mut pl = planner(2, 4, cap(2, 1, 8), policy(2, 1.0), &rank);
+        assert!(pl.all_mapped());
+        pl.begin_forward(1);
+        pl.record_mapped(0, &ones(&[0, 3]));
+        pl.record_mapped(1, &ones(&[2, 3]));
+        let s = pl.stats();
+        assert_eq!((s.steps, s.hits, s.misses, s.mapped), (2, 1, 3, 3));
+        assert_eq!((s.bytes_mapped, s.bytes_copied), (3 * 1000, 8 * 1000 + 2 * 1000), "nothing copied by the steps");
+        // Expert 1/3, read in place twice more, replaces the coldest slot (1/0: never used); the
+        // others read in place once are not hotter than 0/0.
+        pl.record_mapped(1, &[(3, 2)]);
+        let fills = pl.end_forward(2);
+        assert_eq!(fills.slots.len(), 1, "{fills:?}");
+        let f = &fills.slots[0];
+        assert_eq!((f.key, f.slot, f.evicted, f.from), (k(1, 3), 1, Some(k(1, 0)), Source::Host(7)));
+        // Until its copy is done it is still read in place; then it is a hit.
+        pl.record_mapped(1, &ones(&[3]));
+        assert_eq!(pl.stats().mapped, 5);
+        complete(&mut pl, &fills);
+        pl.record_mapped(1, &ones(&[3]));
+        assert_eq!((pl.stats().hits, pl.stats().mapped), (2, 5));
+        check_consistent(&pl);
+        // Not every expert in host memory nor in a slot: not mappable.
+        assert!(!planner(2, 4, cap(2, 1, 7), policy(0, 1.0), &rank).all_mapped());
+        assert!(planner(1, 4, cap(4, 1, 0), policy(0, 1.0), &ranking(1, 4, None)).all_mapped());
     }
 }

@@ -3,7 +3,8 @@
 //! scales as the converter writes them), for every way an expert reaches a
 //! kernel: a slot filled at load, a miss copied into a slot from the pack
 //! or from page-locked host memory, the streaming ring (one slot, and
-//! waves of several), adaptive swaps. Each configuration must also show in
+//! waves of several), adaptive swaps, and mapped decode (kernels reading
+//! an expert in place in page-locked host memory, the step a CUDA graph). Each configuration must also show in
 //! its statistics that it took the path it is there for.
 
 use std::sync::Arc;
@@ -67,7 +68,7 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
         let want = run(&resident, &tokens)?;
         let blob = strata::pack::Pack::open(&pack).map_err(e)?.layout().stride;
         type Check = fn(&ExpertStats) -> bool;
-        let cases: [(&str, ExpertCacheOptions, Check); 5] = [
+        let cases: [(&str, ExpertCacheOptions, Check); 6] = [
             ("every expert in a slot", ExpertCacheOptions { slots: Some(pairs), ..Default::default() }, |s| {
                 s.misses == 0 && s.hits > 0
             }),
@@ -89,9 +90,23 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
                     ring_slots: 4,
                     ring_threshold: 0.0,
                     host_budget: Some(blob * (pairs as u64 + 4)),
+                    // Decode misses copied too (not read in place).
+                    mapped_decode: false,
                     ..Default::default()
                 },
-                |s| s.streamed > 0 && s.bytes_from_host > 0,
+                |s| s.streamed > 0 && s.bytes_from_host > 0 && s.mapped == 0,
+            ),
+            (
+                "mapped decode: misses read in place from host memory, swaps off the critical path",
+                ExpertCacheOptions {
+                    slots: Some(2 * k),
+                    ring_threshold: 2.0,
+                    host_budget: Some(blob * (pairs as u64 + 4)),
+                    adapt_every: 2,
+                    adapt_swaps: 2,
+                    ..Default::default()
+                },
+                |s| s.mapped > 0 && s.bytes_mapped > 0 && s.swaps > 0 && s.hits > 0,
             ),
             (
                 "adaptive swaps, half the experts in host memory",

@@ -27,7 +27,7 @@
 //! grouped entry points then use the SIMT generic kernel for that matrix,
 //! also on tensor-core devices (f32 throughout).
 
-use super::{CudaSlice, DeviceRepr, Gpu, KernelArgs, LaunchConfig, PushKernelArg};
+use super::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, Gpu, KernelArgs, LaunchConfig, PushKernelArg};
 use crate::error::{Error, Result};
 use crate::pack::format::ExpertLayout;
 
@@ -190,7 +190,7 @@ pub fn route_topk(
     num_experts: usize,
     top_k: usize,
     norm_topk_prob: bool,
-    ids: &mut CudaSlice<u32>,
+    ids: &mut impl DevicePtrMut<u32>,
     weights: &mut CudaSlice<f32>,
 ) -> Result<()> {
     if num_experts == 0 || num_experts > ROUTE_MAX_EXPERTS {
@@ -209,8 +209,9 @@ pub fn route_topk(
     let f = gpu.function("moe_route_topk")?;
     let (e, k, norm) = (num_experts as i32, top_k as i32, norm_topk_prob as i32);
     let cfg = LaunchConfig { grid_dim: (tokens as u32, 1, 1), block_dim: (ROUTE_THREADS, 1, 1), shared_mem_bytes: 0 };
+    let (ids_ptr, _ids_sync) = ids.device_ptr_mut(gpu.stream());
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(logits).arg(&e).arg(&k).arg(&norm).arg(ids).arg(weights);
+    b.arg(logits).arg(&e).arg(&k).arg(&norm).arg(&ids_ptr).arg(weights);
     // SAFETY: moe_route_topk(const float* logits [T, E], int E, int k, int norm,
     // unsigned* ids [T * k], float* weights [T * k]); lengths checked above.
     unsafe { b.launch(cfg) }?;
@@ -229,7 +230,7 @@ pub fn route_topk(
 pub fn expert_gate_up_gemv(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
-    ids: &CudaSlice<u32>,
+    ids: &impl DevicePtr<u32>,
     table: &CudaSlice<u64>,
     layout: &BlobLayout,
     tokens: usize,
@@ -237,17 +238,18 @@ pub fn expert_gate_up_gemv(
     act: &mut CudaSlice<f32>,
 ) -> Result<()> {
     need("expert_gate_up_gemv: ids", ids.len(), tokens * top_k)?;
-    gate_up_gemv_launch(gpu, x, GateUpIds::Given(ids), table, layout, tokens, top_k, act)
+    gate_up_gemv_launch::<_, CudaSlice<u32>>(gpu, x, GateUpIds::Given(ids), table, layout, tokens, top_k, act)
 }
 
 /// Routing for `expert_gate_up_gemv_routed`: the router logits `[T, E]` and
 /// what `route_topk` takes; the chosen ids and weights are written to `ids`
-/// and `weights` `[T * k]` for the down GEMV.
-pub struct Route<'a> {
+/// and `weights` `[T * k]` for the down GEMV (`ids` may be a view: a
+/// layer's part of a buffer of every layer's ids).
+pub struct Route<'a, I = CudaSlice<u32>> {
     pub logits: &'a CudaSlice<f32>,
     pub num_experts: usize,
     pub norm_topk_prob: bool,
-    pub ids: &'a mut CudaSlice<u32>,
+    pub ids: &'a mut I,
     pub weights: &'a mut CudaSlice<f32>,
 }
 
@@ -257,10 +259,10 @@ pub struct Route<'a> {
 /// routing is written to `route.ids` / `route.weights`. Falls back to the
 /// two launches where the fused kernel does not apply (H not a multiple of 32).
 #[allow(clippy::too_many_arguments)]
-pub fn expert_gate_up_gemv_routed(
+pub fn expert_gate_up_gemv_routed<I: DevicePtr<u32> + DevicePtrMut<u32>>(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
-    route: Route<'_>,
+    route: Route<'_, I>,
     table: &CudaSlice<u64>,
     layout: &BlobLayout,
     tokens: usize,
@@ -279,7 +281,7 @@ pub fn expert_gate_up_gemv_routed(
             route.ids,
             route.weights,
         )?;
-        return expert_gate_up_gemv(gpu, x, route.ids, table, layout, tokens, top_k, act);
+        return expert_gate_up_gemv(gpu, x, &*route.ids, table, layout, tokens, top_k, act);
     }
     // Here num_experts <= FUSED_ROUTE_MAX_EXPERTS (< ROUTE_MAX_EXPERTS).
     let e = route.num_experts;
@@ -289,19 +291,19 @@ pub fn expert_gate_up_gemv_routed(
     need("expert_gate_up_gemv_routed: logits", route.logits.len(), tokens * e)?;
     need("expert_gate_up_gemv_routed: ids", route.ids.len(), tokens * top_k)?;
     need("expert_gate_up_gemv_routed: weights", route.weights.len(), tokens * top_k)?;
-    gate_up_gemv_launch(gpu, x, GateUpIds::Routed(route), table, layout, tokens, top_k, act)
+    gate_up_gemv_launch::<CudaSlice<u32>, _>(gpu, x, GateUpIds::Routed(route), table, layout, tokens, top_k, act)
 }
 
-enum GateUpIds<'a> {
-    Given(&'a CudaSlice<u32>),
-    Routed(Route<'a>),
+enum GateUpIds<'a, G, R> {
+    Given(&'a G),
+    Routed(Route<'a, R>),
 }
 
 #[allow(clippy::too_many_arguments)]
-fn gate_up_gemv_launch(
+fn gate_up_gemv_launch<G: DevicePtr<u32>, R: DevicePtrMut<u32>>(
     gpu: &Gpu,
     x: &CudaSlice<f32>,
-    ids: GateUpIds<'_>,
+    ids: GateUpIds<'_, G, R>,
     table: &CudaSlice<u64>,
     layout: &BlobLayout,
     tokens: usize,
@@ -355,8 +357,9 @@ fn gate_up_gemv_launch(
         return Ok(());
     }
     let GateUpIds::Given(ids) = ids else { unreachable!("expert_gate_up_gemv_routed routes only on the fast kernel") };
+    let (ids_ptr, _ids_sync) = ids.device_ptr(gpu.stream());
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(x).arg(ids).arg(table).arg(&table_len).arg(layout).arg(&k).arg(act);
+    b.arg(x).arg(&ids_ptr).arg(table).arg(&table_len).arg(layout).arg(&k).arg(act);
     // SAFETY: moe_gate_up_gemv16(const float* x [T, H], const unsigned* ids [T*k], const u64* table [table_len],
     // int table_len, MoeBlobLayout, int k, float* act [T*k, I]); lengths checked above; ids past the table give
     // NaN rows.
@@ -373,7 +376,7 @@ fn gate_up_gemv_launch(
 pub fn expert_down_gemv(
     gpu: &Gpu,
     act: &CudaSlice<f32>,
-    ids: &CudaSlice<u32>,
+    ids: &impl DevicePtr<u32>,
     weights: &CudaSlice<f32>,
     table: &CudaSlice<u64>,
     layout: &BlobLayout,
@@ -425,8 +428,9 @@ pub fn expert_down_gemv(
         unsafe { gpu.launch(&f, cfg, &mut a) }?;
         return Ok(());
     }
+    let (ids_ptr, _ids_sync) = ids.device_ptr(gpu.stream());
     let mut b = gpu.stream().launch_builder(&f);
-    b.arg(act).arg(ids).arg(weights).arg(table).arg(&table_len).arg(layout).arg(&k).arg(out).arg(&acc);
+    b.arg(act).arg(&ids_ptr).arg(weights).arg(table).arg(&table_len).arg(layout).arg(&k).arg(out).arg(&acc);
     // SAFETY: moe_down_gemv / moe_down_gemv16(const float* act [T*k, I], const unsigned* ids,
     // const float* weights [T*k], const u64* table, int table_len, MoeBlobLayout, int k, float* out [T, H], int accumulate).
     unsafe { b.launch(cfg) }?;
