@@ -115,6 +115,16 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
     strata_pdl_wait();
     const float4* x4 = reinterpret_cast<const float4*>(x);
     const int xstride4 = K >> 2;
+    const int v_first = part * 32 + lane, v_step = ksplit * 32;
+    // NORM: the first step's weights are requested before the norm, so
+    // their latency overlaps its x read and block reduction (with K split 8
+    // ways a warp has one step of K = 2048: all its weights).
+    uint4 w_first[ROWS];
+    if (NORM) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+            w_first[r] = v_first < kvec ? dense_ld_stream(wrow[r] + v_first) : make_uint4(0u, 0u, 0u, 0u);
+    }
     float inv = 1.0f;
     if (NORM) {
         float ss = 0.0f;
@@ -146,11 +156,8 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
             }
         }
     }
-#pragma unroll UNROLL
-    for (int v = part * 32 + lane; v < kvec; v += ksplit * 32) {
-        uint4 wv[ROWS];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) wv[r] = dense_ld_stream(wrow[r] + v);
+    // acc += W[rows, 8 v .. 8 v + 8) x[8 v .. 8 v + 8) (normalized under NORM).
+    auto step = [&](int v, const uint4(&wv)[ROWS]) {
 #pragma unroll
         for (int t = 0; t < T; ++t) {
             float4 xa = __ldg(x4 + (long long)t * xstride4 + 2 * v);
@@ -177,6 +184,18 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
                 acc[r][t] = a;
             }
         }
+    };
+    int v = v_first;
+    if (NORM && v < kvec) {
+        step(v, w_first);
+        v += v_step;
+    }
+#pragma unroll UNROLL
+    for (; v < kvec; v += v_step) {
+        uint4 wv[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) wv[r] = dense_ld_stream(wrow[r] + v);
+        step(v, wv);
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)

@@ -790,6 +790,35 @@ fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
             line += &format!(" {name} {:.2} us", s? * 1e6);
         }
         println!("{line}");
+        if k == 2048 && n > 128 {
+            // The same with the input RMSNorm inside (each block normalizes x itself).
+            let g = gpu.upload(&rand_f32(4, k, 1.0)).map_err(e)?;
+            let mut normed = poisoned(gpu, k)?;
+            let mut line = format!("     GEMV+RMSNorm T=1 N={n} K={k} by K split:");
+            for ks in [0usize, 4, 8] {
+                dense::force_gemv_ksplit((ks > 0).then_some(ks));
+                let s = time_it(gpu, 20, |i| {
+                    let norm = dense::NormIn { w: &g, eps: 1e-6, check: None };
+                    dense::gemv_rmsnorm(
+                        gpu,
+                        &x,
+                        norm,
+                        &mut normed,
+                        false,
+                        &ws[i % copies],
+                        n,
+                        k,
+                        &mut out,
+                        Write::Store,
+                    )
+                    .map_err(e)
+                });
+                dense::force_gemv_ksplit(None);
+                let name = if ks == 0 { "auto".to_string() } else { ks.to_string() };
+                line += &format!(" {name} {:.2} us", s? * 1e6);
+            }
+            println!("{line}");
+        }
     }
     let logits = gpu.upload(&rand_f32(3, 151_936, 1.0)).map_err(e)?;
     let mut ids = gpu.alloc_zeros::<u32>(1).map_err(e)?;
