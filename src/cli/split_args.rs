@@ -48,8 +48,9 @@ pub fn split_line(s: &SplitStats) -> String {
         .iter()
         .enumerate()
         .map(|(i, st)| {
+            let rate = st.expert_rows_per_second.map_or(String::new(), |r| format!(", {r:.0} expert rows/s"));
             format!(
-                "stage {i} layers {}..{} (threads {}) {:.3} s",
+                "stage {i} layers {}..{} (threads {}) {:.3} s{rate}",
                 st.layers.start, st.layers.end, st.threads, st.seconds
             )
         })

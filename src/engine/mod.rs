@@ -251,18 +251,69 @@ fn cpu_stages(ranges: Vec<Range<usize>>, threads: Option<usize>) -> Result<Vec<C
         .collect()
 }
 
-/// The stage that helps stage `active` and the share of expert rows it
-/// takes: the other stage with the most threads (the nearest after
-/// `active` on ties), its share its fraction of the two stages' threads
-/// (CPU stages of one machine run at the same speed per thread).
-fn helper_of(stages: &[CpuStage], active: usize) -> (&dyn Backend, f64) {
+/// The stage that helps stage `active` and the prior of the share of expert
+/// rows it takes (`HelpRates` refines it from measured speeds): the other
+/// stage with the most threads (the nearest after `active` on ties), its
+/// share its fraction of the two stages' threads (CPU stages of one machine
+/// run at about the same speed per thread).
+fn helper_of(stages: &[CpuStage], active: usize) -> (usize, &dyn Backend, f64) {
     let n = stages.len();
     let helper = (1..n)
         .map(|d| (active + d) % n)
         .max_by_key(|&i| (stages[i].backend.threads(), std::cmp::Reverse((i + n - active) % n)))
         .expect("a split has another stage");
     let (a, h) = (stages[active].backend.threads() as f64, stages[helper].backend.threads() as f64);
-    (&stages[helper].backend, h / (a + h))
+    (helper, &stages[helper].backend, h / (a + h))
+}
+
+/// The engine's model of its stages' speeds for prefill help: the expert
+/// rows per second each stage computed in helped MoE steps (its own part
+/// as the active stage, or the rest as the helper), smoothed over steps.
+/// Once both stages of a pair are measured, the helper's share is its
+/// fraction of their summed speed, within HELP_SHARE_BOUNDS (so both keep
+/// being measured); before that, the prior. The share decides only which
+/// device computes a row, never its value: logits do not depend on it.
+#[derive(Clone, Debug, Default)]
+struct HelpRates {
+    rates: Vec<Option<f64>>,
+}
+
+/// Weight of a new measurement in a stage's smoothed speed.
+const HELP_RATE_SMOOTHING: f64 = 0.25;
+/// Bounds of a measured share.
+const HELP_SHARE_BOUNDS: (f64, f64) = (0.05, 0.95);
+/// Fewest rows a side must compute for its time to count (fewer: fixed costs dominate).
+const HELP_MIN_ROWS: usize = 16;
+
+impl HelpRates {
+    fn new(stages: usize) -> HelpRates {
+        HelpRates { rates: vec![None; stages] }
+    }
+
+    /// Stage `stage` computed `rows` expert rows in `seconds`.
+    fn observe(&mut self, stage: usize, rows: usize, seconds: f64) {
+        if rows < HELP_MIN_ROWS || seconds <= 0.0 || !seconds.is_finite() {
+            return;
+        }
+        let r = rows as f64 / seconds;
+        let slot = &mut self.rates[stage];
+        *slot = Some(match *slot {
+            Some(old) => old + HELP_RATE_SMOOTHING * (r - old),
+            None => r,
+        });
+    }
+
+    /// The share of rows `helper` takes from `active`.
+    fn share(&self, active: usize, helper: usize, prior: f64) -> f64 {
+        match (self.rates[active], self.rates[helper]) {
+            (Some(a), Some(h)) => (h / (a + h)).clamp(HELP_SHARE_BOUNDS.0, HELP_SHARE_BOUNDS.1),
+            _ => prior,
+        }
+    }
+
+    fn rate(&self, stage: usize) -> Option<f64> {
+        self.rates[stage]
+    }
 }
 
 /// Fractions of a load at which each phase ends; the rest is decoding the
@@ -309,6 +360,8 @@ struct Inner {
     prefill_help: Help,
     /// What the stages of a layer split did (`None` on one device).
     split: Option<parking_lot::Mutex<SplitStats>>,
+    /// The stages' measured speeds for prefill help (a split only).
+    help_rates: parking_lot::Mutex<HelpRates>,
     /// Tests: layers left to run before a forward fails.
     #[cfg(test)]
     fail_after_layers: std::sync::Mutex<Option<usize>>,
@@ -363,6 +416,10 @@ pub struct StageStats {
     pub threads: usize,
     /// Time spent running this stage's layers (its own, not helping).
     pub seconds: f64,
+    /// Expert rows per second this stage computed in helped MoE steps
+    /// (smoothed; `None` until measured): the speeds prefill help's share
+    /// follows.
+    pub expert_rows_per_second: Option<f64>,
 }
 
 /// Dense weights in f32, decoded once at load. Experts stay in the pack.
@@ -688,7 +745,8 @@ impl Engine {
             Device::Cpu => CpuExpertCache::load(&pack, &opts.expert_cache)?.map(parking_lot::Mutex::new),
             Device::Cuda(_) => None, // the GPU model holds its own
         };
-        let split = (ranges.len() > 1).then(|| parking_lot::Mutex::new(SplitStats::default()));
+        let n_stages = ranges.len();
+        let split = (n_stages > 1).then(|| parking_lot::Mutex::new(SplitStats::default()));
         let exec = match device {
             Device::Cpu => {
                 let stages = cpu_stages(ranges, opts.threads)?;
@@ -696,7 +754,12 @@ impl Engine {
                 if let Some(split) = &split {
                     split.lock().stages = stages
                         .iter()
-                        .map(|s| StageStats { layers: s.layers.clone(), threads: s.backend.threads(), seconds: 0.0 })
+                        .map(|s| StageStats {
+                            layers: s.layers.clone(),
+                            threads: s.backend.threads(),
+                            seconds: 0.0,
+                            expert_rows_per_second: None,
+                        })
                         .collect();
                 }
                 Exec::Cpu { stages, weights }
@@ -723,6 +786,7 @@ impl Engine {
                 rope,
                 experts,
                 prefill_help: opts.prefill_help,
+                help_rates: parking_lot::Mutex::new(HelpRates::new(n_stages)),
                 split,
                 #[cfg(test)]
                 fail_after_layers: std::sync::Mutex::new(None),
@@ -743,7 +807,12 @@ impl Engine {
 
     /// What the stages of a layer split did since load (`None` on one device).
     pub fn split_stats(&self) -> Option<SplitStats> {
-        self.inner.split.as_ref().map(|s| s.lock().clone())
+        let mut stats = self.inner.split.as_ref().map(|s| s.lock().clone())?;
+        let rates = self.inner.help_rates.lock();
+        for (i, st) in stats.stages.iter_mut().enumerate() {
+            st.expert_rows_per_second = rates.rate(i);
+        }
+        Some(stats)
     }
 
     /// Tests: a forward fails (`Error::Cancelled`) once `layers` more layers
@@ -915,7 +984,7 @@ impl Engine {
                     Mixer::Attention { .. } => self.attention_block(b, l, lw, kv, &mut x),
                     Mixer::Linear { .. } => self.linear_block(b, l, lw, kv, &mut x),
                 }
-                self.moe_block(b, helper, l, lw, &mut x)?;
+                self.moe_block(b, s, helper, l, lw, &mut x)?;
                 #[cfg(any(test, feature = "test-hooks"))]
                 if let Some(row) = self.take_nan(l, start, t) {
                     x[row * h] = f32::NAN;
@@ -1040,7 +1109,8 @@ impl Engine {
     fn moe_block(
         &self,
         b: &dyn Backend,
-        helper: Option<(&dyn Backend, f64)>,
+        active: usize,
+        helper: Option<(usize, &dyn Backend, f64)>,
         layer: usize,
         lw: &LayerWeights,
         x: &mut [f32],
@@ -1051,22 +1121,32 @@ impl Engine {
         let moe =
             MoeLayer { layer, router: &lw.router, top_k: c.num_experts_per_tok, norm_topk_prob: c.norm_topk_prob };
         let mut out = vec![0.0f32; x.len()];
-        let helper_rows = match (&self.inner.experts, helper) {
-            (Some(cache), helper) => cache.lock().moe_forward(b, helper, &self.inner.pack, &moe, &h, &mut out)?.1,
-            (None, Some((helper, share))) => {
+        // The helper and its share of this step (the measured speeds, once known).
+        let help = helper.map(|(i, hb, prior)| (i, hb, self.inner.help_rates.lock().share(active, i, prior)));
+        let timing = match (&self.inner.experts, help) {
+            (Some(cache), help) => {
+                let helper = help.map(|(_, hb, share)| (hb, share));
+                cache.lock().moe_forward(b, helper, &self.inner.pack, &moe, &h, &mut out)?.1
+            }
+            (None, Some((_, helper, share))) => {
                 let mut help = moe::HelpedCompute::new(&self.inner.pack, helper, share);
                 moe::forward_with(b, &mut help, &moe, &h, &mut out)?;
-                help.helper_rows()
+                help.timing()
             }
             (None, None) => {
                 moe::forward(b, &self.inner.pack, &moe, &h, &mut out)?;
-                0
+                moe::HelpTiming::default()
             }
         };
-        if let (Some(split), Some(_)) = (&self.inner.split, helper) {
+        if let Some((hi, _, _)) = help {
+            let mut rates = self.inner.help_rates.lock();
+            rates.observe(active, timing.own_rows, timing.own_seconds);
+            rates.observe(hi, timing.helper_rows, timing.helper_seconds);
+        }
+        if let (Some(split), Some(_)) = (&self.inner.split, help) {
             let mut s = split.lock();
             s.helped_layers += 1;
-            s.helper_rows += helper_rows as u64;
+            s.helper_rows += timing.helper_rows as u64;
         }
         if let Some(shared) = &lw.shared {
             self.shared_expert(b, shared, &h, &mut out)?;
@@ -1282,17 +1362,40 @@ mod tests {
     }
 
     #[test]
+    fn help_share_follows_the_measured_speeds_within_bounds() {
+        let mut r = HelpRates::new(3);
+        // Unmeasured: the prior.
+        assert_eq!(r.share(0, 1, 0.4), 0.4);
+        r.observe(0, 1000, 1.0);
+        assert_eq!(r.share(0, 1, 0.4), 0.4, "one side measured");
+        // Too few rows, or no time: not a measurement.
+        r.observe(1, HELP_MIN_ROWS - 1, 1.0);
+        r.observe(1, 1000, 0.0);
+        assert_eq!(r.rate(1), None);
+        // The helper at 3000 rows/s against 1000: it takes 3/4.
+        r.observe(1, 3000, 1.0);
+        assert!((r.share(0, 1, 0.4) - 0.75).abs() < 1e-12);
+        // Smoothed: a new measurement moves the rate a quarter of the way.
+        r.observe(0, 5000, 1.0);
+        assert_eq!(r.rate(0), Some(1000.0 + HELP_RATE_SMOOTHING * 4000.0));
+        // Bounded, so the slow side keeps being measured.
+        r.observe(2, 16, 1000.0);
+        assert_eq!(r.share(1, 2, 0.5), HELP_SHARE_BOUNDS.0);
+        assert_eq!(r.share(2, 1, 0.5), HELP_SHARE_BOUNDS.1);
+    }
+
+    #[test]
     fn stages_divide_the_threads_and_the_helper_share_follows_them() {
         let stages = cpu_stages(vec![0..1, 1..2, 2..4], Some(5)).unwrap();
         let threads: Vec<usize> = stages.iter().map(|s| s.backend.threads()).collect();
         assert_eq!(threads, vec![2, 2, 1]);
         // Stage 2 (1 thread) is helped by stage 0 (2 threads, the nearest
         // after it among the largest): 2/3 of the rows.
-        let (helper, share) = helper_of(&stages, 2);
-        assert!(std::ptr::addr_eq(helper, &stages[0].backend));
+        let (i, helper, share) = helper_of(&stages, 2);
+        assert!(i == 0 && std::ptr::addr_eq(helper, &stages[0].backend));
         assert!((share - 2.0 / 3.0).abs() < 1e-12, "{share}");
-        let (helper, share) = helper_of(&stages, 0);
-        assert!(std::ptr::addr_eq(helper, &stages[1].backend));
+        let (i, helper, share) = helper_of(&stages, 0);
+        assert!(i == 1 && std::ptr::addr_eq(helper, &stages[1].backend));
         assert_eq!(share, 0.5);
         // Fewer threads than stages: one each.
         let one_each = cpu_stages(vec![0..1, 1..2], Some(1)).unwrap();

@@ -92,7 +92,7 @@ impl CpuExpertCache {
     /// With a `helper` (another backend and the share of rows it takes),
     /// each wave's groups are cut as `moe::help_cut` cuts them and the two
     /// parts computed at the same time (prefill help while experts stream).
-    /// Returns the routing and the rows the helper computed.
+    /// Returns the routing and what each side of the help computed.
     pub fn moe_forward(
         &mut self,
         backend: &dyn Backend,
@@ -101,10 +101,10 @@ impl CpuExpertCache {
         layer: &MoeLayer<'_>,
         h: &[f32],
         out: &mut [f32],
-    ) -> Result<(Routing, usize)> {
-        let mut compute = CacheCompute { cache: self, pack, helper, helper_rows: 0 };
+    ) -> Result<(Routing, moe::HelpTiming)> {
+        let mut compute = CacheCompute { cache: self, pack, helper, timing: moe::HelpTiming::default() };
         let routing = moe::forward_with(backend, &mut compute, layer, h, out)?;
-        Ok((routing, compute.helper_rows))
+        Ok((routing, compute.timing))
     }
 
     pub fn stats(&self) -> ExpertStats {
@@ -127,7 +127,7 @@ struct CacheCompute<'a> {
     cache: &'a mut CpuExpertCache,
     pack: &'a Pack,
     helper: Option<(&'a dyn Backend, f64)>,
-    helper_rows: usize,
+    timing: moe::HelpTiming,
 }
 
 impl ExpertCompute for CacheCompute<'_> {
@@ -199,7 +199,7 @@ impl ExpertCompute for CacheCompute<'_> {
                     // The wave's groups and its work are in the same order.
                     let wave = &groups[g..end];
                     let (work, n) = (&work, wave.len());
-                    self.helper_rows += moe::compute_helped(
+                    let timing = moe::compute_helped(
                         wave,
                         share,
                         xs,
@@ -213,6 +213,7 @@ impl ExpertCompute for CacheCompute<'_> {
                             Ok(())
                         },
                     )?;
+                    self.timing.add(timing);
                 }
             }
             (g, row) = (end, row + rows);

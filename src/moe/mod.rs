@@ -185,17 +185,42 @@ pub struct HelpedCompute<'a> {
     helper: &'a dyn Backend,
     /// The fraction of the rows the helper takes, in `0..=1`.
     share: f64,
-    helper_rows: usize,
+    timing: HelpTiming,
 }
 
 impl<'a> HelpedCompute<'a> {
     pub fn new(source: &'a dyn ExpertSource, helper: &'a dyn Backend, share: f64) -> HelpedCompute<'a> {
-        HelpedCompute { source, helper, share: share.clamp(0.0, 1.0), helper_rows: 0 }
+        HelpedCompute { source, helper, share: share.clamp(0.0, 1.0), timing: HelpTiming::default() }
     }
 
     /// The expert rows the helper computed so far.
     pub fn helper_rows(&self) -> usize {
-        self.helper_rows
+        self.timing.helper_rows
+    }
+
+    /// Rows and seconds of each side so far.
+    pub fn timing(&self) -> HelpTiming {
+        self.timing
+    }
+}
+
+/// What helped expert computations did: the rows each side computed and
+/// the seconds it took (the two sides run at the same time), the measure
+/// the engine's model of the devices' speeds learns from.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct HelpTiming {
+    pub own_rows: usize,
+    pub own_seconds: f64,
+    pub helper_rows: usize,
+    pub helper_seconds: f64,
+}
+
+impl HelpTiming {
+    pub fn add(&mut self, o: HelpTiming) {
+        self.own_rows += o.own_rows;
+        self.own_seconds += o.own_seconds;
+        self.helper_rows += o.helper_rows;
+        self.helper_seconds += o.helper_seconds;
     }
 }
 
@@ -227,7 +252,7 @@ impl ExpertCompute for HelpedCompute<'_> {
         y: &mut [f32],
     ) -> Result<()> {
         let (source, helper) = (self.source, self.helper);
-        self.helper_rows += compute_helped(
+        let timing = compute_helped(
             groups,
             self.share,
             x,
@@ -235,6 +260,7 @@ impl ExpertCompute for HelpedCompute<'_> {
             |own, x, y| SourceCompute(source).compute(backend, layer, own, x, y),
             |helped, x, y| SourceCompute(source).compute(helper, layer, helped, x, y),
         )?;
+        self.timing.add(timing);
         Ok(())
     }
 }
@@ -242,7 +268,7 @@ impl ExpertCompute for HelpedCompute<'_> {
 /// Prefill help's split, for every `ExpertCompute` that helps: `groups`
 /// (their rows of `x` and `y` in group order) are cut at `help_cut`, and
 /// `mine` computes the first part while `theirs` (on another thread: the
-/// helper) computes the rest. Returns the helper's rows.
+/// helper) computes the rest. Returns each side's rows and seconds.
 pub fn compute_helped<'g>(
     groups: &'g [ExpertGroup],
     share: f64,
@@ -250,20 +276,22 @@ pub fn compute_helped<'g>(
     y: &mut [f32],
     mine: impl FnOnce(&'g [ExpertGroup], &[f32], &mut [f32]) -> Result<()>,
     theirs: impl FnOnce(&'g [ExpertGroup], &[f32], &mut [f32]) -> Result<()> + Send,
-) -> Result<usize> {
+) -> Result<HelpTiming> {
     let (own, helped) = groups.split_at(help_cut(groups, share));
     let rows = |gs: &[ExpertGroup]| gs.iter().map(|g| g.tokens.len()).sum::<usize>();
     let hidden = x.len().checked_div(rows(groups)).unwrap_or(0);
     let (x_own, x_helped) = x.split_at(rows(own) * hidden);
     let (y_own, y_helped) = y.split_at_mut(rows(own) * hidden);
     let (a, b) = std::thread::scope(|scope| {
-        let b = scope.spawn(|| theirs(helped, x_helped, y_helped));
-        let a = mine(own, x_own, y_own);
+        let b = scope.spawn(|| {
+            let began = std::time::Instant::now();
+            theirs(helped, x_helped, y_helped).map(|()| began.elapsed().as_secs_f64())
+        });
+        let began = std::time::Instant::now();
+        let a = mine(own, x_own, y_own).map(|()| began.elapsed().as_secs_f64());
         (a, b.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
     });
-    a?;
-    b?;
-    Ok(rows(helped))
+    Ok(HelpTiming { own_rows: rows(own), own_seconds: a?, helper_rows: rows(helped), helper_seconds: b? })
 }
 
 /// The whole pipeline for `h [T, hidden]` (already normalized): writes the
