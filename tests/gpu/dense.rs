@@ -746,18 +746,26 @@ fn time_it(gpu: &Gpu, reps: usize, mut f: impl FnMut(usize) -> Result<(), String
     Ok(times[2])
 }
 
+/// Copies of a random `[n, k]` BF16 matrix that together exceed L2 (a
+/// timing loop rotates through them, so weights come from HBM).
+fn rotated_weights(gpu: &Gpu, n: usize, k: usize) -> Result<Vec<CudaSlice<bf16>>, String> {
+    let copies = (256usize << 20).div_ceil(n * k * 2).clamp(1, 64);
+    (0..copies)
+        .map(|c| {
+            let mut w = gpu.alloc_zeros::<bf16>(n * k).map_err(e)?;
+            gpu.fill_uniform_bf16(&mut w, c as u64 + 1).map_err(e)?;
+            Ok(w)
+        })
+        .collect()
+}
+
 /// Timing lines: GEMV GB/s (weights read from HBM: rotated copies larger
 /// than L2) and the cuBLAS GEMM's TFLOP/s at a prefill shape.
 fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
     for (t, n, k) in [(1, 151_936, 2048), (1, 4096, 2048), (8, 151_936, 2048), (1, 2048, 4096), (1, 1, 2048)] {
         let bytes = n * k * 2;
-        let copies = (256usize << 20).div_ceil(bytes).clamp(1, 64);
-        let mut ws: Vec<CudaSlice<bf16>> = Vec::new();
-        for c in 0..copies {
-            let mut w = gpu.alloc_zeros::<bf16>(n * k).map_err(e)?;
-            gpu.fill_uniform_bf16(&mut w, c as u64 + 1).map_err(e)?;
-            ws.push(w);
-        }
+        let ws = rotated_weights(gpu, n, k)?;
+        let copies = ws.len();
         let x = gpu.upload(&rand_f32(1, t * k, 1.0)).map_err(e)?;
         let mut out = poisoned(gpu, t * n)?;
         let s = time_it(gpu, 20, |i| dense::matmul(gpu, &x, &ws[i % copies], t, n, k, &mut out).map_err(e))?;
@@ -771,14 +779,8 @@ fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
     // The K split of the decode projections' shapes (qkv, o_proj, router of
     // 30b-a3b), each choice against the heuristic's.
     for (n, k) in [(5120, 2048), (2048, 4096), (128, 2048)] {
-        let bytes = n * k * 2;
-        let copies = (256usize << 20).div_ceil(bytes).clamp(1, 64);
-        let mut ws: Vec<CudaSlice<bf16>> = Vec::new();
-        for c in 0..copies {
-            let mut w = gpu.alloc_zeros::<bf16>(n * k).map_err(e)?;
-            gpu.fill_uniform_bf16(&mut w, c as u64 + 1).map_err(e)?;
-            ws.push(w);
-        }
+        let ws = rotated_weights(gpu, n, k)?;
+        let copies = ws.len();
         let x = gpu.upload(&rand_f32(1, k, 1.0)).map_err(e)?;
         let mut out = poisoned(gpu, n)?;
         let mut line = format!("     GEMV T=1 N={n} K={k} by K split:");
