@@ -160,6 +160,15 @@ pub const MAPPED_MAX_ROWS: usize = 8;
 /// Page-locked memory the device may read in place.
 const HOST_DEVICE_MAP: u32 = 0x02; // CU_MEMHOSTALLOC_DEVICEMAP
 
+impl Drop for GpuExpertCache {
+    /// Copies still queued (mapped decode's swaps are waited for by no
+    /// step) read host buffers and write slots this drop frees: wait first.
+    fn drop(&mut self) {
+        let _ = self.copy.synchronize();
+        let _ = self.gpu.stream().synchronize();
+    }
+}
+
 /// The phases of a cached MoE step the trace times.
 #[derive(Clone, Copy, Debug)]
 pub enum TracePhase {
@@ -347,16 +356,26 @@ impl GpuExpertCache {
     /// planned forward plans with ready slots only).
     fn finish_swaps(&mut self, wait_all: bool) -> Result<()> {
         let Some(mut m) = self.mapped.take() else { return Ok(()) };
-        let mut r = Ok(());
+        let mut r = self.gpu.context().bind_to_thread().map_err(Error::from);
         let mut left = Vec::new();
         for (slot, done) in m.swaps.drain(..) {
-            if wait_all {
-                if let Err(x) = done.synchronize() {
-                    r = Err(x.into());
-                }
-            } else if !done.is_complete() {
+            if r.is_err() {
                 left.push((slot, done));
                 continue;
+            }
+            let complete = if wait_all { done.synchronize().map(|()| true) } else { done.try_is_complete() };
+            match complete {
+                Ok(true) => {}
+                Ok(false) => {
+                    left.push((slot, done));
+                    continue;
+                }
+                Err(x) => {
+                    // A failed copy: the slot is not what the planner believes (poisoned below).
+                    r = Err(x.into());
+                    left.push((slot, done));
+                    continue;
+                }
             }
             self.planner.slot_fill_done(slot);
             let key = self.planner.slot_key(slot);
@@ -374,8 +393,13 @@ impl GpuExpertCache {
     /// compute stream), the copy waits for the steps queued before it, and
     /// `finish_swaps` points the entry at the slot once the copy is done.
     fn apply_mapped_swaps(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
+        if !fills.host.is_empty() {
+            // Only when every expert has a slot (with every expert in host
+            // memory there is nothing to swap in): no kernel reads a host
+            // buffer in place then, so they are filled as without mapping.
+            self.apply_host_fills(pack, fills)?;
+        }
         let Some(m) = self.mapped.as_ref() else { return Ok(()) };
-        debug_assert!(fills.host.is_empty(), "every expert already has a host buffer");
         let mut evicted = Vec::new();
         for f in &fills.slots {
             if let Some(old) = f.evicted {
@@ -514,15 +538,7 @@ impl GpuExpertCache {
     }
 
     fn apply_fills(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
-        if !fills.host.is_empty() {
-            // A host buffer may still be the source of a queued copy.
-            self.copy.synchronize()?;
-            for f in &fills.host {
-                let blob = pack.expert(f.key.layer, f.key.expert)?.blob;
-                self.host.range_mut(f.host * self.stride, self.used).copy_from_slice(&blob[..self.used]);
-                self.planner.host_fill_done(f.host);
-            }
-        }
+        self.apply_host_fills(pack, fills)?;
         for f in &fills.slots {
             let dst = self.slot_addr(f.slot);
             self.copy_in(pack, f.key, f.from, dst)?;
@@ -531,6 +547,21 @@ impl GpuExpertCache {
         if !fills.slots.is_empty() {
             self.copied.record(&self.copy)?;
             self.gpu.stream().wait(&self.copied)?;
+        }
+        Ok(())
+    }
+
+    /// Host fills: blobs read from the pack into host buffers, after the
+    /// copies that may still read those buffers.
+    fn apply_host_fills(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
+        if fills.host.is_empty() {
+            return Ok(());
+        }
+        self.copy.synchronize()?;
+        for f in &fills.host {
+            let blob = pack.expert(f.key.layer, f.key.expert)?.blob;
+            self.host.range_mut(f.host * self.stride, self.used).copy_from_slice(&blob[..self.used]);
+            self.planner.host_fill_done(f.host);
         }
         Ok(())
     }
@@ -634,12 +665,17 @@ impl GpuExpertCache {
             };
             self.mirror.range_mut(row + e * 8, 8).copy_from_slice(&addr.to_le_bytes());
         }
-        let stream = self.gpu.stream();
+        let gpu = self.gpu.clone();
+        let stream = gpu.stream();
         if !plan.fills.is_empty() {
-            self.copied.record(&self.copy)?;
-            stream.wait(&self.copied)?;
-            // The step cannot compute before its misses are in: that wait.
-            self.copied.synchronize()?;
+            let waited = (|| -> Result<()> {
+                self.copied.record(&self.copy)?;
+                stream.wait(&self.copied)?;
+                // The step cannot compute before its misses are in: that wait.
+                self.copied.synchronize()?;
+                Ok(())
+            })();
+            self.poison_on(waited)?;
             self.planner.record_wait(started.elapsed().as_nanos() as u64);
         }
         let dst = self.table_addrs[layer];

@@ -23,9 +23,10 @@ pub const TESTS: &[GpuTest] = &[
 ];
 
 /// Relative to max |logit|. The cache runs the resident path's expert
-/// kernels on the same bytes; only decode differs in how the top-k reaches
-/// them (the routing kernel, not the routed GEMV's fused top-k), which may
-/// reorder the softmax sum: ~1e-7, amplified by the tiny random models.
+/// kernels on the same bytes; only planned decode differs in how the top-k
+/// reaches them (the routing kernel, not the routed GEMV's fused top-k, which
+/// mapped decode keeps), which may reorder the softmax sum: ~1e-7, amplified
+/// by the tiny random models.
 const TOL: f32 = 1e-4;
 
 fn prompt(vocab: usize, n: usize) -> Vec<u32> {
@@ -68,7 +69,7 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
         let want = run(&resident, &tokens)?;
         let blob = strata::pack::Pack::open(&pack).map_err(e)?.layout().stride;
         type Check = fn(&ExpertStats) -> bool;
-        let cases: [(&str, ExpertCacheOptions, Check); 6] = [
+        let cases: [(&str, ExpertCacheOptions, Check); 7] = [
             ("every expert in a slot", ExpertCacheOptions { slots: Some(pairs), ..Default::default() }, |s| {
                 s.misses == 0 && s.hits > 0
             }),
@@ -107,6 +108,17 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
                     ..Default::default()
                 },
                 |s| s.mapped > 0 && s.bytes_mapped > 0 && s.swaps > 0 && s.hits > 0,
+            ),
+            (
+                "every expert in a slot and host swaps (mapped decode through the slots)",
+                ExpertCacheOptions {
+                    slots: Some(pairs),
+                    host_budget: Some(blob * (pairs as u64 / 2 + 4)),
+                    adapt_every: 2,
+                    adapt_swaps: 2,
+                    ..Default::default()
+                },
+                |s| s.misses == 0 && s.mapped == 0 && s.host_swaps > 0,
             ),
             (
                 "adaptive swaps, half the experts in host memory",
