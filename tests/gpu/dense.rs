@@ -759,25 +759,11 @@ fn rotated_weights(gpu: &Gpu, n: usize, k: usize) -> Result<Vec<CudaSlice<bf16>>
         .collect()
 }
 
-/// Timing lines: GEMV GB/s (weights read from HBM: rotated copies larger
-/// than L2) and the cuBLAS GEMM's TFLOP/s at a prefill shape.
-fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
-    for (t, n, k) in [(1, 151_936, 2048), (1, 4096, 2048), (8, 151_936, 2048), (1, 2048, 4096), (1, 1, 2048)] {
-        let bytes = n * k * 2;
-        let ws = rotated_weights(gpu, n, k)?;
-        let copies = ws.len();
-        let x = gpu.upload(&rand_f32(1, t * k, 1.0)).map_err(e)?;
-        let mut out = poisoned(gpu, t * n)?;
-        let s = time_it(gpu, 20, |i| dense::matmul(gpu, &x, &ws[i % copies], t, n, k, &mut out).map_err(e))?;
-        let moved = (bytes + t * k * 4 + t * n * 4) as f64;
-        println!(
-            "     GEMV T={t} N={n} K={k}: {:.1} us, {:.0} GB/s (HBM ~4300 GB/s on H200)",
-            s * 1e6,
-            moved / s / 1e9
-        );
-    }
-    // The K split of the decode projections' shapes (qkv, o_proj, router of
-    // 30b-a3b), each choice against the heuristic's.
+/// Timing lines of the GEMV K split (`dense::force_gemv_ksplit`, a
+/// `test-hooks` item): the decode projections' shapes (qkv, o_proj, router
+/// of 30b-a3b), each choice against the heuristic's.
+#[cfg(feature = "test-hooks")]
+fn ksplit_lines(gpu: &Arc<Gpu>) -> Result<(), String> {
     for (n, k) in [(5120, 2048), (2048, 4096), (128, 2048)] {
         let ws = rotated_weights(gpu, n, k)?;
         let copies = ws.len();
@@ -822,6 +808,28 @@ fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
             println!("{line}");
         }
     }
+    Ok(())
+}
+
+/// Timing lines: GEMV GB/s (weights read from HBM: rotated copies larger
+/// than L2) and the cuBLAS GEMM's TFLOP/s at a prefill shape.
+fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for (t, n, k) in [(1, 151_936, 2048), (1, 4096, 2048), (8, 151_936, 2048), (1, 2048, 4096), (1, 1, 2048)] {
+        let bytes = n * k * 2;
+        let ws = rotated_weights(gpu, n, k)?;
+        let copies = ws.len();
+        let x = gpu.upload(&rand_f32(1, t * k, 1.0)).map_err(e)?;
+        let mut out = poisoned(gpu, t * n)?;
+        let s = time_it(gpu, 20, |i| dense::matmul(gpu, &x, &ws[i % copies], t, n, k, &mut out).map_err(e))?;
+        let moved = (bytes + t * k * 4 + t * n * 4) as f64;
+        println!(
+            "     GEMV T={t} N={n} K={k}: {:.1} us, {:.0} GB/s (HBM ~4300 GB/s on H200)",
+            s * 1e6,
+            moved / s / 1e9
+        );
+    }
+    #[cfg(feature = "test-hooks")]
+    ksplit_lines(gpu)?;
     let logits = gpu.upload(&rand_f32(3, 151_936, 1.0)).map_err(e)?;
     let mut ids = gpu.alloc_zeros::<u32>(1).map_err(e)?;
     let s = time_it(gpu, 50, |_| dense::argmax(gpu, &logits, 1, 151_936, &mut ids).map_err(e))?;
