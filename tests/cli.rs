@@ -73,6 +73,12 @@ fn synth_inspect_generate() {
     let (rc, _, err) = strata(&["generate", "--pack", p, "--tokens", "1", "--device", "cpu,cpu", "--layer-split", "2"]);
     assert_eq!(rc, 1);
     assert!(err.contains("layer split [2]"), "{err}");
+    // The split from memory budgets: the same tokens; budgets too small are refused by name.
+    assert_eq!(gen(&[]), gen(&["--device", "cpu,cpu", "--stage-memory-gib", "1,1"]));
+    let (rc, _, err) =
+        strata(&["generate", "--pack", p, "--tokens", "1", "--device", "cpu,cpu", "--stage-memory-gib", "0,0"]);
+    assert_eq!(rc, 1);
+    assert!(err.contains("memory budgets"), "{err}");
     // A cache below its minimum (one token's experts) fails the load, naming the need.
     let (rc, _, err) = strata(&["generate", "--pack", p, "--tokens", "1,2", "-n", "2", "--expert-cache", "1"]);
     assert_eq!(rc, 1);

@@ -253,6 +253,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         threads: a.threads,
         devices: a.device.clone(),
         layer_split: a.split.layer_split(),
+        stage_memory: a.split.stage_memory(),
         prefill_help: a.split.help(),
         expert_cache: a.cache.options(),
         gpu_precision: match a.precision {

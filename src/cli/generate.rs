@@ -72,6 +72,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             threads: a.threads,
             devices: a.device.clone(),
             layer_split: a.split.layer_split(),
+            stage_memory: a.split.stage_memory(),
             prefill_help: a.split.help(),
             expert_cache: a.cache.options(),
             ..Default::default()

@@ -12,6 +12,11 @@ pub struct SplitArgs {
     /// evenly).
     #[arg(long, value_delimiter = ',')]
     layer_split: Option<Vec<usize>>,
+    /// With several devices, instead of --layer-split: each device's memory
+    /// budget in GiB, comma-separated; the split is chosen so that every
+    /// stage's layers fit its budget, as evenly filled as they can be.
+    #[arg(long, value_delimiter = ',', conflicts_with = "layer_split")]
+    stage_memory_gib: Option<Vec<f64>>,
     /// Whether an idle stage computes part of the active layer's expert
     /// rows during prefill: auto (chunks of at least 64 tokens), on or off.
     #[arg(long, value_enum, default_value = "auto")]
@@ -29,6 +34,10 @@ pub enum HelpArg {
 impl SplitArgs {
     pub fn layer_split(&self) -> Option<Vec<usize>> {
         self.layer_split.clone()
+    }
+
+    pub fn stage_memory(&self) -> Option<Vec<u64>> {
+        self.stage_memory_gib.as_ref().map(|v| v.iter().map(|g| (g.max(0.0) * (1u64 << 30) as f64) as u64).collect())
     }
 
     pub fn help(&self) -> Help {

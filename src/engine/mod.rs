@@ -63,6 +63,12 @@ pub struct EngineOptions {
     /// increasing, inside `1..num_hidden_layers`, one per extra device.
     /// `None` divides the layers evenly (earlier stages take the remainder).
     pub layer_split: Option<Vec<usize>>,
+    /// With several devices and no `layer_split`: each device's memory
+    /// budget in bytes, one per device; the split is chosen so that every
+    /// stage's layers fit its budget, as evenly filled as they can be
+    /// (`stage_layers_by_budget`). On CPU devices (one host memory) the
+    /// budgets only choose the split.
+    pub stage_memory: Option<Vec<u64>>,
     /// Whether an idle stage helps with the expert rows of the active
     /// stage's MoE layers during prefill (needs several devices).
     pub prefill_help: Help,
@@ -155,6 +161,107 @@ pub fn stage_layers(layers: usize, stages: usize, split: Option<&[usize]>) -> Re
     bounds.extend(starts);
     bounds.push(layers);
     Ok(bounds.windows(2).map(|w| w[0]..w[1]).collect())
+}
+
+/// What a stage holds, in bytes as the pack stores it: per layer its dense
+/// tensors and all its experts' blobs (every expert resident); then what
+/// the first stage adds (the embedding) and the last (final norm, LM head).
+pub fn stage_bytes(pack: &Pack) -> Result<(Vec<u64>, u64, u64)> {
+    let c = pack.config();
+    let mut layers = vec![0u64; c.num_hidden_layers];
+    let (mut first, mut last) = (0u64, 0u64);
+    let embed = crate::model::weights::model_tensor_name(crate::model::weights::Role::Embedding);
+    for t in &pack.manifest().tensors {
+        // NVFP4: the codes, and one E4M3 scale per 16 values.
+        let bytes = t.nbytes + if t.scales_offset.is_some() { t.numel() / 16 } else { 0 };
+        let layer = t
+            .name
+            .strip_prefix("model.layers.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|l| l.parse::<usize>().ok());
+        match layer {
+            Some(l) if l < layers.len() => layers[l] += bytes,
+            Some(_) => {}
+            None if t.name.starts_with("mtp.") => {} // the MTP head (speculative decoding) is not staged yet
+            None if t.name == embed => {
+                first += bytes;
+                if c.tie_word_embeddings {
+                    last += bytes; // the head reads it too
+                }
+            }
+            None => last += bytes,
+        }
+    }
+    for (l, b) in layers.iter_mut().enumerate() {
+        *b += pack.expert_layer_bytes(l)?.len() as u64;
+    }
+    Ok((layers, first, last))
+}
+
+/// The layers of each stage from per-device memory budgets: contiguous
+/// ranges, at least one layer each, every stage's bytes (its layers, plus
+/// `first` on the first stage and `last` on the last) within its budget,
+/// minimizing the fullest stage's fraction of its budget (ties: the earlier
+/// cut). Refuses with `Error::InvalidArgument` naming the budgets and the
+/// need when no split fits.
+pub fn stage_layers_by_budget(
+    layer_bytes: &[u64],
+    first: u64,
+    last: u64,
+    budgets: &[u64],
+) -> Result<Vec<Range<usize>>> {
+    let (n, stages) = (layer_bytes.len(), budgets.len());
+    if stages == 0 || stages > n {
+        return Err(Error::InvalidArgument(format!(
+            "{stages} memory budget(s) for {n} layers: one per device, a stage needs a layer"
+        )));
+    }
+    let mut prefix = vec![0u64; n + 1];
+    for (i, b) in layer_bytes.iter().enumerate() {
+        prefix[i + 1] = prefix[i] + b;
+    }
+    let fill = |s: usize, a: usize, b: usize| {
+        let extra = if s == 0 { first } else { 0 } + if s + 1 == stages { last } else { 0 };
+        (prefix[b] - prefix[a] + extra) as f64 / budgets[s].max(1) as f64
+    };
+    // best[s][e]: the lowest fullest fraction of stages 0..=s over layers 0..e, and the start of stage s.
+    let mut best = vec![vec![(f64::INFINITY, 0usize); n + 1]; stages];
+    for (e, b) in best[0].iter_mut().enumerate().skip(1) {
+        *b = (fill(0, 0, e), 0);
+    }
+    for s in 1..stages {
+        for e in s + 1..=n {
+            for a in s..e {
+                let v = best[s - 1][a].0.max(fill(s, a, e));
+                if v < best[s][e].0 {
+                    best[s][e] = (v, a);
+                }
+            }
+        }
+    }
+    let mut bounds = vec![n];
+    for s in (1..stages).rev() {
+        bounds.push(best[s][*bounds.last().expect("pushed")].1);
+    }
+    bounds.push(0);
+    bounds.reverse();
+    let ranges: Vec<Range<usize>> = bounds.windows(2).map(|w| w[0]..w[1]).collect();
+    if best[stages - 1][n].0 > 1.0 {
+        let need: Vec<String> = ranges
+            .iter()
+            .enumerate()
+            .map(|(s, r)| format!("{:.1} MiB", fill(s, r.start, r.end) * budgets[s] as f64 / 1048576.0))
+            .collect();
+        let have: Vec<String> = budgets.iter().map(|b| format!("{:.1} MiB", *b as f64 / 1048576.0)).collect();
+        return Err(Error::InvalidArgument(format!(
+            "memory budgets [{}] do not hold the model's {:.1} MiB of layers: the best split {:?} needs [{}]",
+            have.join(", "),
+            (prefix[n] + first + last) as f64 / 1048576.0,
+            &bounds[1..stages],
+            need.join(", ")
+        )));
+    }
+    Ok(ranges)
 }
 
 /// How the GPU rounds activations in its tensor-core products (the
@@ -740,7 +847,25 @@ impl Engine {
         let rope = Rope::new(c);
         let devices = Device::parse_list(&opts.devices)?;
         let device = devices[0];
-        let ranges = stage_layers(c.num_hidden_layers, devices.len(), opts.layer_split.as_deref())?;
+        let ranges = match (&opts.layer_split, &opts.stage_memory) {
+            (Some(_), Some(_)) => {
+                return Err(Error::InvalidArgument(
+                    "layer_split and stage_memory: give the split points or the budgets, not both".into(),
+                ))
+            }
+            (None, Some(budgets)) => {
+                if budgets.len() != devices.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "stage_memory: {} budget(s) for {} device(s), one per device",
+                        budgets.len(),
+                        devices.len()
+                    )));
+                }
+                let (layers, first, last) = stage_bytes(&pack)?;
+                stage_layers_by_budget(&layers, first, last, budgets)?
+            }
+            (split, None) => stage_layers(c.num_hidden_layers, devices.len(), split.as_deref())?,
+        };
         let experts = match device {
             Device::Cpu => CpuExpertCache::load(&pack, &opts.expert_cache)?.map(parking_lot::Mutex::new),
             Device::Cuda(_) => None, // the GPU model holds its own
@@ -1401,6 +1526,53 @@ mod tests {
         let one_each = cpu_stages(vec![0..1, 1..2], Some(1)).unwrap();
         assert!(one_each.iter().all(|s| s.backend.threads() == 1));
         assert!(matches!(cpu_stages(vec![0..1, 1..2], Some(0)), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn a_split_from_memory_budgets_fills_the_stages_evenly_within_them() {
+        // 8 layers of 10 bytes, the embedding (5) on the first stage, the head (5) on the last.
+        let layers = [10u64; 8];
+        // Equal budgets: 4 + 4 layers (45 bytes each).
+        assert_eq!(stage_layers_by_budget(&layers, 5, 5, &[100, 100]).unwrap(), vec![0..4, 4..8]);
+        // Budgets 5 : 12 -> about a quarter of the layers first: 2 (25/50) and 6 (65/120).
+        assert_eq!(stage_layers_by_budget(&layers, 5, 5, &[50, 120]).unwrap(), vec![0..2, 2..8]);
+        // Uneven layers (a heavy layer 2): the cut balances bytes, not layer counts.
+        let uneven = [10u64, 10, 60, 10, 10, 10, 10, 10];
+        assert_eq!(stage_layers_by_budget(&uneven, 0, 0, &[100, 100]).unwrap(), vec![0..3, 3..8]);
+        // Three stages, tight: contiguous, every layer once, each within 30 bytes.
+        let three = stage_layers_by_budget(&layers, 0, 0, &[30, 30, 30]).unwrap();
+        assert_eq!((three[0].start, three[2].end), (0, 8));
+        assert!(three.windows(2).all(|w| w[0].end == w[1].start && !w[0].is_empty()), "{three:?}");
+        assert!(three.iter().all(|r| r.len() <= 3 && !r.is_empty()), "{three:?}");
+        // No split fits: named budgets and need.
+        let err = stage_layers_by_budget(&layers, 5, 5, &[40, 40]).unwrap_err().to_string();
+        assert!(err.contains("memory budgets") && err.contains("do not hold"), "{err}");
+        assert!(stage_layers_by_budget(&layers, 0, 0, &[]).is_err());
+        assert!(stage_layers_by_budget(&[10], 0, 0, &[100, 100]).is_err(), "a stage needs a layer");
+        // Through the engine: the pack's own bytes, a budget far larger on the second device.
+        let dir = tempfile::tempdir().unwrap();
+        write_tiny_pack(dir.path(), &tiny_config(), &TinyPack::default()).unwrap();
+        let pack = Pack::open(dir.path()).unwrap();
+        let (per_layer, first, last) = stage_bytes(&pack).unwrap();
+        assert_eq!(per_layer.len(), tiny_config().num_hidden_layers);
+        assert!(per_layer.iter().all(|&b| b > 0) && first > 0 && last > 0);
+        let total: u64 = per_layer.iter().sum::<u64>() + first + last;
+        let two = vec!["cpu".to_string(), "cpu".to_string()];
+        let opts = EngineOptions { devices: two.clone(), stage_memory: Some(vec![total, total]), ..Default::default() };
+        let e = Engine::load(dir.path(), &opts).unwrap();
+        let want = stage_layers_by_budget(&per_layer, first, last, &[total, total]).unwrap();
+        let got: Vec<_> = e.split_stats().unwrap().stages.iter().map(|s| s.layers.clone()).collect();
+        assert_eq!(got, want);
+        let prompt = [5, 17, 90, 3];
+        let mut s = e.new_session(&SessionOptions::default()).unwrap();
+        assert_eq!(s.prefill_all(&prompt).unwrap(), logits_of(dir.path(), &EngineOptions::default(), &prompt));
+        for bad in [
+            EngineOptions { stage_memory: Some(vec![1, 1]), ..opts.clone() },
+            EngineOptions { stage_memory: Some(vec![total]), ..opts.clone() },
+            EngineOptions { layer_split: Some(vec![1]), ..opts.clone() },
+        ] {
+            assert!(matches!(Engine::load(dir.path(), &bad), Err(Error::InvalidArgument(_))), "{bad:?}");
+        }
     }
 
     #[test]

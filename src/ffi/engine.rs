@@ -300,6 +300,7 @@ pub unsafe extern "C" fn strata_engine_load(
                 }
             },
             layer_split: layer_split.map(|s| s.iter().map(|&l| l as usize).collect()),
+            stage_memory: None,
             prefill_help: match p.prefill_help {
                 strata_prefill_help::STRATA_PREFILL_HELP_AUTO => Help::Auto,
                 strata_prefill_help::STRATA_PREFILL_HELP_ON => Help::On,
