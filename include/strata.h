@@ -267,6 +267,17 @@ typedef struct strata_engine_params {
    stage's expert rows); default `STRATA_PREFILL_HELP_AUTO`.
    */
   strata_prefill_help prefill_help;
+  /*
+   With several devices, instead of `layer_split`: each device's memory
+   budget in bytes, one per device (`n_stage_memory` of them); the split
+   is the one that fits every stage in its budget, as evenly filled as
+   it can be. NULL (default) = none. Read during the call only.
+   */
+  const uint64_t *stage_memory_bytes;
+  /*
+   Entries of `stage_memory_bytes`. Default 0.
+   */
+  uint32_t n_stage_memory;
 } strata_engine_params;
 
 /*

@@ -483,6 +483,29 @@ fn layer_split_through_the_c_api() {
     // SAFETY: an out-of-range enum value is what the check must catch; it is only read as an int.
     unsafe { *(std::ptr::addr_of_mut!(bad.prefill_help) as *mut u32) = 3 };
     expect_err(try_load(&bad), STRATA_ERR_INVALID_ARGUMENT, "prefill_help");
+    // The split from memory budgets instead: the same logits; budgets too
+    // small, a NULL list with a count, or both ways at once are refused.
+    let budgets = [1u64 << 30, 1 << 30];
+    let mut by_budget = p;
+    by_budget.layer_split = ptr::null();
+    by_budget.n_layer_split = 0;
+    by_budget.stage_memory_bytes = budgets.as_ptr();
+    by_budget.n_stage_memory = 2;
+    let three = load_with(&path, &by_budget);
+    let s3 = open(&three);
+    prefill(&s3, &prompt);
+    assert!(logits(&s3, -1).iter().zip(&a).all(|(x, y)| x.to_bits() == y.to_bits()), "budget split logits differ");
+    let tiny = [1u64, 1];
+    let mut bad = by_budget;
+    bad.stage_memory_bytes = tiny.as_ptr();
+    expect_err(try_load(&bad), STRATA_ERR_INVALID_ARGUMENT, "memory budgets");
+    let mut bad = by_budget;
+    bad.stage_memory_bytes = ptr::null();
+    expect_err(try_load(&bad), STRATA_ERR_INVALID_ARGUMENT, "stage_memory_bytes is NULL");
+    let mut bad = by_budget;
+    bad.layer_split = split.as_ptr();
+    bad.n_layer_split = 1;
+    expect_err(try_load(&bad), STRATA_ERR_INVALID_ARGUMENT, "not both");
 }
 
 #[test]

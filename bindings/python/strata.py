@@ -137,6 +137,8 @@ class EngineParams(_Sized):
         ("layer_split", POINTER(c_uint32)),
         ("n_layer_split", c_uint32),
         ("prefill_help", c_int),
+        ("stage_memory_bytes", POINTER(c_uint64)),
+        ("n_stage_memory", c_uint32),
     ]
 
 
@@ -343,11 +345,13 @@ class Engine:
         progress=None,
         layer_split: Optional[Sequence[int]] = None,
         prefill_help: str = "auto",
+        stage_memory_bytes: Optional[Sequence[int]] = None,
     ):
         """progress(fraction) -> bool: return False to cancel the load.
         With several devices: layer_split, the first layer of each stage
-        after the first (default: even), and prefill_help "auto", "on" or
-        "off"."""
+        after the first (default: even), or stage_memory_bytes, one memory
+        budget per device that chooses the split; and prefill_help "auto",
+        "on" or "off"."""
         self._ptr = None
         params = EngineParams()
         _check("strata_engine_default_params", _lib.strata_engine_default_params(byref(params), sizeof(params)))
@@ -360,6 +364,10 @@ class Engine:
             self._split = (c_uint32 * len(layer_split))(*layer_split)  # read during the load only
             params.layer_split = ctypes.cast(self._split, POINTER(c_uint32))
             params.n_layer_split = len(layer_split)
+        if stage_memory_bytes is not None:
+            self._budgets = (c_uint64 * len(stage_memory_bytes))(*stage_memory_bytes)  # read during the load only
+            params.stage_memory_bytes = ctypes.cast(self._budgets, POINTER(c_uint64))
+            params.n_stage_memory = len(stage_memory_bytes)
         helps = {"auto": 0, "on": 1, "off": 2}
         if prefill_help not in helps:
             raise ValueError(f"prefill_help {prefill_help!r}: one of auto, on, off")

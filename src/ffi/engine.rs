@@ -87,6 +87,13 @@ pub struct strata_engine_params {
     /// Prefill help on a split (an idle stage takes a share of the active
     /// stage's expert rows); default `STRATA_PREFILL_HELP_AUTO`.
     pub prefill_help: strata_prefill_help,
+    /// With several devices, instead of `layer_split`: each device's memory
+    /// budget in bytes, one per device (`n_stage_memory` of them); the split
+    /// is the one that fits every stage in its budget, as evenly filled as
+    /// it can be. NULL (default) = none. Read during the call only.
+    pub stage_memory_bytes: *const u64,
+    /// Entries of `stage_memory_bytes`. Default 0.
+    pub n_stage_memory: u32,
 }
 
 /// When an idle stage of a layer split helps the active one with its
@@ -132,6 +139,8 @@ unsafe impl Versioned for strata_engine_params {
             layer_split: std::ptr::null(),
             n_layer_split: 0,
             prefill_help: strata_prefill_help::STRATA_PREFILL_HELP_AUTO,
+            stage_memory_bytes: std::ptr::null(),
+            n_stage_memory: 0,
         }
     }
     fn fields() -> Vec<Field> {
@@ -148,6 +157,8 @@ unsafe impl Versioned for strata_engine_params {
             field!(T, layer_split, Kind::Plain),
             field!(T, n_layer_split, Kind::Plain),
             field!(T, prefill_help, Kind::Enum { max: strata_prefill_help::STRATA_PREFILL_HELP_OFF as u32 }),
+            field!(T, stage_memory_bytes, Kind::Plain),
+            field!(T, n_stage_memory, Kind::Plain),
         ]
     }
 }
@@ -279,6 +290,15 @@ pub unsafe extern "C" fn strata_engine_load(
             // SAFETY: the caller vouches for n_layer_split readable entries (bounded above).
             (false, n) => Some(unsafe { std::slice::from_raw_parts(p.layer_split, n as usize) }),
         };
+        let stage_memory = match (p.stage_memory_bytes.is_null(), p.n_stage_memory) {
+            (_, 0) => None,
+            (true, n) => return Err(FfiError::invalid(format!("stage_memory_bytes is NULL with n_stage_memory {n}"))),
+            (false, n) if n as usize > MAX_DEVICES => {
+                return Err(FfiError::invalid(format!("n_stage_memory {n} is more than {MAX_DEVICES}")))
+            }
+            // SAFETY: the caller vouches for n_stage_memory readable entries (bounded above).
+            (false, n) => Some(unsafe { std::slice::from_raw_parts(p.stage_memory_bytes, n as usize) }.to_vec()),
+        };
         if p.n_threads > MAX_THREADS {
             return Err(FfiError::invalid(format!("n_threads {} is more than {MAX_THREADS}", p.n_threads)));
         }
@@ -300,7 +320,7 @@ pub unsafe extern "C" fn strata_engine_load(
                 }
             },
             layer_split: layer_split.map(|s| s.iter().map(|&l| l as usize).collect()),
-            stage_memory: None,
+            stage_memory,
             prefill_help: match p.prefill_help {
                 strata_prefill_help::STRATA_PREFILL_HELP_AUTO => Help::Auto,
                 strata_prefill_help::STRATA_PREFILL_HELP_ON => Help::On,
