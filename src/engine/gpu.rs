@@ -343,7 +343,7 @@ impl GpuModel {
             self.gpu.stream().memcpy_htod(tokens, &mut s.tokens)?;
             self.enqueue(engine, cache, &mut s, start, rows, None, experts.as_deref_mut())?;
             if let Some(x) = experts.as_mut().filter(|x| x.mapped_decode(t)) {
-                x.note_mapped_forward(t, k);
+                x.note_mapped_forward(t, k)?;
             }
             self.finish(cache, &mut s, start, rows, started)
         })();
@@ -474,7 +474,7 @@ impl GpuModel {
             }
             cache.graph.as_ref().expect("captured above").graph.launch()?;
             if let Some(x) = experts.as_mut() {
-                x.note_mapped_forward(1, c.num_experts_per_tok);
+                x.note_mapped_forward(1, c.num_experts_per_tok)?;
             }
             self.finish(cache, &mut s, start, 1, started)
         })();

@@ -287,12 +287,21 @@ impl GpuExpertCache {
         Ok((&self.tables[layer], m.ids.slice_mut(layer * per..(layer + 1) * per)))
     }
 
-    /// A mapped decode forward of `rows` rows is queued: `end_forward`
-    /// reads its ids back.
-    pub fn note_mapped_forward(&mut self, rows: usize, top_k: usize) {
-        if let Some(m) = self.mapped.as_mut() {
-            m.pending_ids = rows * top_k;
-        }
+    /// A mapped decode forward of `rows` rows is queued: its ids' copy to
+    /// the host is queued behind it (so the forward's own wait covers it),
+    /// and `end_forward` records them.
+    pub fn note_mapped_forward(&mut self, rows: usize, top_k: usize) -> Result<()> {
+        let gpu = self.gpu.clone();
+        let layers = self.tables.len();
+        let Some(m) = self.mapped.as_mut() else { return Ok(()) };
+        m.pending_ids = 0;
+        let src = address(&gpu, &m.ids);
+        let bytes = layers * m.ids_per_layer * 4;
+        // SAFETY: copies every layer's ids (the buffer's whole length) into the page-locked landing buffer of
+        // that size, which the host reads only after the stream has been synchronized (after_forward).
+        unsafe { result::memcpy_dtoh_async(m.ids_host.range_mut(0, bytes), src, gpu.stream().cu_stream()) }?;
+        m.pending_ids = rows * top_k;
+        Ok(())
     }
 
     /// The address a mapped step reads `key` from: its slot once filled,
@@ -439,12 +448,10 @@ impl GpuExpertCache {
         }
         let layers = self.tables.len();
         let per = m.ids_per_layer;
-        let src = address(&self.gpu, &m.ids);
-        let stream = self.gpu.stream();
-        // SAFETY: copies every layer's ids (layers * per u32, the buffer's length) into the page-locked
-        // landing buffer of that size, read only after the synchronize below.
-        unsafe { result::memcpy_dtoh_async(m.ids_host.range_mut(0, layers * per * 4), src, stream.cu_stream()) }?;
-        stream.synchronize()?;
+        // The copy was queued by note_mapped_forward; the forward's wait
+        // has normally covered it already (then this returns at once).
+        self.gpu.stream().synchronize()?;
+        let m = self.mapped.as_ref().expect("checked above");
         let bytes = m.ids_host.range(0, layers * per * 4);
         let all: Vec<u32> = bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))).collect();
         for l in 0..layers {
