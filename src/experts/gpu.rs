@@ -272,8 +272,8 @@ impl GpuExpertCache {
     }
 
     /// Whether decode steps of `rows` rows run mapped: every routed expert
-    /// read where it is, through `table(layer)`, the ids written to
-    /// `mapped_ids(layer)` (no `plan_step`).
+    /// read where it is, through the table and ids of `mapped_step` (no
+    /// `plan_step`).
     pub fn mapped_decode(&self, rows: usize) -> bool {
         self.mapped.is_some() && rows <= MAPPED_MAX_ROWS
     }
