@@ -60,6 +60,18 @@ fn argmax(values: &[f32]) -> usize {
     block * B + c.iter().position(|&v| v == best).unwrap_or(0)
 }
 
+/// Logits a sampler can draw from: not empty, every value finite.
+pub(crate) fn check_samplable(logits: &[f32]) -> Result<()> {
+    if logits.is_empty() {
+        return Err(Error::InvalidArgument("no logits to sample from".into()));
+    }
+    if let Some(i) = first_nonfinite(logits) {
+        let v = logits[i];
+        return Err(Error::InvalidArgument(format!("logit {i} is {v}: cannot sample from non-finite logits")));
+    }
+    Ok(())
+}
+
 /// The index of the first NaN or infinity in `values`, if any: checked 64
 /// at a time (vectorized), the exact index found only in a failing block.
 pub(crate) fn first_nonfinite(values: &[f32]) -> Option<usize> {
@@ -112,16 +124,15 @@ impl Sampler {
     /// temperature and the filters, renormalized, most probable first (ties:
     /// lower token first). Greedy gives the argmax with probability 1.
     pub fn probabilities(&self, logits: &[f32]) -> Result<Vec<(u32, f64)>> {
-        if logits.is_empty() {
-            return Err(Error::InvalidArgument("no logits to sample from".into()));
-        }
-        if let Some(i) = first_nonfinite(logits) {
-            let v = logits[i];
-            return Err(Error::InvalidArgument(format!("logit {i} is {v}: cannot sample from non-finite logits")));
-        }
+        check_samplable(logits)?;
+        Ok(self.probabilities_of_finite(logits))
+    }
+
+    /// `probabilities` of logits already checked (`check_samplable`).
+    fn probabilities_of_finite(&self, logits: &[f32]) -> Vec<(u32, f64)> {
         let p = &self.params;
         if p.temperature == 0.0 || p.top_k == 1 {
-            return Ok(vec![(argmax(logits) as u32, 1.0)]);
+            return vec![(argmax(logits) as u32, 1.0)];
         }
 
         // softmax(logits / temperature), in f64.
@@ -167,25 +178,34 @@ impl Sampler {
         for c in &mut cand {
             c.1 /= kept;
         }
-        Ok(cand)
+        cand
     }
 
     /// Picks the next token from `logits` (one row, `vocab` values).
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
-        let cand = self.probabilities(logits)?;
+        check_samplable(logits)?;
+        Ok(self.sample_checked(logits))
+    }
+
+    /// `sample` of logits the caller has checked with `check_samplable`
+    /// (a session checks them itself, naming the position): one scan of
+    /// the vocabulary fewer per decode step.
+    pub(crate) fn sample_checked(&mut self, logits: &[f32]) -> u32 {
+        debug_assert!(check_samplable(logits).is_ok(), "sample_checked of unchecked logits");
+        let cand = self.probabilities_of_finite(logits);
         if cand.len() == 1 {
-            return Ok(cand[0].0);
+            return cand[0].0;
         }
         let u = self.rng.next_f64();
         let mut cum = 0.0;
         for &(tok, p) in &cand {
             cum += p;
             if u < cum {
-                return Ok(tok);
+                return tok;
             }
         }
         // Rounding left the sum just below u: the last candidate.
-        Ok(cand[cand.len() - 1].0)
+        cand[cand.len() - 1].0
     }
 }
 

@@ -254,8 +254,12 @@ impl Session {
                 logits[i]
             )));
         }
+        if logits.is_empty() {
+            return Err(Error::InvalidArgument("step: the session's logits are empty".into()));
+        }
         let before = sampler.clone();
-        let token = sampler.sample(logits)?;
+        // Checked above (the sampler's own check would scan them again).
+        let token = sampler.sample_checked(logits);
         match self.forward(&[token], Logits::Last) {
             Ok(logits) => {
                 self.tokens.push(token);
