@@ -488,6 +488,43 @@ impl GpuExpertCache {
         self.ring_base + (ring_slot * self.stride) as u64
     }
 
+    /// `copy_in` of several blobs: host sources are queued in order; pack
+    /// sources are read into the staging blobs a batch at a time, the reads
+    /// of a batch in parallel (one pool worker per staging blob), then each
+    /// copy queued.
+    fn copy_many(&mut self, pack: &Pack, items: &[(ExpertKey, Source, u64)]) -> Result<()> {
+        use rayon::prelude::*;
+        let mut from_pack = Vec::new();
+        for &(key, from, dst) in items {
+            match from {
+                Source::Host(_) => self.copy_in(pack, key, from, dst)?,
+                Source::Pack => from_pack.push((pack.expert(key.layer, key.expert)?.blob, dst)),
+            }
+        }
+        let (n, used, stream) = (self.staging.len(), self.used, self.copy.cu_stream());
+        for batch in from_pack.chunks(n) {
+            let first = self.next_staging;
+            self.next_staging = (first + batch.len()) % n;
+            // The batch's staging blobs (distinct: a batch is at most one of each).
+            let mut all: Vec<Option<&mut (Pinned, CudaEvent)>> = self.staging.iter_mut().map(Some).collect();
+            let mut picked: Vec<&mut (Pinned, CudaEvent)> =
+                (0..batch.len()).map(|j| all[(first + j) % n].take().expect("distinct staging blobs")).collect();
+            for (_, done) in picked.iter() {
+                done.synchronize()?;
+            }
+            picked.par_iter_mut().zip(batch).for_each(|(staging, (blob, _))| {
+                staging.0.range_mut(0, used).copy_from_slice(&blob[..used]);
+            });
+            for (staging, &(_, dst)) in picked.iter_mut().zip(batch) {
+                // SAFETY: dst is a slot or ring slot of `used` bytes (addresses from this cache's allocations);
+                // the staging blob is rewritten only after `done` (recorded below) has completed.
+                unsafe { result::memcpy_htod_async(dst, staging.0.range(0, used), stream) }?;
+                staging.1.record(&self.copy)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Queues on the copy stream a copy of `key`'s blob from `from` to the
     /// device address `dst`. A pack source is first read into a staging
     /// blob (waiting for that blob's previous copy).
@@ -546,9 +583,9 @@ impl GpuExpertCache {
 
     fn apply_fills(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
         self.apply_host_fills(pack, fills)?;
+        let items: Vec<_> = fills.slots.iter().map(|f| (f.key, f.from, self.slot_addr(f.slot))).collect();
+        self.copy_many(pack, &items)?;
         for f in &fills.slots {
-            let dst = self.slot_addr(f.slot);
-            self.copy_in(pack, f.key, f.from, dst)?;
             self.planner.slot_fill_done(f.slot);
         }
         if !fills.slots.is_empty() {
@@ -655,11 +692,9 @@ impl GpuExpertCache {
         // The previous steps' kernels are complete (the caller read these
         // ids back after them), so slots and ring slots may be overwritten.
         let started = Instant::now();
-        for f in &plan.fills {
-            let dst = self.slot_addr(f.slot);
-            let copied = self.copy_in(pack, f.key, f.from, dst);
-            self.poison_on(copied)?;
-        }
+        let items: Vec<_> = plan.fills.iter().map(|f| (f.key, f.from, self.slot_addr(f.slot))).collect();
+        let copied = self.copy_many(pack, &items);
+        self.poison_on(copied)?;
         for f in &plan.fills {
             self.planner.slot_fill_done(f.slot);
         }
@@ -725,12 +760,14 @@ impl GpuExpertCache {
             // One ring slot: every wave reuses it.
             self.copy.wait(&self.computed[(w - 1) % 2])?;
         }
-        for &n in &waves.ring[w] {
-            let entry = plan.ring[n];
-            let key = ExpertKey::new(plan.layer, entry.expert);
-            let dst = self.ring_addr(entry.ring_slot % ring_slots);
-            self.copy_in(pack, key, entry.from, dst)?;
-        }
+        let items: Vec<_> = waves.ring[w]
+            .iter()
+            .map(|&n| {
+                let entry = plan.ring[n];
+                (ExpertKey::new(plan.layer, entry.expert), entry.from, self.ring_addr(entry.ring_slot % ring_slots))
+            })
+            .collect();
+        self.copy_many(pack, &items)?;
         self.copied.record(&self.copy)?;
         self.gpu.stream().wait(&self.copied)?;
         self.planner.record_wait(started.elapsed().as_nanos() as u64);
