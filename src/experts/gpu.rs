@@ -185,6 +185,17 @@ fn trace_on() -> bool {
     *ON.get_or_init(|| std::env::var("STRATA_TRACE_FORWARD").is_ok_and(|v| v == "1"))
 }
 
+/// The distinct experts of `ids` (ascending) with their row counts, as the
+/// planner takes them. An id >= `experts` marks a non-finite routing:
+/// nothing to place; the kernels turn it into NaN, which the guard reports.
+fn routed_experts(ids: &[u32], experts: usize) -> Vec<(usize, usize)> {
+    let mut counts = vec![0usize; experts];
+    for &id in ids.iter().filter(|&&id| (id as usize) < experts) {
+        counts[id as usize] += 1;
+    }
+    counts.iter().enumerate().filter(|c| *c.1 > 0).map(|(e, &n)| (e, n)).collect()
+}
+
 fn address<T>(gpu: &Gpu, buf: &CudaSlice<T>) -> u64 {
     let (ptr, _sync) = buf.device_ptr(gpu.stream());
     ptr
@@ -426,8 +437,7 @@ impl GpuExpertCache {
         queued.record(self.gpu.stream())?;
         self.copy.wait(&queued)?;
         for f in &fills.slots {
-            let dst = self.slot_addr(f.slot);
-            self.copy_in(pack, f.key, f.from, dst)?;
+            self.copy_many(pack, &[(f.key, f.from, self.slot_addr(f.slot))])?;
             let done = ctx.new_event(None)?;
             done.record(&self.copy)?;
             self.mapped.as_mut().expect("checked above").swaps.push((f.slot, done));
@@ -455,13 +465,7 @@ impl GpuExpertCache {
         let bytes = m.ids_host.range(0, layers * per * 4);
         let all: Vec<u32> = bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))).collect();
         for l in 0..layers {
-            let mut counts = vec![0usize; self.experts];
-            for &id in all[l * per..l * per + n].iter().filter(|&&id| (id as usize) < self.experts) {
-                counts[id as usize] += 1;
-            }
-            let routed: Vec<(usize, usize)> =
-                counts.iter().enumerate().filter(|c| *c.1 > 0).map(|(e, &k)| (e, k)).collect();
-            self.planner.record_mapped(l, &routed);
+            self.planner.record_mapped(l, &routed_experts(&all[l * per..l * per + n], self.experts));
         }
         Ok(())
     }
@@ -488,16 +492,17 @@ impl GpuExpertCache {
         self.ring_base + (ring_slot * self.stride) as u64
     }
 
-    /// `copy_in` of several blobs: host sources are queued in order; pack
-    /// sources are read into the staging blobs a batch at a time, the reads
-    /// of a batch in parallel (one pool worker per staging blob), then each
-    /// copy queued.
+    /// Queues on the copy stream the copies of `(key, from, dst)`: each
+    /// blob from its source to the device address `dst`. Host sources are
+    /// sent as they are; pack sources are read into the staging blobs a
+    /// batch at a time (waiting for each blob's previous copy), the reads of
+    /// a batch in parallel (one pool worker per staging blob), then sent.
     fn copy_many(&mut self, pack: &Pack, items: &[(ExpertKey, Source, u64)]) -> Result<()> {
         use rayon::prelude::*;
         let mut from_pack = Vec::new();
         for &(key, from, dst) in items {
             match from {
-                Source::Host(_) => self.copy_in(pack, key, from, dst)?,
+                Source::Host(h) => self.copy_from_host(h, dst)?,
                 Source::Pack => from_pack.push((pack.expert(key.layer, key.expert)?.blob, dst)),
             }
         }
@@ -525,32 +530,13 @@ impl GpuExpertCache {
         Ok(())
     }
 
-    /// Queues on the copy stream a copy of `key`'s blob from `from` to the
-    /// device address `dst`. A pack source is first read into a staging
-    /// blob (waiting for that blob's previous copy).
-    fn copy_in(&mut self, pack: &Pack, key: ExpertKey, from: Source, dst: u64) -> Result<()> {
-        let stream = self.copy.cu_stream();
-        match from {
-            Source::Host(h) => {
-                let src = self.host.range(h * self.stride, self.used);
-                // SAFETY: dst is a slot or ring slot of `used` bytes (addresses from this cache's
-                // allocations); the source is page-locked and not rewritten before the copy stream
-                // is synchronized (host fills wait for it).
-                unsafe { result::memcpy_htod_async(dst, src, stream) }?;
-            }
-            Source::Pack => {
-                let blob = pack.expert(key.layer, key.expert)?.blob;
-                let i = self.next_staging;
-                self.next_staging = (i + 1) % self.staging.len();
-                let (buf, done) = &mut self.staging[i];
-                done.synchronize()?;
-                buf.range_mut(0, self.used).copy_from_slice(&blob[..self.used]);
-                // SAFETY: as above; the staging blob is rewritten only after `done` (recorded
-                // below) has completed.
-                unsafe { result::memcpy_htod_async(dst, buf.range(0, self.used), stream) }?;
-                done.record(&self.copy)?;
-            }
-        }
+    /// Queues on the copy stream a copy of host buffer `h` to the device
+    /// address `dst`.
+    fn copy_from_host(&self, h: usize, dst: u64) -> Result<()> {
+        let src = self.host.range(h * self.stride, self.used);
+        // SAFETY: dst is a slot or ring slot of `used` bytes (addresses from this cache's allocations); the
+        // source is page-locked and not rewritten before the copy stream is synchronized (host fills wait for it).
+        unsafe { result::memcpy_htod_async(dst, src, self.copy.cu_stream()) }?;
         Ok(())
     }
 
@@ -677,15 +663,7 @@ impl GpuExpertCache {
     /// `stream_wave`). Returns the plan.
     pub fn plan_step(&mut self, pack: &Pack, layer: usize, ids: &[u32]) -> Result<StepPlan> {
         self.check_usable()?;
-        let mut counts = vec![0usize; self.experts];
-        // An id >= experts marks a non-finite routing: nothing to place; the
-        // kernels turn it into NaN, which the guard reports.
-        for &id in ids.iter().filter(|&&id| (id as usize) < self.experts) {
-            counts[id as usize] += 1;
-        }
-        let routed: Vec<(usize, usize)> =
-            counts.iter().enumerate().filter(|c| *c.1 > 0).map(|(e, &n)| (e, n)).collect();
-        let plan = self.planner.plan_step(layer, &routed);
+        let plan = self.planner.plan_step(layer, &routed_experts(ids, self.experts));
         if let Some(m) = self.mapped.as_mut() {
             m.tables_dirty = true;
         }
