@@ -122,6 +122,23 @@ pub enum strata_gpu_precision {
     STRATA_GPU_PRECISION_FAST = 1,
 }
 
+/// A per-device array of the params (`ptr`, `n` entries): `None` when `n`
+/// is 0; a NULL `ptr` with entries, or more entries than devices, refused.
+///
+/// # Safety
+/// A non-NULL `ptr` must point to `n` readable entries (when `n <= MAX_DEVICES`).
+unsafe fn per_device<'a, T>(ptr: *const T, n: u32, name: &str, count: &str) -> Result<Option<&'a [T]>, FfiError> {
+    match (ptr.is_null(), n) {
+        (_, 0) => Ok(None),
+        (true, n) => Err(FfiError::invalid(format!("{name} is NULL with {count} {n}"))),
+        (false, n) if n as usize > MAX_DEVICES => {
+            Err(FfiError::invalid(format!("{count} {n} is more than {MAX_DEVICES}")))
+        }
+        // SAFETY: the caller's promise, n bounded above.
+        (false, n) => Ok(Some(unsafe { std::slice::from_raw_parts(ptr, n as usize) })),
+    }
+}
+
 // SAFETY: the table lists every field after struct_size with its kind.
 unsafe impl Versioned for strata_engine_params {
     const NAME: &'static str = "strata_engine_params";
@@ -281,24 +298,10 @@ pub unsafe extern "C" fn strata_engine_load(
         let path = args::c_str(pack_path, "pack_path")?;
         let p = params::read(params)?;
         let devices = read_devices(p.devices)?;
-        let layer_split = match (p.layer_split.is_null(), p.n_layer_split) {
-            (_, 0) => None,
-            (true, n) => return Err(FfiError::invalid(format!("layer_split is NULL with n_layer_split {n}"))),
-            (false, n) if n as usize > MAX_DEVICES => {
-                return Err(FfiError::invalid(format!("n_layer_split {n} is more than {MAX_DEVICES}")))
-            }
-            // SAFETY: the caller vouches for n_layer_split readable entries (bounded above).
-            (false, n) => Some(unsafe { std::slice::from_raw_parts(p.layer_split, n as usize) }),
-        };
-        let stage_memory = match (p.stage_memory_bytes.is_null(), p.n_stage_memory) {
-            (_, 0) => None,
-            (true, n) => return Err(FfiError::invalid(format!("stage_memory_bytes is NULL with n_stage_memory {n}"))),
-            (false, n) if n as usize > MAX_DEVICES => {
-                return Err(FfiError::invalid(format!("n_stage_memory {n} is more than {MAX_DEVICES}")))
-            }
-            // SAFETY: the caller vouches for n_stage_memory readable entries (bounded above).
-            (false, n) => Some(unsafe { std::slice::from_raw_parts(p.stage_memory_bytes, n as usize) }.to_vec()),
-        };
+        // SAFETY (both): the caller vouches for that many readable entries (bounded by MAX_DEVICES).
+        let layer_split = unsafe { per_device(p.layer_split, p.n_layer_split, "layer_split", "n_layer_split") }?;
+        let stage_memory =
+            unsafe { per_device(p.stage_memory_bytes, p.n_stage_memory, "stage_memory_bytes", "n_stage_memory") }?;
         if p.n_threads > MAX_THREADS {
             return Err(FfiError::invalid(format!("n_threads {} is more than {MAX_THREADS}", p.n_threads)));
         }
@@ -320,7 +323,7 @@ pub unsafe extern "C" fn strata_engine_load(
                 }
             },
             layer_split: layer_split.map(|s| s.iter().map(|&l| l as usize).collect()),
-            stage_memory,
+            stage_memory: stage_memory.map(<[u64]>::to_vec),
             prefill_help: match p.prefill_help {
                 strata_prefill_help::STRATA_PREFILL_HELP_AUTO => Help::Auto,
                 strata_prefill_help::STRATA_PREFILL_HELP_ON => Help::On,
