@@ -31,6 +31,8 @@ mod gpu {
     pub mod model;
     #[path = "../gpu/moe.rs"]
     pub mod moe;
+    #[path = "../gpu/split.rs"]
+    pub mod split;
 }
 
 use gpu::common::GpuTest;
@@ -56,7 +58,7 @@ fn main() -> ExitCode {
     let (major, minor) = gpu.compute_capability();
     println!("device cuda:0: {} (compute capability {major}.{minor}, {} SMs)", gpu.name(), gpu.sm_count());
 
-    let suites: [&[GpuTest]; 7] = [
+    let suites: [&[GpuTest]; 8] = [
         gpu::infra::TESTS,
         gpu::moe::TESTS,
         gpu::dense::TESTS,
@@ -64,6 +66,7 @@ fn main() -> ExitCode {
         gpu::deltanet::TESTS,
         gpu::model::TESTS,
         gpu::experts::TESTS,
+        gpu::split::TESTS,
     ];
     let (mut passed, mut failed) = (0, 0);
     for &(name, test) in suites.iter().flat_map(|s| s.iter()) {

@@ -23,6 +23,7 @@
 //! DeltaNet states in the CPU's layouts, so checkpoints copy them to and
 //! from host `DeltaNetState`s unchanged.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use half::bf16;
@@ -37,7 +38,7 @@ use crate::backend::cuda::deltanet::{
 };
 use crate::backend::cuda::dense::{self, GemmPrecision, NormIn, RopeTable, Write};
 use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping, GroupedPrecision};
-use crate::backend::cuda::{CudaSlice, DevicePtr, Gpu};
+use crate::backend::cuda::{CudaEvent, CudaSlice, DevicePtr, Gpu};
 use crate::backend::{AttentionShape, DeltaNetState, Rope};
 use crate::error::{Error, Result};
 use crate::experts::gpu::{GpuExpertCache, TracePhase};
@@ -91,27 +92,51 @@ unsafe impl Send for DecodeGraph {}
 /// First capacity of a session's device KV, in positions.
 const KV_INITIAL_CAPACITY: usize = 256;
 
-/// A model loaded onto one CUDA device.
+/// A model loaded onto CUDA devices: one stage per device of a layer
+/// split (one stage without a split), in layer order
+/// (docs/layer-split.md).
 pub(crate) struct GpuModel {
+    config: ModelConfig,
+    stages: Vec<GpuStage>,
+    /// Per stage: whether its helper (`helper_of`) can read its memory
+    /// (the same GPU, or a peer with access enabled); prefill help skips
+    /// a stage whose helper cannot.
+    helpable: Vec<bool>,
+}
+
+/// The layers `range` of a model on one device: their weights, the
+/// embedding on the first stage (and on the last when the head is tied to
+/// it), the final norm and head on the last. A device here is a logical
+/// one: two stages may share a GPU, each with its own stream.
+struct GpuStage {
     gpu: Arc<Gpu>,
     config: ModelConfig,
-    embed: CudaSlice<bf16>,
-    /// `None` when tied to the embedding.
-    lm_head: Option<CudaSlice<bf16>>,
-    final_norm: CudaSlice<f32>,
+    range: Range<usize>,
+    /// On the first stage, and on the last when the head is tied to it.
+    embed: Option<CudaSlice<bf16>>,
+    /// On the last stage.
+    head: Option<GpuHead>,
+    /// `layers[l - range.start]`.
     layers: Vec<GpuLayer>,
     rope: RopeTable,
-    /// Every expert blob of the main layers at the pack's stride (empty
+    /// Every expert blob of this stage's layers at the pack's stride (empty
     /// with an expert cache). Only the tables below point into it.
     _experts: CudaSlice<u8>,
-    /// Per layer: the device address of each expert's blob (empty with an
-    /// expert cache: its tables are used).
+    /// `tables[l - range.start]`: the device address of each expert's blob
+    /// of layer `l` (empty with an expert cache: its tables are used).
     tables: Vec<CudaSlice<u64>>,
     /// The expert cache, when `EngineOptions::expert_cache` asks for one:
-    /// experts in device slots, page-locked RAM and the mapped pack.
+    /// experts in device slots, page-locked RAM and the mapped pack (one
+    /// stage only, for now).
     experts: Option<parking_lot::Mutex<GpuExpertCache>>,
     layout: BlobLayout,
     precision: GpuPrecision,
+}
+
+struct GpuHead {
+    final_norm: CudaSlice<f32>,
+    /// `None` when tied to the embedding.
+    lm_head: Option<CudaSlice<bf16>>,
 }
 
 struct GpuLayer {
@@ -199,86 +224,53 @@ fn address<T>(gpu: &Gpu, buf: &CudaSlice<T>) -> u64 {
 }
 
 impl GpuModel {
-    /// Copies the pack's weights to `gpu`; `progress(done, total)` after each layer.
+    /// Copies the pack's weights to the devices, stage `i`'s layers
+    /// `ranges[i]` to `gpus[i]`; `progress(done, total)` after each layer.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn load(
         pack: &Pack,
-        gpu: Arc<Gpu>,
+        gpus: Vec<Arc<Gpu>>,
+        ranges: Vec<Range<usize>>,
         rope: &Rope,
         precision: GpuPrecision,
         cache_opts: &ExpertCacheOptions,
         progress: &mut dyn FnMut(usize, usize) -> Result<()>,
     ) -> Result<GpuModel> {
+        assert_eq!(gpus.len(), ranges.len(), "GpuModel::load: one device per stage");
+        if ranges.len() > 1 && cache_opts.enabled() {
+            return Err(Error::Unsupported(
+                "the expert cache with several CUDA stages: a cache per stage is not built yet (load the split \
+                 without a cache, or the cache on one device)"
+                    .into(),
+            ));
+        }
         let c = pack.config().clone();
-        let (h, v, e) = (c.hidden_size, c.vocab_size, c.num_experts);
         let total = c.num_hidden_layers + 1;
-        let zc = c.arch.zero_centered_norms();
-
-        let expert_layout = pack.layout();
-        let layout = BlobLayout::from(&expert_layout);
-        let stride = expert_layout.stride as usize;
-        let per_layer = e * stride;
-        let cached = cache_opts.enabled();
-        let mut experts = gpu.alloc_zeros::<u8>(if cached { 0 } else { c.num_hidden_layers * per_layer })?;
-        let base = address(&gpu, &experts);
-        let mut tables = Vec::with_capacity(c.num_hidden_layers);
-        let mut layers = Vec::with_capacity(c.num_hidden_layers);
-        for l in 0..c.num_hidden_layers {
-            if !cached {
-                let bytes = pack.expert_layer_bytes(l)?;
-                gpu.stream().memcpy_htod(bytes, &mut experts.slice_mut(l * per_layer..(l + 1) * per_layer))?;
-                let table: Vec<u64> = (0..e).map(|x| base + ((l * e + x) * stride) as u64).collect();
-                tables.push(gpu.upload(&table)?);
-            }
-            layers.push(GpuLayer::load(pack, &gpu, l)?);
-            // Host buffers of this layer may be freed only once copied.
-            gpu.sync()?;
-            progress(l + 1, total)?;
+        let n = ranges.len();
+        let mut done = 0;
+        let mut stages = Vec::with_capacity(n);
+        for (i, (gpu, range)) in gpus.into_iter().zip(ranges).enumerate() {
+            let mut layer_done = || {
+                done += 1;
+                progress(done, total)
+            };
+            let at = StagePlace { first: i == 0, last: i + 1 == n };
+            stages.push(GpuStage::load(pack, gpu, range, at, rope, precision, cache_opts, &mut layer_done)?);
         }
-        let embed = upload_bf16(&gpu, pack, model_tensor_name(Role::Embedding), &[v, h])?;
-        let lm_head = if c.tie_word_embeddings {
-            None
-        } else {
-            Some(upload_bf16(&gpu, pack, model_tensor_name(Role::LmHead), &[v, h])?)
-        };
-        let final_norm = upload_f32(&gpu, pack, model_tensor_name(Role::FinalNorm), h, zc)?;
-        let rope = RopeTable::new(&gpu, rope)?;
-        if cached && moe::grouped_tensor_core_paths(&gpu, &layout) != (true, true) {
-            // Streamed waves limit the grouped kernels to a wave's experts
-            // through their row-tile offsets, which only the tensor-core
-            // kernels read.
-            return Err(Error::Unsupported(format!(
-                "the expert cache on the GPU needs the tensor-core grouped kernels: compute capability 8.0+ \
-                 (this device: {:?}) and hidden and moe_intermediate sizes multiples of 32 ({} and {})",
-                gpu.compute_capability(),
-                layout.hidden,
-                layout.intermediate
-            )));
-        }
-        let experts_cache = GpuExpertCache::load(pack, &gpu, cache_opts)?.map(parking_lot::Mutex::new);
-        gpu.sync()?;
+        enable_peer_access(&stages)?;
+        let helper = |i: usize| &stages[helper_of(i, n)].gpu;
+        let helpable = (0..n).map(|i| n > 1 && peer_readable(helper(i), &stages[i].gpu)).collect();
         progress(total, total)?;
-        Ok(GpuModel {
-            gpu,
-            config: c,
-            embed,
-            lm_head,
-            final_norm,
-            layers,
-            rope,
-            _experts: experts,
-            tables,
-            experts: experts_cache,
-            layout,
-            precision,
-        })
+        Ok(GpuModel { config: c, stages, helpable })
     }
 
     /// `f` of the expert cache (`None` without one).
     pub(crate) fn expert_cache<R>(&self, f: impl FnOnce(&GpuExpertCache) -> R) -> Option<R> {
-        self.experts.as_ref().map(|c| f(&c.lock()))
+        self.stages[0].experts.as_ref().map(|c| f(&c.lock()))
     }
 
-    /// A session cache on this device.
+    /// A session cache on these devices: each stage's KV and recurrent
+    /// states on its own device.
     pub(crate) fn new_cache(&self, kv_type: KvType) -> Result<DeviceCache> {
         let dtype = match kv_type {
             KvType::Auto | KvType::Int8 => KvDtype::Int8,
@@ -287,10 +279,11 @@ impl GpuModel {
                 return Err(Error::Unsupported("kv_type F32: the cuda backend keeps int8 (default) or bf16 KV".into()))
             }
         };
-        DeviceCache::new(self.gpu.clone(), &self.config, dtype)
+        let places = self.stages.iter().map(|s| (s.gpu.clone(), s.range.clone())).collect();
+        DeviceCache::new(places, &self.config, dtype)
     }
 
-    /// `Engine::forward` on the device: runs `tokens` at positions
+    /// `Engine::forward` on the devices: runs `tokens` at positions
     /// `cache.len()..`, returns the requested logits; on error the cache is
     /// back where it was (KV length and recurrent states).
     pub(crate) fn forward(
@@ -332,27 +325,391 @@ impl GpuModel {
             Logits::Last => 1,
             Logits::All => t,
         };
-        let mut experts = self.experts.as_ref().map(|x| x.lock());
+        let first = &self.stages[0];
+        let mut experts = first.experts.as_ref().map(|x| x.lock());
         if let Some(x) = experts.as_mut() {
             x.begin_forward(t)?;
         }
-        let mut s = cache.take_scratch(t)?;
+        let mut scratch = Vec::with_capacity(self.stages.len());
+        for sc in cache.stages.iter_mut() {
+            scratch.push(sc.take_scratch(t)?);
+        }
         let started = std::time::Instant::now();
         let k = self.config.num_experts_per_tok;
+        let help = engine.prefill_help().applies(self.stages.len(), t) && t > MOE_GEMV_MAX_ROWS;
         let r = (|| -> Result<Vec<f32>> {
-            self.gpu.stream().memcpy_htod(tokens, &mut s.tokens)?;
-            self.enqueue(engine, cache, &mut s, start, rows, None, experts.as_deref_mut())?;
+            first.gpu.stream().memcpy_htod(tokens, &mut scratch[0].tokens)?;
+            for i in 0..self.stages.len() {
+                let stage = &self.stages[i];
+                if i > 0 {
+                    self.hand_off(cache, &mut scratch, i)?;
+                } else {
+                    cache.stages[0].clock.start(&stage.gpu)?;
+                }
+                let helper = (help && self.helpable[i]).then(|| helper_of(i, self.stages.len()));
+                let (own, helping) = split_scratch(&mut scratch, i, helper);
+                let help = helping.map(|h| StageHelp {
+                    stage: &self.stages[helper.expect("with a helper's scratch")],
+                    scratch: h,
+                    share: GPU_HELP_SHARE,
+                });
+                let x = if i == 0 { experts.as_deref_mut() } else { None };
+                stage.enqueue(engine, &mut cache.stages[i], own, start, rows, None, x, help)?;
+                cache.stages[i].clock.end(&stage.gpu)?;
+            }
             if let Some(x) = experts.as_mut().filter(|x| x.mapped_decode(t)) {
                 x.note_mapped_forward(t, k)?;
             }
-            self.finish(cache, &mut s, start, rows, started)
+            self.finish(engine, cache, &mut scratch, start, rows, started)
         })();
-        cache.put_scratch(s);
+        for (sc, s) in cache.stages.iter_mut().zip(scratch) {
+            sc.put_scratch(s);
+        }
         let r = match (r, experts.as_mut()) {
             (Ok(l), Some(x)) => x.end_forward(engine.pack(), t).map(|()| l),
             (r, _) => r,
         };
         r
+    }
+
+    /// The one hidden-state hand-off of a forward from stage `i - 1` to
+    /// stage `i`: `x` (every row) copied on stage `i`'s stream once stage
+    /// `i - 1` has queued its layers (a peer copy between GPUs, a copy
+    /// within the device between two logical devices on one GPU).
+    fn hand_off(&self, cache: &mut DeviceCache, scratch: &mut [Scratch], i: usize) -> Result<()> {
+        let (from, to) = (&self.stages[i - 1], &self.stages[i]);
+        let (before, after) = scratch.split_at_mut(i);
+        let (src, dst) = (&before[i - 1].x, &mut after[0].x);
+        let stream = to.gpu.stream();
+        stream.wait(&from.gpu.stream().record_event(None)?)?;
+        cache.stages[i].clock.hand_off(&to.gpu)?;
+        stream.memcpy_dtod(src, dst)?;
+        cache.stages[i].clock.start(&to.gpu)?;
+        cache.stages[i].handoff_bytes += (src.len() * std::mem::size_of::<f32>()) as u64;
+        Ok(())
+    }
+
+    /// Whether a one-row decode step may run as a CUDA graph: on unless
+    /// `STRATA_CUDA_GRAPH=0`, and not while a test injects a NaN (the
+    /// injection is a host decision made while queueing).
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(unused_variables))]
+    fn graph_allowed(&self, engine: &Engine) -> bool {
+        if self.stages[0].experts.as_ref().is_some_and(|x| !x.lock().mapped_decode(1)) {
+            // The expert cache decides copies on the host at every layer
+            // (unless decode runs mapped).
+            return false;
+        }
+        #[cfg(any(test, feature = "test-hooks"))]
+        if engine.nan_pending() {
+            return false;
+        }
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var("STRATA_CUDA_GRAPH").map_or(true, |v| v != "0"))
+    }
+
+    /// A decode step (one row, the last logits) replayed from CUDA graphs,
+    /// one per stage: each stage's step is captured once per session (again
+    /// when its buffers move: KV growth), and each call writes the token and
+    /// the position to the devices, launches the first stage's graph, then
+    /// each hand-off and the next stage's graph. The kernels that depend on
+    /// the position read it from device memory (`StepPos`).
+    fn forward_graph(&self, engine: &Engine, cache: &mut DeviceCache, token: u32) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let start = cache.len;
+        let mut experts = self.stages[0].experts.as_ref().map(|x| x.lock());
+        if let Some(x) = experts.as_mut() {
+            x.begin_forward(1)?;
+        }
+        let mut scratch = Vec::with_capacity(self.stages.len());
+        for sc in cache.stages.iter_mut() {
+            scratch.push(sc.take_scratch(1)?);
+        }
+        let started = std::time::Instant::now();
+        let r = (|| -> Result<Vec<f32>> {
+            for (i, stage) in self.stages.iter().enumerate() {
+                if i > 0 {
+                    self.hand_off(cache, &mut scratch, i)?;
+                } else {
+                    stage.gpu.stream().memcpy_htod(&[token], &mut scratch[0].tokens)?;
+                    cache.stages[0].clock.start(&stage.gpu)?;
+                }
+                let x = if i == 0 { experts.as_deref_mut() } else { None };
+                stage.launch_step(engine, &mut cache.stages[i], &mut scratch[i], start, x)?;
+                cache.stages[i].clock.end(&stage.gpu)?;
+            }
+            if let Some(x) = experts.as_mut() {
+                x.note_mapped_forward(1, c.num_experts_per_tok)?;
+            }
+            self.finish(engine, cache, &mut scratch, start, 1, started)
+        })();
+        for (sc, s) in cache.stages.iter_mut().zip(scratch) {
+            sc.put_scratch(s);
+        }
+        match (r, experts.as_mut()) {
+            (Ok(l), Some(x)) => x.end_forward(engine.pack(), 1).map(|()| l),
+            (r, _) => r,
+        }
+    }
+
+    /// Waits for a queued forward and returns its logits (the last `rows`
+    /// rows, from the last stage), or the non-finite error of the first
+    /// layer (or the logits) whose flag is set on any stage; a split's
+    /// stage and hand-off times go to the engine's `SplitStats`.
+    fn finish(
+        &self,
+        engine: &Engine,
+        cache: &mut DeviceCache,
+        scratch: &mut [Scratch],
+        start: usize,
+        rows: usize,
+        started: std::time::Instant,
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let (h, vocab) = (c.hidden_size, c.vocab_size);
+        let t = scratch[0].t;
+        let queued = started.elapsed();
+        // Every copy queued, then the waits.
+        let n = self.stages.len();
+        let mut flags = vec![vec![0u32; c.num_hidden_layers + 1]; n];
+        for (i, stage) in self.stages.iter().enumerate() {
+            stage.gpu.stream().memcpy_dtoh(&cache.stages[i].flags, &mut flags[i])?;
+        }
+        let last = &self.stages[n - 1];
+        if rows > 0 {
+            let lg = LogitScratch::get(&mut scratch[n - 1].head, &last.gpu, rows, h, vocab)?;
+            last.gpu.stream().memcpy_dtoh(&lg.logits, &mut lg.host)?;
+        }
+        for stage in &self.stages {
+            stage.gpu.sync()?;
+        }
+        let out = if rows > 0 {
+            let lg = LogitScratch::get(&mut scratch[n - 1].head, &last.gpu, rows, h, vocab)?;
+            lg.host.as_slice()?.to_vec()
+        } else {
+            Vec::new()
+        };
+        if n > 1 {
+            let (mut seconds, mut handoff) = (Vec::with_capacity(n), 0.0);
+            let (mut bytes, mut helped, mut helper_rows) = (0, 0, 0);
+            for sc in &mut cache.stages {
+                let (stage, hand) = sc.clock.read()?;
+                seconds.push(stage);
+                handoff += hand;
+                bytes += std::mem::take(&mut sc.handoff_bytes);
+                helped += std::mem::take(&mut sc.helped_layers);
+                helper_rows += std::mem::take(&mut sc.helper_rows);
+            }
+            engine.record_split(|s| {
+                for (st, sec) in s.stages.iter_mut().zip(&seconds) {
+                    st.seconds += sec;
+                }
+                s.handoffs += (n - 1) as u64;
+                s.handoff_bytes += bytes;
+                s.handoff_seconds += handoff;
+                s.helped_layers += helped;
+                s.helper_rows += helper_rows;
+            });
+        }
+        if trace_forward() {
+            eprintln!(
+                "strata: forward of {t} rows: queued in {:.3} ms, done in {:.3} ms",
+                queued.as_secs_f64() * 1e3,
+                started.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        // Each slot is written by one stage: the one running the layer
+        // after it (the last layer and the logits: the last stage).
+        let merged: Vec<u32> = (0..=c.num_hidden_layers)
+            .map(|slot| flags.iter().map(|f| f[slot]).find(|&f| f != 0).unwrap_or(0))
+            .collect();
+        let first_logit_row = start + t - rows;
+        for (slot, &flag) in merged.iter().enumerate() {
+            let width = if slot < c.num_hidden_layers { h } else { vocab };
+            if let Some((row, _)) = dense::nonfinite_row(flag, width) {
+                let place =
+                    if slot < c.num_hidden_layers { format!("at layer {slot}") } else { "in the logits".into() };
+                let pos = if slot < c.num_hidden_layers { start + row } else { first_logit_row + row };
+                return Err(Error::NonFinite(format!("NaN or infinity {place}, position {pos}")));
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The share of a helped layer's expert rows the helping GPU stage
+/// computes. Fixed: the helper is the next stage of the same kind of
+/// device, and the engine measures no GPU speeds yet (the CPU stages'
+/// share follows their measured speeds, `HelpRates`).
+const GPU_HELP_SHARE: f64 = 0.5;
+
+/// The stage that helps stage `active` of `n` with its expert rows: the
+/// next one (GPU stages are alike: the engine has no speed model for them
+/// yet, see `GPU_HELP_SHARE`).
+fn helper_of(active: usize, n: usize) -> usize {
+    (active + 1) % n
+}
+
+/// Stage `i`'s scratch and, when `helper` is given, the helper stage's.
+fn split_scratch(scratch: &mut [Scratch], i: usize, helper: Option<usize>) -> (&mut Scratch, Option<&mut Scratch>) {
+    match helper {
+        None => (&mut scratch[i], None),
+        Some(j) if j > i => {
+            let (a, b) = scratch.split_at_mut(j);
+            (&mut a[i], Some(&mut b[0]))
+        }
+        Some(j) => {
+            assert!(j < i, "a stage does not help itself");
+            let (a, b) = scratch.split_at_mut(i);
+            (&mut b[0], Some(&mut a[j]))
+        }
+    }
+}
+
+/// Lets each stage's device read the memory of the others' where they are
+/// different GPUs (prefill help reads the active stage's activations and
+/// experts in place); a pair that cannot is left alone (the hand-off
+/// copies through the driver, and help is not offered between them:
+/// `peer_readable`).
+fn enable_peer_access(stages: &[GpuStage]) -> Result<()> {
+    for a in stages {
+        for b in stages {
+            if a.gpu.ordinal() == b.gpu.ordinal() || !peer_readable(&a.gpu, &b.gpu) {
+                continue;
+            }
+            a.gpu.context().bind_to_thread()?;
+            // SAFETY: both contexts are live (held by the stages); the
+            // call only changes what `a`'s context may address.
+            match unsafe { sys::cuCtxEnablePeerAccess(b.gpu.context().cu_ctx(), 0) } {
+                sys::cudaError_enum::CUDA_SUCCESS | sys::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
+                e => {
+                    return Err(Error::Cuda(format!(
+                        "enabling peer access from cuda:{} to cuda:{}: {e:?}",
+                        a.gpu.ordinal(),
+                        b.gpu.ordinal()
+                    )))
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether kernels on `a` may read `b`'s memory: the same GPU, or a peer
+/// the driver reports as accessible (a failed query counts as no).
+fn peer_readable(a: &Gpu, b: &Gpu) -> bool {
+    if a.ordinal() == b.ordinal() {
+        return true;
+    }
+    let mut can = 0;
+    // SAFETY: plain query of two valid ordinals.
+    let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, a.ordinal() as i32, b.ordinal() as i32) };
+    r == sys::cudaError_enum::CUDA_SUCCESS && can != 0
+}
+
+/// Where a stage sits in the split.
+#[derive(Clone, Copy)]
+struct StagePlace {
+    first: bool,
+    last: bool,
+}
+
+/// A helping stage's part in a MoE layer of another stage.
+struct StageHelp<'a> {
+    stage: &'a GpuStage,
+    scratch: &'a mut Scratch,
+    share: f64,
+}
+
+impl GpuStage {
+    /// Copies the weights of layers `range` to `gpu` (and the embedding
+    /// and head where `at` says); `layer_done()` after each layer.
+    #[allow(clippy::too_many_arguments)]
+    fn load(
+        pack: &Pack,
+        gpu: Arc<Gpu>,
+        range: Range<usize>,
+        at: StagePlace,
+        rope: &Rope,
+        precision: GpuPrecision,
+        cache_opts: &ExpertCacheOptions,
+        layer_done: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<GpuStage> {
+        let c = pack.config().clone();
+        let (h, v, e) = (c.hidden_size, c.vocab_size, c.num_experts);
+        let zc = c.arch.zero_centered_norms();
+
+        let expert_layout = pack.layout();
+        let layout = BlobLayout::from(&expert_layout);
+        let stride = expert_layout.stride as usize;
+        let per_layer = e * stride;
+        let cached = cache_opts.enabled();
+        let mut experts = gpu.alloc_zeros::<u8>(if cached { 0 } else { range.len() * per_layer })?;
+        let base = address(&gpu, &experts);
+        let mut tables = Vec::with_capacity(range.len());
+        let mut layers = Vec::with_capacity(range.len());
+        for (i, l) in range.clone().enumerate() {
+            if !cached {
+                let bytes = pack.expert_layer_bytes(l)?;
+                gpu.stream().memcpy_htod(bytes, &mut experts.slice_mut(i * per_layer..(i + 1) * per_layer))?;
+                let table: Vec<u64> = (0..e).map(|x| base + ((i * e + x) * stride) as u64).collect();
+                tables.push(gpu.upload(&table)?);
+            }
+            layers.push(GpuLayer::load(pack, &gpu, l)?);
+            // Host buffers of this layer may be freed only once copied.
+            gpu.sync()?;
+            layer_done()?;
+        }
+        let embed = if at.first || (at.last && c.tie_word_embeddings) {
+            Some(upload_bf16(&gpu, pack, model_tensor_name(Role::Embedding), &[v, h])?)
+        } else {
+            None
+        };
+        let head = if at.last {
+            Some(GpuHead {
+                final_norm: upload_f32(&gpu, pack, model_tensor_name(Role::FinalNorm), h, zc)?,
+                lm_head: if c.tie_word_embeddings {
+                    None
+                } else {
+                    Some(upload_bf16(&gpu, pack, model_tensor_name(Role::LmHead), &[v, h])?)
+                },
+            })
+        } else {
+            None
+        };
+        let rope = RopeTable::new(&gpu, rope)?;
+        if cached && moe::grouped_tensor_core_paths(&gpu, &layout) != (true, true) {
+            // Streamed waves limit the grouped kernels to a wave's experts
+            // through their row-tile offsets, which only the tensor-core
+            // kernels read.
+            return Err(Error::Unsupported(format!(
+                "the expert cache on the GPU needs the tensor-core grouped kernels: compute capability 8.0+ \
+                 (this device: {:?}) and hidden and moe_intermediate sizes multiples of 32 ({} and {})",
+                gpu.compute_capability(),
+                layout.hidden,
+                layout.intermediate
+            )));
+        }
+        let experts_cache = GpuExpertCache::load(pack, &gpu, cache_opts)?.map(parking_lot::Mutex::new);
+        gpu.sync()?;
+        Ok(GpuStage {
+            gpu,
+            config: c,
+            range,
+            embed,
+            head,
+            layers,
+            rope,
+            _experts: experts,
+            tables,
+            experts: experts_cache,
+            layout,
+            precision,
+        })
+    }
+
+    /// The expert table of layer `l` (without an expert cache).
+    fn table(&self, l: usize) -> &CudaSlice<u64> {
+        &self.tables[l - self.range.start]
     }
 
     /// A dense projection `out (+)= x W^T` at the engine's precision.
@@ -417,41 +774,22 @@ impl GpuModel {
         AttnConfig { precision, ..AttnConfig::default() }
     }
 
-    /// Whether a one-row decode step may run as a CUDA graph: on unless
-    /// `STRATA_CUDA_GRAPH=0`, and not while a test injects a NaN (the
-    /// injection is a host decision made while queueing).
-    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(unused_variables))]
-    fn graph_allowed(&self, engine: &Engine) -> bool {
-        if self.experts.as_ref().is_some_and(|x| !x.lock().mapped_decode(1)) {
-            // The expert cache decides copies on the host at every layer
-            // (unless decode runs mapped).
-            return false;
-        }
-        #[cfg(any(test, feature = "test-hooks"))]
-        if engine.nan_pending() {
-            return false;
-        }
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| std::env::var("STRATA_CUDA_GRAPH").map_or(true, |v| v != "0"))
-    }
-
-    /// A decode step (one row, the last logits) replayed from a CUDA graph:
-    /// the step is captured once per session (again when its buffers move:
-    /// KV growth), and each call writes the token and the position to the
-    /// device and launches the graph. The kernels that depend on the
-    /// position read it from device memory (`StepPos`).
-    fn forward_graph(&self, engine: &Engine, cache: &mut DeviceCache, token: u32) -> Result<Vec<f32>> {
+    /// This stage's part of a decode step from its CUDA graph, captured
+    /// first when there is none for the current buffers (the first stage's
+    /// token is already in `s.tokens`, the previous stage's hidden state in
+    /// `s.x`).
+    fn launch_step(
+        &self,
+        engine: &Engine,
+        cache: &mut StageCache,
+        s: &mut Scratch,
+        start: usize,
+        mut experts: Option<&mut GpuExpertCache>,
+    ) -> Result<()> {
         let gpu = &*self.gpu;
         let c = &self.config;
-        let start = cache.len;
-        let mut experts = self.experts.as_ref().map(|x| x.lock());
-        if let Some(x) = experts.as_mut() {
-            x.begin_forward(1)?;
-        }
-        let mut s = cache.take_scratch(1)?;
         let mut step = cache.step.take();
-        let started = std::time::Instant::now();
-        let r = (|| -> Result<Vec<f32>> {
+        let r = (|| -> Result<()> {
             let step = match &mut step {
                 Some(st) => st,
                 None => step.insert(Step {
@@ -459,57 +797,59 @@ impl GpuModel {
                     plan: attention::step_plan(gpu, attention_shape(c), 1, cache.dtype)?,
                 }),
             };
-            gpu.stream().memcpy_htod(&[token], &mut s.tokens)?;
             step.pos.set(gpu, start, attention::step_chunk(&step.plan, start + 1))?;
             // Everything the graph points to must exist before the capture.
-            LogitScratch::get(&mut s.head, gpu, 1, c.hidden_size, c.vocab_size)?;
+            if self.head.is_some() {
+                LogitScratch::get(&mut s.head, gpu, 1, c.hidden_size, c.vocab_size)?;
+            }
             if cache.graph.as_ref().is_none_or(|g| g.generation != cache.generation) {
                 cache.graph = None;
                 gpu.stream().begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-                let queued = self.enqueue(engine, cache, &mut s, start, 1, Some(step), experts.as_deref_mut());
+                let queued = self.enqueue(engine, cache, s, start, 1, Some(step), experts.as_deref_mut(), None);
                 let captured = gpu.stream().end_capture(sys::CUgraphInstantiate_flags(0));
                 queued?;
                 let graph = captured?.ok_or_else(|| Error::Cuda("capturing the decode step gave no graph".into()))?;
                 cache.graph = Some(DecodeGraph { graph, generation: cache.generation });
             }
             cache.graph.as_ref().expect("captured above").graph.launch()?;
-            if let Some(x) = experts.as_mut() {
-                x.note_mapped_forward(1, c.num_experts_per_tok)?;
-            }
-            self.finish(cache, &mut s, start, 1, started)
+            Ok(())
         })();
         cache.step = step;
-        cache.put_scratch(s);
-        match (r, experts.as_mut()) {
-            (Ok(l), Some(x)) => x.end_forward(engine.pack(), 1).map(|()| l),
-            (r, _) => r,
-        }
+        r
     }
 
-    /// Queues a forward of the `s.t` rows whose tokens are in `s.tokens`,
-    /// at positions `start..`: the flags reset, the embedding, every layer,
-    /// and the head for the last `rows` rows. Nothing here waits or copies
-    /// from the host, so it can be captured into a graph (with `step`:
-    /// position-dependent kernels then read the position on the device).
+    /// Queues this stage's part of a forward of the `s.t` rows at positions
+    /// `start..`: the flags reset, the embedding (first stage: tokens in
+    /// `s.tokens`; later stages find the hidden state in `s.x`), its layers,
+    /// and the head for the last `rows` rows (last stage). Nothing here
+    /// waits or copies from the host (except with `help`, which reads the
+    /// expert counts of each layer), so it can be captured into a graph
+    /// (with `step`: position-dependent kernels then read the position on
+    /// the device).
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(unused_variables))]
     #[allow(clippy::too_many_arguments)]
     fn enqueue(
         &self,
         engine: &Engine,
-        cache: &mut DeviceCache,
+        cache: &mut StageCache,
         s: &mut Scratch,
         start: usize,
         rows: usize,
         step: Option<&Step>,
         mut experts: Option<&mut GpuExpertCache>,
+        mut help: Option<StageHelp<'_>>,
     ) -> Result<()> {
         let c = &self.config;
         let gpu = &*self.gpu;
         let (h, t, vocab) = (c.hidden_size, s.t, c.vocab_size);
         let eps = c.rms_norm_eps as f32;
         dense::reset_flags(gpu, &mut cache.flags)?;
-        dense::embed(gpu, &self.embed, &s.tokens, t, h, &mut s.x)?;
-        for (l, lw) in self.layers.iter().enumerate() {
+        if self.range.start == 0 {
+            let embed = self.embed.as_ref().expect("the first stage holds the embedding");
+            dense::embed(gpu, embed, &s.tokens, t, h, &mut s.x)?;
+        }
+        for (i, lw) in self.layers.iter().enumerate() {
+            let l = self.range.start + i;
             // Each block adds its output to the residual stream x itself
             // (the projections and expert kernels accumulate).
             // The input norm runs in the mixer's first projection; layer
@@ -518,72 +858,24 @@ impl GpuModel {
                 GpuMixer::Attention { .. } => self.attention(l, lw, cache, s, start, step)?,
                 GpuMixer::Linear { .. } => self.linear(l, lw, cache, s)?,
             }
-            self.moe(engine, l, lw, s, experts.as_deref_mut())?;
+            self.moe(engine, l, lw, s, experts.as_deref_mut(), help.as_mut(), cache)?;
             #[cfg(any(test, feature = "test-hooks"))]
             if let Some(row) = engine.take_nan(l, start, t) {
                 gpu.stream().memcpy_htod(&[f32::NAN], &mut s.x.slice_mut(row * h..row * h + 1))?;
             }
-            if l + 1 == self.layers.len() {
+            if l + 1 == c.num_hidden_layers {
                 dense::first_nonfinite(gpu, &s.x, h, &mut cache.flags, l)?;
             }
         }
-        if rows > 0 {
-            let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        if let (Some(head), true) = (&self.head, rows > 0) {
+            let w = head.lm_head.as_ref().or(self.embed.as_ref()).expect("the last stage holds the head");
             let lg = LogitScratch::get(&mut s.head, gpu, rows, h, vocab)?;
             gpu.stream().memcpy_dtod(&s.x.slice((t - rows) * h..t * h), &mut lg.rows)?;
-            dense::rmsnorm(gpu, &lg.rows, &self.final_norm, eps, &mut lg.normed)?;
-            self.proj(Write::Store, &lg.normed, head, rows, vocab, h, &mut lg.logits, &mut lg.bf)?;
+            dense::rmsnorm(gpu, &lg.rows, &head.final_norm, eps, &mut lg.normed)?;
+            self.proj(Write::Store, &lg.normed, w, rows, vocab, h, &mut lg.logits, &mut lg.bf)?;
             dense::first_nonfinite(gpu, &lg.logits, vocab, &mut cache.flags, c.num_hidden_layers)?;
         }
         Ok(())
-    }
-
-    /// Waits for a queued forward and returns its logits (the last `rows`
-    /// rows), or the non-finite error of the first layer (or the logits)
-    /// whose flag is set.
-    fn finish(
-        &self,
-        cache: &mut DeviceCache,
-        s: &mut Scratch,
-        start: usize,
-        rows: usize,
-        started: std::time::Instant,
-    ) -> Result<Vec<f32>> {
-        let c = &self.config;
-        let gpu = &*self.gpu;
-        let (h, t, vocab) = (c.hidden_size, s.t, c.vocab_size);
-        let queued = started.elapsed();
-        // Both copies queued, then one wait.
-        let mut flags = vec![0u32; cache.flags.len()];
-        let out = if rows > 0 {
-            let lg = LogitScratch::get(&mut s.head, gpu, rows, h, vocab)?;
-            gpu.stream().memcpy_dtoh(&lg.logits, &mut lg.host)?;
-            gpu.stream().memcpy_dtoh(&cache.flags, &mut flags)?;
-            gpu.sync()?;
-            lg.host.as_slice()?.to_vec()
-        } else {
-            gpu.stream().memcpy_dtoh(&cache.flags, &mut flags)?;
-            gpu.sync()?;
-            Vec::new()
-        };
-        if trace_forward() {
-            eprintln!(
-                "strata: forward of {t} rows: queued in {:.3} ms, done in {:.3} ms",
-                queued.as_secs_f64() * 1e3,
-                started.elapsed().as_secs_f64() * 1e3
-            );
-        }
-        let first_logit_row = start + t - rows;
-        for (slot, &flag) in flags.iter().enumerate() {
-            let width = if slot < c.num_hidden_layers { h } else { vocab };
-            if let Some((row, _)) = dense::nonfinite_row(flag, width) {
-                let place =
-                    if slot < c.num_hidden_layers { format!("at layer {slot}") } else { "in the logits".into() };
-                let pos = if slot < c.num_hidden_layers { start + row } else { first_logit_row + row };
-                return Err(Error::NonFinite(format!("NaN or infinity {place}, position {pos}")));
-            }
-        }
-        Ok(out)
     }
 
     /// `x += o_proj(attention(...))` of the normed rows in `s.h`.
@@ -591,7 +883,7 @@ impl GpuModel {
         &self,
         l: usize,
         lw: &GpuLayer,
-        cache: &mut DeviceCache,
+        cache: &mut StageCache,
         s: &mut Scratch,
         start: usize,
         step: Option<&Step>,
@@ -639,7 +931,7 @@ impl GpuModel {
     }
 
     /// `x += out_proj(gated_deltanet(...))` of the normed rows in `s.h`.
-    fn linear(&self, l: usize, lw: &GpuLayer, cache: &mut DeviceCache, s: &mut Scratch) -> Result<()> {
+    fn linear(&self, l: usize, lw: &GpuLayer, cache: &mut StageCache, s: &mut Scratch) -> Result<()> {
         let c = &self.config;
         let gpu = &*self.gpu;
         let GpuMixer::Linear { in_proj_qkvz, in_proj_ba, out_proj, small } = &lw.mixer else {
@@ -670,6 +962,7 @@ impl GpuModel {
 
     /// `x += moe(s.h)` (+ the shared expert), through the one MoE pipeline:
     /// router, top-k on the device, experts by the blob table, combine.
+    #[allow(clippy::too_many_arguments)]
     fn moe(
         &self,
         engine: &Engine,
@@ -677,6 +970,8 @@ impl GpuModel {
         lw: &GpuLayer,
         s: &mut Scratch,
         mut experts: Option<&mut GpuExpertCache>,
+        help: Option<&mut StageHelp<'_>>,
+        cache: &mut StageCache,
     ) -> Result<()> {
         let c = &self.config;
         let gpu = &*self.gpu;
@@ -701,7 +996,7 @@ impl GpuModel {
         } else if let Some(x) = experts {
             self.cached_experts(engine.pack(), x, l, s)?;
         } else if t <= MOE_GEMV_MAX_ROWS {
-            let (table, layout) = (&self.tables[l], &self.layout);
+            let (table, layout) = (self.table(l), &self.layout);
             // Decode: the routing runs inside the gate/up GEMV (one launch fewer).
             let route = moe::Route {
                 logits: &s.router,
@@ -712,8 +1007,13 @@ impl GpuModel {
             };
             moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
             moe::expert_down_gemv(gpu, &s.moe.act, &s.ids, &s.weights, table, layout, t, k, &mut s.x, true)?;
+        } else if let Some(help) = help {
+            moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
+            let helper_rows = self.helped_experts(l, s, help)?;
+            cache.helped_layers += 1;
+            cache.helper_rows += helper_rows as u64;
         } else {
-            let (table, layout) = (&self.tables[l], &self.layout);
+            let (table, layout) = (self.table(l), &self.layout);
             moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
             run_experts(gpu, &s.h, &s.ids, &s.weights, table, layout, t, k, &mut s.moe, &mut s.x, true, p)?;
         }
@@ -739,7 +1039,7 @@ impl GpuModel {
     }
 }
 
-impl GpuModel {
+impl GpuStage {
     /// The routed experts of layer `l` through the expert cache: top-k on
     /// the device, the ids read back, the step planned (misses copied into
     /// slots, the layer's table pointed at them), then the one expert
@@ -820,6 +1120,88 @@ impl GpuModel {
         }
         moe::moe_combine(gpu, y, g, &s.weights, layout.hidden as usize, &mut s.x, true)
     }
+
+    /// The routed experts of layer `l` (ids routed into `s.ids`) with
+    /// another stage's help (prefill help, docs/layer-split.md): the one
+    /// grouped pipeline, its experts divided at an expert boundary
+    /// (`help_split`), the experts before it computed here, the rest by the
+    /// helper's stream reading this stage's normed rows and expert table in
+    /// place (two logical devices on one GPU, or a peer GPU), the helper's
+    /// output rows copied back before the one combine. Returns the rows the
+    /// helper computed.
+    fn helped_experts(&self, l: usize, s: &mut Scratch, help: &mut StageHelp<'_>) -> Result<usize> {
+        let c = &self.config;
+        let gpu = &*self.gpu;
+        let (t, e, k, h) = (s.t, c.num_experts, c.num_experts_per_tok, c.hidden_size);
+        let p = self.grouped_precision();
+        let (table, layout) = (self.table(l), &self.layout);
+        let m = &mut s.moe;
+        let g = m.grouping.as_mut().expect("grouped scratch for more than a few rows");
+        moe::group_by_expert_into(gpu, &s.ids, t, k, g)?;
+        // Each expert's rows, on the host: where to divide.
+        let mut offsets = vec![0u32; e + 1];
+        gpu.stream().memcpy_dtoh(&g.offsets, &mut offsets)?;
+        gpu.sync()?;
+        let split = help_split(&offsets, help.share);
+        let tiles = |mine: Range<usize>| -> Vec<u32> {
+            let mut tiles = vec![0u32; e + 1];
+            for j in 0..e {
+                let rows = (offsets[j + 1] - offsets[j]) as usize;
+                tiles[j + 1] = tiles[j] + if mine.contains(&j) { rows.div_ceil(moe::TILE_M) as u32 } else { 0 };
+            }
+            tiles
+        };
+
+        // The helper: a copy of the grouping with its own row tiles, the
+        // kernels on its stream once this stream has grouped the rows.
+        let hgpu = &*help.stage.gpu;
+        let hstream = hgpu.stream();
+        let hm = &mut help.scratch.moe;
+        let hg = hm.grouping.as_mut().expect("grouped scratch for more than a few rows");
+        let hy = hm.y.as_mut().expect("grouped scratch for more than a few rows");
+        hstream.wait(&gpu.stream().record_event(None)?)?;
+        let n = t * k;
+        hstream.memcpy_dtod(&g.offsets, &mut hg.offsets)?;
+        hstream.memcpy_dtod(&g.rows.slice(..n), &mut hg.rows.slice_mut(..n))?;
+        hstream.memcpy_dtod(&g.slot_of.slice(..n), &mut hg.slot_of.slice_mut(..n))?;
+        hstream.memcpy_dtod(&g.slot_expert.slice(..n), &mut hg.slot_expert.slice_mut(..n))?;
+        (hg.tokens, hg.top_k) = (t, k);
+        hstream.memcpy_htod(&tiles(split..e), &mut hg.tile_offsets)?;
+        moe::expert_gate_up_grouped_with(hgpu, &s.h, hg, table, layout, &mut hm.act, p)?;
+        moe::expert_down_grouped_with(hgpu, &hm.act, hg, table, layout, hy, p)?;
+
+        // This stage's experts, meanwhile.
+        gpu.stream().memcpy_htod(&tiles(0..split), &mut g.tile_offsets)?;
+        let y = m.y.as_mut().expect("grouped scratch for more than a few rows");
+        moe::expert_gate_up_grouped_with(gpu, &s.h, g, table, layout, &mut m.act, p)?;
+        moe::expert_down_grouped_with(gpu, &m.act, g, table, layout, y, p)?;
+
+        // The helper's rows (slots offsets[split]..offsets[e], contiguous:
+        // slots are in expert order), then the combine of every row.
+        gpu.stream().wait(&hstream.record_event(None)?)?;
+        let (a, b) = (offsets[split] as usize * h, offsets[e] as usize * h);
+        if b > a {
+            gpu.stream().memcpy_dtod(&hy.slice(a..b), &mut y.slice_mut(a..b))?;
+        }
+        moe::moe_combine(gpu, y, g, &s.weights, h, &mut s.x, true)?;
+        Ok((offsets[e] - offsets[split]) as usize)
+    }
+}
+
+/// Where prefill help divides a layer's experts, from the exclusive scan
+/// of their rows (`offsets [E + 1]`): the helper takes experts `split..E`,
+/// whose rows come nearest `share` of all rows (the first such boundary).
+fn help_split(offsets: &[u32], share: f64) -> usize {
+    let e = offsets.len() - 1;
+    let total = offsets[e] as f64;
+    let want = total * share.clamp(0.0, 1.0);
+    (0..=e)
+        .min_by(|&a, &b| {
+            let da = ((total - offsets[a] as f64) - want).abs();
+            let db = ((total - offsets[b] as f64) - want).abs();
+            da.total_cmp(&db).then(a.cmp(&b))
+        })
+        .expect("at least one boundary")
 }
 
 /// `out (+)= sum_j w[t, j] * expert_{ids[t, j]}(x[t])` with the experts found
@@ -1117,20 +1499,35 @@ impl Scratch {
     }
 }
 
-/// A session's state on the device (see the module doc).
+/// A session's state on the devices (see the module doc): one
+/// `StageCache` per stage, each on its stage's device.
 pub(crate) struct DeviceCache {
-    gpu: Arc<Gpu>,
     config: ModelConfig,
     dtype: KvDtype,
     /// Committed positions.
     len: usize,
-    /// Per layer: the KV of an attention layer.
+    stages: Vec<StageCache>,
+}
+
+/// A stage's part of a session's state: the KV and recurrent states of
+/// its layers, its flags, scratch and captured decode step.
+struct StageCache {
+    gpu: Arc<Gpu>,
+    /// The stage's layers.
+    range: Range<usize>,
+    config: ModelConfig,
+    dtype: KvDtype,
+    /// Per layer of the model (`None` outside this stage's layers): the KV
+    /// of an attention layer.
     kv: Vec<Option<DeviceKv>>,
-    /// Per layer: the state of a Gated DeltaNet layer.
+    /// Per layer (`None` outside this stage's layers): the state of a
+    /// Gated DeltaNet layer.
     delta: Vec<Option<DeviceDeltaState>>,
     /// A copy of `delta` taken before each forward, to roll back a failure.
     spare: Vec<Option<DeviceDeltaState>>,
-    /// One non-finite flag per layer, and one for the logits.
+    /// One non-finite flag per layer, and one for the logits (this stage
+    /// sets the slots of the layers before its own and, last stage, the
+    /// last layer's and the logits').
     flags: CudaSlice<u32>,
     /// The scratch of the last forward of more than one row.
     scratch: Option<Scratch>,
@@ -1141,37 +1538,78 @@ pub(crate) struct DeviceCache {
     graph: Option<DecodeGraph>,
     /// Bumped whenever a buffer a captured step uses is reallocated.
     generation: u64,
+    /// A split's timing of this stage in the current forward.
+    clock: StageClock,
+    /// What this forward moved and helped, for `SplitStats`.
+    handoff_bytes: u64,
+    helped_layers: u64,
+    helper_rows: u64,
+}
+
+/// Events around a stage's part of a forward (a split only: without one
+/// nothing is recorded): the hand-off into it, then its layers.
+#[derive(Default)]
+struct StageClock {
+    events: Option<[CudaEvent; 3]>,
+    /// Which of hand-off and layers were recorded this forward.
+    recorded: [bool; 2],
+}
+
+const CLOCK_HANDOFF: usize = 0;
+const CLOCK_START: usize = 1;
+const CLOCK_END: usize = 2;
+
+impl StageClock {
+    fn new(gpu: &Gpu, split: bool) -> Result<StageClock> {
+        if !split {
+            return Ok(StageClock::default());
+        }
+        let ev = || gpu.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT));
+        Ok(StageClock { events: Some([ev()?, ev()?, ev()?]), recorded: [false; 2] })
+    }
+
+    fn record(&mut self, gpu: &Gpu, which: usize) -> Result<()> {
+        if let Some(ev) = &self.events {
+            ev[which].record(gpu.stream())?;
+        }
+        Ok(())
+    }
+
+    fn hand_off(&mut self, gpu: &Gpu) -> Result<()> {
+        self.recorded[0] = true;
+        self.record(gpu, CLOCK_HANDOFF)
+    }
+
+    fn start(&mut self, gpu: &Gpu) -> Result<()> {
+        self.record(gpu, CLOCK_START)
+    }
+
+    fn end(&mut self, gpu: &Gpu) -> Result<()> {
+        self.recorded[1] = true;
+        self.record(gpu, CLOCK_END)
+    }
+
+    /// Seconds of this stage's layers and of the hand-off into it (0 when
+    /// not recorded), once the stream has finished; clears the record.
+    fn read(&mut self) -> Result<(f64, f64)> {
+        let Some(ev) = &self.events else { return Ok((0.0, 0.0)) };
+        let secs = |a: usize, b: usize| -> Result<f64> { Ok(f64::from(ev[a].elapsed_ms(&ev[b])?) / 1e3) };
+        let hand = if self.recorded[0] { secs(CLOCK_HANDOFF, CLOCK_START)? } else { 0.0 };
+        let stage = if self.recorded[1] { secs(CLOCK_START, CLOCK_END)? } else { 0.0 };
+        self.recorded = [false; 2];
+        Ok((stage, hand))
+    }
 }
 
 impl DeviceCache {
-    fn new(gpu: Arc<Gpu>, c: &ModelConfig, dtype: KvDtype) -> Result<DeviceCache> {
-        let linear = linear_layers(c);
-        let cap = KV_INITIAL_CAPACITY.min(c.max_position_embeddings.max(1));
-        let kv = linear
-            .iter()
-            .map(|s| match s {
-                Some(_) => Ok(None),
-                None => DeviceKv::new(&gpu, dtype, cap, c.num_key_value_heads, c.head_dim).map(Some),
-            })
+    /// Empty state for stages on `places` (device, layers), in layer order.
+    fn new(places: Vec<(Arc<Gpu>, Range<usize>)>, c: &ModelConfig, dtype: KvDtype) -> Result<DeviceCache> {
+        let split = places.len() > 1;
+        let stages = places
+            .into_iter()
+            .map(|(gpu, range)| StageCache::new(gpu, range, c, dtype, split))
             .collect::<Result<Vec<_>>>()?;
-        let states = |gpu: &Gpu| -> Result<Vec<Option<DeviceDeltaState>>> {
-            linear.iter().map(|s| s.map(|s| DeviceDeltaState::new(gpu, s)).transpose()).collect()
-        };
-        Ok(DeviceCache {
-            delta: states(&gpu)?,
-            spare: states(&gpu)?,
-            flags: gpu.alloc_zeros(c.num_hidden_layers + 1)?,
-            gpu,
-            config: c.clone(),
-            dtype,
-            len: 0,
-            kv,
-            scratch: None,
-            decode: None,
-            step: None,
-            graph: None,
-            generation: 0,
-        })
+        Ok(DeviceCache { config: c.clone(), dtype, len: 0, stages })
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -1179,15 +1617,15 @@ impl DeviceCache {
     }
 
     pub(crate) fn is_hybrid(&self) -> bool {
-        self.delta.iter().any(Option::is_some)
+        self.stages.iter().any(|s| s.delta.iter().any(Option::is_some))
     }
 
     pub(crate) fn num_layers(&self) -> usize {
-        self.kv.len()
+        self.config.num_hidden_layers
     }
 
     pub(crate) fn has_kv(&self, layer: usize) -> bool {
-        self.kv[layer].is_some()
+        self.stages.iter().any(|s| s.kv[layer].is_some())
     }
 
     pub(crate) fn truncate(&mut self, n: usize) {
@@ -1197,7 +1635,143 @@ impl DeviceCache {
 
     /// Grows every layer's KV (doubling) to hold `n` more positions.
     pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
-        let need = self.len + n;
+        let len = self.len;
+        self.stages.iter_mut().try_for_each(|s| s.reserve(len, len + n))
+    }
+
+    fn snapshot(&mut self) -> Result<()> {
+        for s in &mut self.stages {
+            for (spare, d) in s.spare.iter_mut().zip(&s.delta) {
+                if let (Some(spare), Some(d)) = (spare, d) {
+                    spare.copy_from(&s.gpu, d)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn restore_snapshot(&mut self) -> Result<()> {
+        for s in &mut self.stages {
+            for (d, spare) in s.delta.iter_mut().zip(&s.spare) {
+                if let (Some(d), Some(spare)) = (d, spare) {
+                    d.copy_from(&s.gpu, spare)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The Gated DeltaNet states, in layer order.
+    pub(crate) fn deltas(&self) -> Result<Vec<DeltaNetState>> {
+        self.stages.iter().flat_map(|s| s.delta.iter().flatten().map(|d| d.download(&s.gpu))).collect()
+    }
+
+    pub(crate) fn restore_deltas(&mut self, states: &[DeltaNetState]) -> Result<()> {
+        let mut it = states.iter();
+        for s in &mut self.stages {
+            for d in s.delta.iter_mut().flatten() {
+                let st = it.next().expect("DeviceCache::restore_deltas: too few states");
+                assert!(
+                    st.conv.len() == d.conv.len() && st.recurrent.len() == d.recurrent.len(),
+                    "restore_deltas: shapes"
+                );
+                s.gpu.stream().memcpy_htod(&st.conv, &mut d.conv)?;
+                s.gpu.stream().memcpy_htod(&st.recurrent, &mut d.recurrent)?;
+            }
+        }
+        assert!(it.next().is_none(), "DeviceCache::restore_deltas: too many states");
+        // The host states may be freed when this returns.
+        self.stages.iter().try_for_each(|s| s.gpu.sync())
+    }
+
+    pub(crate) fn reset_deltas(&mut self) -> Result<()> {
+        for s in &mut self.stages {
+            for d in s.delta.iter_mut().flatten() {
+                s.gpu.stream().memset_zeros(&mut d.conv)?;
+                s.gpu.stream().memset_zeros(&mut d.recurrent)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Keys and values of `layer`, positions `0..len`, dequantized.
+    pub(crate) fn layer_f32(&self, layer: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let s = self.stages.iter().find(|s| s.kv[layer].is_some()).expect("layer_f32 of a Gated DeltaNet layer");
+        attention::kv_read_f32(&s.gpu, s.kv[layer].as_ref().expect("found above"), self.len)
+    }
+
+    /// A new cache of this one's kind holding a restored state.
+    pub(crate) fn restored(
+        &self,
+        len: usize,
+        layers: Vec<(Vec<f32>, Vec<f32>)>,
+        deltas: &[DeltaNetState],
+    ) -> Result<DeviceCache> {
+        let places = self.stages.iter().map(|s| (s.gpu.clone(), s.range.clone())).collect();
+        let mut d = DeviceCache::new(places, &self.config, self.dtype)?;
+        d.reserve(len)?;
+        for (l, (k, v)) in layers.into_iter().enumerate() {
+            if len == 0 {
+                break;
+            }
+            for s in &mut d.stages {
+                if let Some(kv) = &mut s.kv[l] {
+                    let (k, v) = (s.gpu.upload(&k)?, s.gpu.upload(&v)?);
+                    attention::kv_append(&s.gpu, kv, &k, &v, 0, len)?;
+                }
+            }
+        }
+        d.restore_deltas(deltas)?;
+        d.len = len;
+        Ok(d)
+    }
+}
+
+impl StageCache {
+    fn new(gpu: Arc<Gpu>, range: Range<usize>, c: &ModelConfig, dtype: KvDtype, split: bool) -> Result<StageCache> {
+        let linear = linear_layers(c);
+        let cap = KV_INITIAL_CAPACITY.min(c.max_position_embeddings.max(1));
+        let kv = linear
+            .iter()
+            .enumerate()
+            .map(|(l, s)| match s {
+                None if range.contains(&l) => {
+                    DeviceKv::new(&gpu, dtype, cap, c.num_key_value_heads, c.head_dim).map(Some)
+                }
+                _ => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let states = |gpu: &Gpu| -> Result<Vec<Option<DeviceDeltaState>>> {
+            linear
+                .iter()
+                .enumerate()
+                .map(|(l, s)| s.filter(|_| range.contains(&l)).map(|s| DeviceDeltaState::new(gpu, s)).transpose())
+                .collect()
+        };
+        Ok(StageCache {
+            delta: states(&gpu)?,
+            spare: states(&gpu)?,
+            flags: gpu.alloc_zeros(c.num_hidden_layers + 1)?,
+            clock: StageClock::new(&gpu, split)?,
+            gpu,
+            range,
+            config: c.clone(),
+            dtype,
+            kv,
+            scratch: None,
+            decode: None,
+            step: None,
+            graph: None,
+            generation: 0,
+            handoff_bytes: 0,
+            helped_layers: 0,
+            helper_rows: 0,
+        })
+    }
+
+    /// Grows this stage's KV (doubling) to hold `need` positions, keeping
+    /// the first `len`.
+    fn reserve(&mut self, len: usize, need: usize) -> Result<()> {
         for slot in self.kv.iter_mut() {
             let Some(kv) = slot else { continue };
             if kv.capacity >= need {
@@ -1205,7 +1779,7 @@ impl DeviceCache {
             }
             let cap = need.max(2 * kv.capacity).min(self.config.max_position_embeddings.max(need));
             let mut grown = DeviceKv::new(&self.gpu, self.dtype, cap, kv.kv_heads, kv.head_dim)?;
-            let rows = self.len * kv.kv_heads;
+            let rows = len * kv.kv_heads;
             let bytes = rows * kv.head_dim * self.dtype.value_bytes();
             let stream = self.gpu.stream();
             stream.memcpy_dtod(&kv.k.slice(..bytes), &mut grown.k.slice_mut(..bytes))?;
@@ -1244,75 +1818,27 @@ impl DeviceCache {
             self.scratch = Some(s);
         }
     }
+}
 
-    fn snapshot(&mut self) -> Result<()> {
-        for (spare, d) in self.spare.iter_mut().zip(&self.delta) {
-            if let (Some(spare), Some(d)) = (spare, d) {
-                spare.copy_from(&self.gpu, d)?;
-            }
-        }
-        Ok(())
-    }
+#[cfg(test)]
+mod tests {
+    use super::help_split;
 
-    fn restore_snapshot(&mut self) -> Result<()> {
-        for (d, spare) in self.delta.iter_mut().zip(&self.spare) {
-            if let (Some(d), Some(spare)) = (d, spare) {
-                d.copy_from(&self.gpu, spare)?;
-            }
-        }
-        Ok(())
-    }
-
-    pub(crate) fn deltas(&self) -> Result<Vec<DeltaNetState>> {
-        self.delta.iter().flatten().map(|d| d.download(&self.gpu)).collect()
-    }
-
-    pub(crate) fn restore_deltas(&mut self, states: &[DeltaNetState]) -> Result<()> {
-        let mut it = states.iter();
-        for d in self.delta.iter_mut().flatten() {
-            let s = it.next().expect("DeviceCache::restore_deltas: too few states");
-            assert!(s.conv.len() == d.conv.len() && s.recurrent.len() == d.recurrent.len(), "restore_deltas: shapes");
-            self.gpu.stream().memcpy_htod(&s.conv, &mut d.conv)?;
-            self.gpu.stream().memcpy_htod(&s.recurrent, &mut d.recurrent)?;
-        }
-        assert!(it.next().is_none(), "DeviceCache::restore_deltas: too many states");
-        // The host states may be freed when this returns.
-        self.gpu.sync()
-    }
-
-    pub(crate) fn reset_deltas(&mut self) -> Result<()> {
-        for d in self.delta.iter_mut().flatten() {
-            self.gpu.stream().memset_zeros(&mut d.conv)?;
-            self.gpu.stream().memset_zeros(&mut d.recurrent)?;
-        }
-        Ok(())
-    }
-
-    /// Keys and values of `layer`, positions `0..len`, dequantized.
-    pub(crate) fn layer_f32(&self, layer: usize) -> Result<(Vec<f32>, Vec<f32>)> {
-        let kv = self.kv[layer].as_ref().expect("layer_f32 of a Gated DeltaNet layer");
-        attention::kv_read_f32(&self.gpu, kv, self.len)
-    }
-
-    /// A new cache of this one's kind holding a restored state.
-    pub(crate) fn restored(
-        &self,
-        len: usize,
-        layers: Vec<(Vec<f32>, Vec<f32>)>,
-        deltas: &[DeltaNetState],
-    ) -> Result<DeviceCache> {
-        let mut d = DeviceCache::new(self.gpu.clone(), &self.config, self.dtype)?;
-        d.reserve(len)?;
-        for (slot, (k, v)) in d.kv.iter_mut().zip(layers) {
-            if let Some(kv) = slot {
-                if len > 0 {
-                    let (k, v) = (self.gpu.upload(&k)?, self.gpu.upload(&v)?);
-                    attention::kv_append(&self.gpu, kv, &k, &v, 0, len)?;
-                }
-            }
-        }
-        d.restore_deltas(deltas)?;
-        d.len = len;
-        Ok(d)
+    #[test]
+    fn help_divides_the_experts_where_the_helper_gets_nearest_its_share() {
+        // Rows per expert 4, 0, 6, 2, 8 (20 in all).
+        let offsets = [0, 4, 4, 10, 12, 20];
+        // Half: experts 3.. have 10 rows, exactly half.
+        assert_eq!(help_split(&offsets, 0.5), 3);
+        // A quarter (5 rows): expert 4 alone (8 rows, 3 off) beats experts
+        // 3.. (10, 5 off) and none (0, 5 off).
+        assert_eq!(help_split(&offsets, 0.25), 4);
+        // Nothing; everything.
+        assert_eq!(help_split(&offsets, 0.0), 5);
+        assert_eq!(help_split(&offsets, 1.0), 0);
+        // 16 rows: boundaries 1 and 2 tie (expert 1 is empty): the first.
+        assert_eq!(help_split(&offsets, 0.8), 1);
+        // No rows at all: every boundary ties, the first.
+        assert_eq!(help_split(&[0, 0, 0], 0.5), 0);
     }
 }

@@ -54,9 +54,11 @@ pub struct EngineOptions {
     pub threads: Option<usize>,
     /// Devices to run on, as `Device::parse` reads them; empty = `["cpu"]`.
     /// Several devices split the layers into stages, one per device, in
-    /// list order (docs/layer-split.md); for now only CPU stages: the list
-    /// repeats `"cpu"` (`["cpu", "cpu"]` = two CPU stages, each with its
-    /// own thread pool, `threads` divided between them).
+    /// list order (docs/layer-split.md), all CPU or all CUDA:
+    /// `["cpu", "cpu"]` = two CPU stages, each with its own thread pool,
+    /// `threads` divided between them; `["cuda:0", "cuda:1"]` = two GPUs;
+    /// `["cuda:0", "cuda:0"]` = two logical devices on one GPU (a stream
+    /// each).
     pub devices: Vec<String>,
     /// With several devices: the first layer of each stage after the first
     /// (`[2]` on two devices = layers `0..2` and `2..`); strictly
@@ -305,17 +307,19 @@ impl Device {
     }
 
     /// Parses a device list and checks that this build can run on it: the
-    /// CPU (the default when the list is empty), one CUDA device, or
-    /// several CPU devices (a layer split; CUDA stages are refused with
-    /// `Error::Unsupported`). A CUDA device is probed (driver library,
-    /// device count, ordinal) and refused with `Error::NoCuda` naming the
-    /// cause; a build without the `cuda` feature refuses every CUDA device so.
+    /// CPU (the default when the list is empty), or one or more devices of
+    /// one kind (several: a layer split; a CUDA ordinal may repeat, two
+    /// logical devices on one GPU). CPU and CUDA stages in one split are
+    /// refused with `Error::Unsupported`. A CUDA device is probed (driver
+    /// library, device count, ordinal) and refused with `Error::NoCuda`
+    /// naming the cause; a build without the `cuda` feature refuses every
+    /// CUDA device so.
     pub fn parse_list(names: &[String]) -> Result<Vec<Device>> {
         let devices = names.iter().map(|n| Device::parse(n)).collect::<Result<Vec<_>>>()?;
-        if devices.len() > 1 && devices.iter().any(|d| *d != Device::Cpu) {
+        if devices.contains(&Device::Cpu) && devices.iter().any(|d| *d != Device::Cpu) {
             return Err(Error::Unsupported(format!(
-                "devices {names:?}: a layer split runs on CPU devices only for now (CUDA stages, their \
-                 hand-off and their prefill help are not built yet)"
+                "devices {names:?}: a layer split runs on CPU devices or on CUDA devices, not both (a \
+                 hand-off between the CPU and a GPU is not built)"
             )));
         }
         for d in &devices {
@@ -520,8 +524,10 @@ pub struct SplitStats {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StageStats {
     pub layers: Range<usize>,
+    /// The stage's CPU threads (0 for a CUDA stage).
     pub threads: usize,
-    /// Time spent running this stage's layers (its own, not helping).
+    /// Time spent running this stage's layers (its own, not helping; on a
+    /// CUDA stage the device time between events around them).
     pub seconds: f64,
     /// Expert rows per second this stage computed in helped MoE steps
     /// (smoothed; `None` until measured): the speeds prefill help's share
@@ -890,11 +896,24 @@ impl Engine {
                 Exec::Cpu { stages, weights }
             }
             #[cfg(feature = "cuda")]
-            Device::Cuda(ordinal) => {
-                let gpu = crate::backend::cuda::Gpu::open(ordinal as usize)?;
+            Device::Cuda(_) => {
+                // One `Gpu` (context and stream) per listed device: a
+                // repeated ordinal gives two logical devices on one GPU.
+                let gpus = devices
+                    .iter()
+                    .map(|d| match *d {
+                        Device::Cuda(ordinal) => crate::backend::cuda::Gpu::open(ordinal as usize),
+                        Device::Cpu => unreachable!("parse_list refuses mixed devices"),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                if let Some(split) = &split {
+                    split.lock().stages =
+                        ranges.iter().map(|r| StageStats { layers: r.clone(), ..Default::default() }).collect();
+                }
                 Exec::Cuda(Box::new(gpu::GpuModel::load(
                     &pack,
-                    gpu,
+                    gpus,
+                    ranges,
                     &rope,
                     opts.gpu_precision,
                     &opts.expert_cache,
@@ -919,6 +938,20 @@ impl Engine {
                 nan_at: std::sync::Mutex::new(None),
             }),
         })
+    }
+
+    /// Whether an idle stage helps with prefill (`EngineOptions::prefill_help`).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn prefill_help(&self) -> Help {
+        self.inner.prefill_help
+    }
+
+    /// Adds what a forward of a split did to `split_stats` (no-op without a split).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn record_split(&self, f: impl FnOnce(&mut SplitStats)) {
+        if let Some(split) = &self.inner.split {
+            f(&mut split.lock());
+        }
     }
 
     /// The CPU stages and the weights (the CPU forward's view of `exec`).
@@ -1576,12 +1609,17 @@ mod tests {
     }
 
     #[test]
-    fn a_split_refuses_cuda_stages_and_bad_split_points() {
+    fn a_split_refuses_mixed_devices_and_bad_split_points() {
         let two = |a: &str, b: &str| vec![a.to_string(), b.to_string()];
         assert_eq!(Device::parse_list(&two("cpu", "cpu")).unwrap(), vec![Device::Cpu, Device::Cpu]);
-        for list in [two("cpu", "cuda"), two("cuda:0", "cuda:1")] {
+        for list in [two("cpu", "cuda"), two("cuda:0", "cpu")] {
             let err = Device::parse_list(&list).unwrap_err();
-            assert!(matches!(err, Error::Unsupported(ref m) if m.contains("CPU devices only")), "{err}");
+            assert!(matches!(err, Error::Unsupported(ref m) if m.contains("not both")), "{err}");
+        }
+        // Several CUDA devices are a split like any other: probed each (a
+        // machine without CUDA refuses the first with the cause).
+        if let Err(err) = Device::parse_list(&two("cuda:0", "cuda:0")) {
+            assert!(matches!(err, Error::NoCuda(_)), "{err}");
         }
         let dir = tempfile::tempdir().unwrap();
         write_tiny_pack(dir.path(), &tiny_config(), &TinyPack::default()).unwrap();

@@ -1,0 +1,236 @@
+//! The path-equivalence matrix on two (and three) logical devices of one
+//! GPU (architecture invariant 1; tests/split_matrix.rs is the same matrix
+//! on CPU devices): {one device; a layer split at every layer; those
+//! splits with prefill help forced on; three stages with help} x
+//! {qwen3_moe, qwen3_next} x {prefill lengths, a 1100-token turn after a
+//! reused prefix} x {chunk sizes}, on the tiny synthetic NVFP4 packs whose
+//! global scales are far from 1.
+//!
+//! Every path runs the same kernels on the same rows (a stage's layers, a
+//! hand-off that copies the hidden state exactly, a helper that computes
+//! whole row tiles of its experts), so every split path must give the
+//! one-device GPU run's logits BITWISE; that run must be within the GPU
+//! tolerance of the CPU reference. The decode tokens are the CPU's greedy
+//! tokens, fed to every GPU run, so all runs read the same conversation.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use strata::backend::cuda::Gpu;
+use strata::engine::{Engine, EngineOptions, Help};
+use strata::model::Arch;
+use strata::pack::synth::{self, SynthOptions};
+use strata::sampling::Sampler;
+use strata::session::{KvType, SessionOptions};
+
+use super::common::{check_close, e, GpuTest};
+
+pub const TESTS: &[GpuTest] =
+    &[("split_matrix_on_logical_devices", matrix), ("split_field_report_on_logical_devices", field_report)];
+
+/// As tests/gpu/model.rs: GPU logits against the CPU's, relative to
+/// max |logit| (bf16 KV on both, the accurate precision).
+const TOL: f32 = 5e-3;
+const DECODE_STEPS: usize = 4;
+
+fn synth_pack(dir: &Path, arch: Arch) -> Result<usize, String> {
+    let c = synth::preset(arch, "tiny").map_err(e)?;
+    synth::synth(&c, dir, &SynthOptions { seed: 11, ..Default::default() }).map_err(e)?;
+    let p = strata::pack::Pack::open(dir).map_err(e)?;
+    let x = p.expert(0, 0).map_err(e)?;
+    let g = [x.gate.global_scale, x.up.global_scale, x.down.global_scale];
+    if g.iter().any(|s| (0.1..=10.0).contains(s)) {
+        return Err(format!("global scales {g:?} are not far from 1"));
+    }
+    Ok(c.num_hidden_layers)
+}
+
+#[derive(Clone, Debug)]
+struct GpuPath {
+    devices: usize,
+    split: Option<Vec<usize>>,
+    help: Help,
+}
+
+fn paths(layers: usize) -> Vec<GpuPath> {
+    let path = |devices, split: Option<Vec<usize>>, help| GpuPath { devices, split, help };
+    let mut p = vec![path(1, None, Help::Off)];
+    for at in 1..layers {
+        p.push(path(2, Some(vec![at]), Help::Off));
+        p.push(path(2, Some(vec![at]), Help::On));
+    }
+    if layers >= 3 {
+        p.push(path(3, None, Help::On));
+    }
+    p
+}
+
+fn gpu_engine(dir: &Path, path: &GpuPath) -> Result<Engine, String> {
+    let opts = EngineOptions {
+        devices: vec!["cuda:0".into(); path.devices],
+        layer_split: path.split.clone(),
+        prefill_help: path.help,
+        ..Default::default()
+    };
+    let engine = Engine::load(dir, &opts).map_err(|x| format!("{path:?}: {x}"))?;
+    match engine.backend_name() {
+        "cuda" => Ok(engine),
+        other => Err(format!("{path:?}: the engine runs on {other}")),
+    }
+}
+
+fn tokens(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97) >> 7) % 256).collect()
+}
+
+fn session_opts(chunk: usize) -> SessionOptions {
+    SessionOptions { prefill_chunk: chunk, kv_type: KvType::Bf16, ..Default::default() }
+}
+
+/// A run: the logits after each turn's prefill and each decode step, and
+/// the decode tokens of each turn.
+struct Run {
+    logits: Vec<Vec<f32>>,
+    decoded: Vec<Vec<u32>>,
+}
+
+/// The CPU reference: each turn the whole conversation so far (reused
+/// prefix) plus `n` new tokens, then greedy decoding.
+fn cpu_run(e: &Engine, chunk: usize, turns: &[usize]) -> Result<Run, String> {
+    let mut s = e.new_session(&session_opts(chunk)).map_err(super::common::e)?;
+    let mut run = Run { logits: vec![], decoded: vec![] };
+    let mut greedy = Sampler::greedy();
+    for (i, &n) in turns.iter().enumerate() {
+        let mut conv = s.tokens().to_vec();
+        conv.extend(tokens(n, i as u32 + 1));
+        s.prefill_conversation(&conv).map_err(super::common::e)?;
+        run.logits.push(s.logits().unwrap().to_vec());
+        let mut decoded = Vec::new();
+        for _ in 0..DECODE_STEPS {
+            decoded.push(s.step(&mut greedy).map_err(super::common::e)?);
+            run.logits.push(s.logits().unwrap().to_vec());
+        }
+        run.decoded.push(decoded);
+    }
+    Ok(run)
+}
+
+/// The same conversation on a GPU engine, the reference's decode tokens
+/// fed one at a time (each a one-row forward: the decode graph).
+fn gpu_run(e: &Engine, chunk: usize, turns: &[usize], reference: &Run, what: &str) -> Result<Vec<Vec<f32>>, String> {
+    let fail = |x: strata::Error| format!("{what}: {x}");
+    let mut s = e.new_session(&session_opts(chunk)).map_err(fail)?;
+    let mut logits = Vec::new();
+    for (i, &n) in turns.iter().enumerate() {
+        let mut conv = s.tokens().to_vec();
+        let reused = conv.len();
+        conv.extend(tokens(n, i as u32 + 1));
+        let report = s.prefill_conversation(&conv).map_err(fail)?;
+        if (report.reused, report.read) != (reused, n) {
+            return Err(format!("{what}: turn {i} reused {} and read {}", report.reused, report.read));
+        }
+        logits.push(s.logits().unwrap().to_vec());
+        for &t in &reference.decoded[i] {
+            s.prefill(&[t]).map_err(fail)?;
+            logits.push(s.logits().unwrap().to_vec());
+        }
+    }
+    Ok(logits)
+}
+
+fn bitwise_equal(a: &[Vec<f32>], b: &[Vec<f32>]) -> Option<usize> {
+    if a.len() != b.len() {
+        return Some(a.len().min(b.len()));
+    }
+    a.iter().zip(b).position(|(x, y)| x.len() != y.len() || x.iter().zip(y).any(|(p, q)| p.to_bits() != q.to_bits()))
+}
+
+/// Checks one scenario on every path; the one-device GPU run against the
+/// CPU within TOL, the split paths against it bitwise.
+fn check_scenario(
+    cpu: &Engine,
+    gpus: &[(GpuPath, Engine)],
+    arch: Arch,
+    chunk: usize,
+    turns: &[usize],
+) -> Result<(), String> {
+    let reference = cpu_run(cpu, chunk, turns)?;
+    let base = format!("{arch:?} turns {turns:?} chunk {chunk}");
+    let one = gpu_run(&gpus[0].1, chunk, turns, &reference, &base)?;
+    for (i, (g, c)) in one.iter().zip(&reference.logits).enumerate() {
+        check_close(&format!("{base}: one GPU vs the CPU, logits {i}"), g, c, TOL)?;
+    }
+    for (path, engine) in &gpus[1..] {
+        let what = format!("{base} {path:?}");
+        let got = gpu_run(engine, chunk, turns, &reference, &what)?;
+        if let Some(i) = bitwise_equal(&got, &one) {
+            let detail =
+                check_close("", &got[i.min(got.len() - 1)], &one[i.min(one.len() - 1)], 0.0).err().unwrap_or_default();
+            return Err(format!("{what}: logits {i} differ from the one-GPU run{detail}"));
+        }
+    }
+    Ok(())
+}
+
+fn check_stats(gpus: &[(GpuPath, Engine)]) -> Result<(), String> {
+    for (path, engine) in &gpus[1..] {
+        let stats = engine.split_stats().ok_or_else(|| format!("{path:?}: a split engine has no split stats"))?;
+        let helped = path.help == Help::On;
+        let ok = stats.stages.len() == path.devices
+            && stats.handoffs > 0
+            && stats.handoff_bytes > 0
+            && stats.stages.iter().all(|s| s.seconds > 0.0)
+            && (stats.helped_layers > 0) == helped
+            && (stats.helper_rows > 0) == helped;
+        if !ok {
+            return Err(format!("{path:?}: split stats {stats:?}"));
+        }
+    }
+    if gpus[0].1.split_stats().is_some() {
+        return Err("the one-device engine reports split stats".into());
+    }
+    Ok(())
+}
+
+fn matrix(_gpu: &Arc<Gpu>) -> Result<(), String> {
+    for arch in [Arch::Qwen3Moe, Arch::Qwen3Next] {
+        let dir = tempfile::tempdir().map_err(e)?;
+        let layers = synth_pack(dir.path(), arch)?;
+        let cpu = Engine::load(dir.path(), &EngineOptions::default()).map_err(e)?;
+        let gpus = paths(layers)
+            .into_iter()
+            .map(|p| gpu_engine(dir.path(), &p).map(|g| (p, g)))
+            .collect::<Result<Vec<_>, String>>()?;
+        let scenarios: &[&[usize]] = &[&[1], &[17], &[300], &[40, 1100]];
+        for &turns in scenarios {
+            for chunk in [0, 64, 1000] {
+                check_scenario(&cpu, &gpus, arch, chunk, turns)?;
+            }
+        }
+        check_stats(&gpus)?;
+        println!("    {arch:?}: {} paths x {} scenarios x 3 chunk sizes", gpus.len(), scenarios.len());
+    }
+    Ok(())
+}
+
+/// The field report's scenario on two logical devices: a multi-turn
+/// conversation on a split with help on, each turn adding 1024..3276
+/// tokens after a reused prefix: no non-finite value, the one-GPU run's
+/// logits bitwise, within the tolerance of the CPU's.
+fn field_report(_gpu: &Arc<Gpu>) -> Result<(), String> {
+    for arch in [Arch::Qwen3Moe, Arch::Qwen3Next] {
+        let dir = tempfile::tempdir().map_err(e)?;
+        let layers = synth_pack(dir.path(), arch)?;
+        let cpu = Engine::load(dir.path(), &EngineOptions::default()).map_err(e)?;
+        let gpus = [
+            GpuPath { devices: 1, split: None, help: Help::Off },
+            GpuPath { devices: 2, split: Some(vec![layers / 2]), help: Help::On },
+        ]
+        .into_iter()
+        .map(|p| gpu_engine(dir.path(), &p).map(|g| (p, g)))
+        .collect::<Result<Vec<_>, String>>()?;
+        check_scenario(&cpu, &gpus, arch, 0, &[1024, 1500, 1200])?;
+        check_stats(&gpus)?;
+    }
+    Ok(())
+}
