@@ -209,9 +209,11 @@ typedef struct strata_engine_params {
   uint32_t struct_size;
   /*
    NULL-terminated list of device names: `"cpu"`, `"cuda"`, `"cuda:N"`
-   (at most 64). NULL or an empty list means `{"cpu"}`. A build without
-   CUDA fails with `STRATA_ERR_NO_CUDA` for CUDA devices. Read during
-   the call only. Default NULL.
+   (at most 64). NULL or an empty list means `{"cpu"}`. Several devices
+   split the layers into stages, all CPU or all CUDA (a repeated CUDA
+   ordinal: two logical devices on one GPU). A build without CUDA fails
+   with `STRATA_ERR_NO_CUDA` for CUDA devices. Read during the call
+   only. Default NULL.
    */
   const char *const *devices;
   /*

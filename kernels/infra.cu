@@ -35,3 +35,11 @@ extern "C" __global__ void infra_fill_uniform_bf16(__nv_bfloat16* __restrict__ o
         out[i] = __float2bfloat16((float)(infra_hash(seed, i) >> 8) * (2.0f / 16777216.0f) - 1.0f);
     }
 }
+
+// One thread waits `cycles` SM clock cycles (Gpu::spin: tests delay a
+// producer stream so that a missing cross-stream wait shows).
+extern "C" __global__ void infra_spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {
+    }
+}

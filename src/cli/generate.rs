@@ -54,8 +54,9 @@ pub struct GenerateArgs {
     #[arg(long)]
     threads: Option<usize>,
     /// Devices, comma-separated: cpu, cuda or cuda:N (CUDA needs a build
-    /// with feature cuda); several CPU devices (cpu,cpu) split the layers
-    /// into stages.
+    /// with feature cuda); several devices split the layers into stages:
+    /// cpu,cpu; cuda:0,cuda:1; cuda:0,cuda:0 (two logical devices on one
+    /// GPU).
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
     device: Vec<String>,
     #[command(flatten)]

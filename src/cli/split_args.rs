@@ -58,10 +58,9 @@ pub fn split_line(s: &SplitStats) -> String {
         .enumerate()
         .map(|(i, st)| {
             let rate = st.expert_rows_per_second.map_or(String::new(), |r| format!(", {r:.0} expert rows/s"));
-            format!(
-                "stage {i} layers {}..{} (threads {}) {:.3} s{rate}",
-                st.layers.start, st.layers.end, st.threads, st.seconds
-            )
+            // A CUDA stage has no threads of its own (0).
+            let threads = if st.threads > 0 { format!(" (threads {})", st.threads) } else { String::new() };
+            format!("stage {i} layers {}..{}{threads} {:.3} s{rate}", st.layers.start, st.layers.end, st.seconds)
         })
         .collect();
     format!(

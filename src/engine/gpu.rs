@@ -258,8 +258,16 @@ impl GpuModel {
             stages.push(GpuStage::load(pack, gpu, range, at, rope, precision, cache_opts, &mut layer_done)?);
         }
         enable_peer_access(&stages)?;
-        let helper = |i: usize| &stages[helper_of(i, n)].gpu;
-        let helpable = (0..n).map(|i| n > 1 && peer_readable(helper(i), &stages[i].gpu)).collect();
+        // Help needs the helper to read the active stage's memory, and the
+        // tensor-core grouped kernels on both (only they honour the
+        // helper's row tiles).
+        let tiles = |g: &Gpu| moe::grouped_tensor_core_paths(g, &stages[0].layout) == (true, true);
+        let helpable = (0..n)
+            .map(|i| {
+                let (active, helper) = (&*stages[i].gpu, &*stages[helper_of(i, n)].gpu);
+                n > 1 && peer_readable(helper, active) && tiles(active) && tiles(helper)
+            })
+            .collect();
         progress(total, total)?;
         Ok(GpuModel { config: c, stages, helpable })
     }
@@ -362,6 +370,7 @@ impl GpuModel {
             }
             self.finish(engine, cache, &mut scratch, start, rows, started)
         })();
+        self.settle(&r);
         for (sc, s) in cache.stages.iter_mut().zip(scratch) {
             sc.put_scratch(s);
         }
@@ -370,6 +379,19 @@ impl GpuModel {
             (r, _) => r,
         };
         r
+    }
+
+    /// After a failed forward of a split: waits for every stream, so that
+    /// no queued hand-off or helper kernel still reads a scratch buffer
+    /// that the next forward may free or reuse (a successful forward has
+    /// waited in `finish`). A failure to wait is the forward's error
+    /// already, or the next call's.
+    fn settle<T>(&self, r: &Result<T>) {
+        if r.is_err() && self.stages.len() > 1 {
+            for stage in &self.stages {
+                let _ = stage.gpu.sync();
+            }
+        }
     }
 
     /// The one hidden-state hand-off of a forward from stage `i - 1` to
@@ -381,6 +403,7 @@ impl GpuModel {
         let (before, after) = scratch.split_at_mut(i);
         let (src, dst) = (&before[i - 1].x, &mut after[0].x);
         let stream = to.gpu.stream();
+        stress(&from.gpu)?;
         stream.wait(&from.gpu.stream().record_event(None)?)?;
         cache.stages[i].clock.hand_off(&to.gpu)?;
         stream.memcpy_dtod(src, dst)?;
@@ -442,6 +465,7 @@ impl GpuModel {
             }
             self.finish(engine, cache, &mut scratch, start, 1, started)
         })();
+        self.settle(&r);
         for (sc, s) in cache.stages.iter_mut().zip(scratch) {
             sc.put_scratch(s);
         }
@@ -536,6 +560,23 @@ impl GpuModel {
     }
 }
 
+/// `STRATA_SPLIT_STRESS=1` (builds with `test-hooks`): before every
+/// event another stage's stream waits on (hand-offs, prefill help), the
+/// producing stream first spins for about a millisecond, so that a missing
+/// cross-stream wait shows as wrong values instead of passing by timing.
+fn stress(gpu: &Gpu) -> Result<()> {
+    #[cfg(feature = "test-hooks")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *ON.get_or_init(|| std::env::var("STRATA_SPLIT_STRESS").is_ok_and(|v| v == "1")) {
+            gpu.spin(2_000_000)?;
+        }
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = gpu;
+    Ok(())
+}
+
 /// The share of a helped layer's expert rows the helping GPU stage
 /// computes. Fixed: the helper is the next stage of the same kind of
 /// device, and the engine measures no GPU speeds yet (the CPU stages'
@@ -577,6 +618,21 @@ fn enable_peer_access(stages: &[GpuStage]) -> Result<()> {
                 continue;
             }
             a.gpu.context().bind_to_thread()?;
+            // Stream-ordered pool allocations (cudarc allocates with
+            // cuMemAllocAsync where the device supports it) are not covered
+            // by context peer access: the pool grants its own.
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            // SAFETY: `pool` is a valid out-pointer; the device handle is live.
+            unsafe { sys::cuDeviceGetMemPool(&mut pool, b.gpu.context().cu_device()) }.result()?;
+            let grant = sys::CUmemAccessDesc {
+                location: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: a.gpu.ordinal() as i32,
+                },
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: one valid descriptor for a pool of a live device.
+            unsafe { sys::cuMemPoolSetAccess(pool, &grant, 1) }.result()?;
             // SAFETY: both contexts are live (held by the stages); the
             // call only changes what `a`'s context may address.
             match unsafe { sys::cuCtxEnablePeerAccess(b.gpu.context().cu_ctx(), 0) } {
@@ -1159,6 +1215,7 @@ impl GpuStage {
         let hm = &mut help.scratch.moe;
         let hg = hm.grouping.as_mut().expect("grouped scratch for more than a few rows");
         let hy = hm.y.as_mut().expect("grouped scratch for more than a few rows");
+        stress(gpu)?;
         hstream.wait(&gpu.stream().record_event(None)?)?;
         let n = t * k;
         hstream.memcpy_dtod(&g.offsets, &mut hg.offsets)?;
@@ -1178,6 +1235,7 @@ impl GpuStage {
 
         // The helper's rows (slots offsets[split]..offsets[e], contiguous:
         // slots are in expert order), then the combine of every row.
+        stress(hgpu)?;
         gpu.stream().wait(&hstream.record_event(None)?)?;
         let (a, b) = (offsets[split] as usize * h, offsets[e] as usize * h);
         if b > a {

@@ -50,9 +50,11 @@ pub struct strata_engine_params {
     /// `sizeof(strata_engine_params)` as the caller knows it (versioning).
     pub struct_size: u32,
     /// NULL-terminated list of device names: `"cpu"`, `"cuda"`, `"cuda:N"`
-    /// (at most 64). NULL or an empty list means `{"cpu"}`. A build without
-    /// CUDA fails with `STRATA_ERR_NO_CUDA` for CUDA devices. Read during
-    /// the call only. Default NULL.
+    /// (at most 64). NULL or an empty list means `{"cpu"}`. Several devices
+    /// split the layers into stages, all CPU or all CUDA (a repeated CUDA
+    /// ordinal: two logical devices on one GPU). A build without CUDA fails
+    /// with `STRATA_ERR_NO_CUDA` for CUDA devices. Read during the call
+    /// only. Default NULL.
     pub devices: *const *const c_char,
     /// CPU threads for this engine (a pool of its own); 0 (default) = all
     /// cores, shared with other engines.

@@ -12,6 +12,13 @@
 //! one-device GPU run's logits BITWISE; that run must be within the GPU
 //! tolerance of the CPU reference. The decode tokens are the CPU's greedy
 //! tokens, fed to every GPU run, so all runs read the same conversation.
+//! On a machine with two GPUs or more, splits over `cuda:0` and `cuda:1`
+//! (peer copies, help reading the peer's memory) join the matrix.
+//!
+//! Tiny kernels finish before the next stream starts, so a missing
+//! cross-stream wait would mostly pass by timing: run the suite a second
+//! time with `STRATA_SPLIT_STRESS=1` (a `test-hooks` build), which delays
+//! every producing stream before each event another stream waits on.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -47,27 +54,33 @@ fn synth_pack(dir: &Path, arch: Arch) -> Result<usize, String> {
 
 #[derive(Clone, Debug)]
 struct GpuPath {
-    devices: usize,
+    devices: Vec<&'static str>,
     split: Option<Vec<usize>>,
     help: Help,
 }
 
-fn paths(layers: usize) -> Vec<GpuPath> {
-    let path = |devices, split: Option<Vec<usize>>, help| GpuPath { devices, split, help };
-    let mut p = vec![path(1, None, Help::Off)];
+fn paths(layers: usize) -> Result<Vec<GpuPath>, String> {
+    let path =
+        |devices: &[&'static str], split: Option<Vec<usize>>, help| GpuPath { devices: devices.to_vec(), split, help };
+    let two = ["cuda:0", "cuda:0"];
+    let mut p = vec![path(&["cuda:0"], None, Help::Off)];
     for at in 1..layers {
-        p.push(path(2, Some(vec![at]), Help::Off));
-        p.push(path(2, Some(vec![at]), Help::On));
+        p.push(path(&two, Some(vec![at]), Help::Off));
+        p.push(path(&two, Some(vec![at]), Help::On));
     }
     if layers >= 3 {
-        p.push(path(3, None, Help::On));
+        p.push(path(&["cuda:0"; 3], None, Help::On));
     }
-    p
+    if strata::backend::cuda::device_count().map_err(e)? >= 2 {
+        p.push(path(&["cuda:0", "cuda:1"], Some(vec![layers / 2]), Help::Off));
+        p.push(path(&["cuda:0", "cuda:1"], Some(vec![layers / 2]), Help::On));
+    }
+    Ok(p)
 }
 
 fn gpu_engine(dir: &Path, path: &GpuPath) -> Result<Engine, String> {
     let opts = EngineOptions {
-        devices: vec!["cuda:0".into(); path.devices],
+        devices: path.devices.iter().map(|d| d.to_string()).collect(),
         layer_split: path.split.clone(),
         prefill_help: path.help,
         ..Default::default()
@@ -176,7 +189,7 @@ fn check_stats(gpus: &[(GpuPath, Engine)]) -> Result<(), String> {
     for (path, engine) in &gpus[1..] {
         let stats = engine.split_stats().ok_or_else(|| format!("{path:?}: a split engine has no split stats"))?;
         let helped = path.help == Help::On;
-        let ok = stats.stages.len() == path.devices
+        let ok = stats.stages.len() == path.devices.len()
             && stats.handoffs > 0
             && stats.handoff_bytes > 0
             && stats.stages.iter().all(|s| s.seconds > 0.0)
@@ -197,7 +210,7 @@ fn matrix(_gpu: &Arc<Gpu>) -> Result<(), String> {
         let dir = tempfile::tempdir().map_err(e)?;
         let layers = synth_pack(dir.path(), arch)?;
         let cpu = Engine::load(dir.path(), &EngineOptions::default()).map_err(e)?;
-        let gpus = paths(layers)
+        let gpus = paths(layers)?
             .into_iter()
             .map(|p| gpu_engine(dir.path(), &p).map(|g| (p, g)))
             .collect::<Result<Vec<_>, String>>()?;
@@ -223,8 +236,8 @@ fn field_report(_gpu: &Arc<Gpu>) -> Result<(), String> {
         let layers = synth_pack(dir.path(), arch)?;
         let cpu = Engine::load(dir.path(), &EngineOptions::default()).map_err(e)?;
         let gpus = [
-            GpuPath { devices: 1, split: None, help: Help::Off },
-            GpuPath { devices: 2, split: Some(vec![layers / 2]), help: Help::On },
+            GpuPath { devices: vec!["cuda:0"], split: None, help: Help::Off },
+            GpuPath { devices: vec!["cuda:0", "cuda:0"], split: Some(vec![layers / 2]), help: Help::On },
         ]
         .into_iter()
         .map(|p| gpu_engine(dir.path(), &p).map(|g| (p, g)))

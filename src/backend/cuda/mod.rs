@@ -347,6 +347,18 @@ impl Gpu {
         LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (ELEMENTWISE_THREADS, 1, 1), shared_mem_bytes: 0 }
     }
 
+    /// Queues a kernel that only waits `cycles` SM clock cycles (tests:
+    /// delays a producer stream, so that a missing cross-stream wait shows).
+    pub fn spin(&self, cycles: i64) -> Result<()> {
+        let f = self.function("infra_spin")?;
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(&cycles);
+        // SAFETY: infra_spin(long long cycles) touches no memory.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
     /// Fills an f32 buffer with `value` on the stream (tests poison outputs with NaN).
     pub fn fill_f32(&self, d: &mut CudaSlice<f32>, value: f32) -> Result<()> {
         if d.is_empty() {
