@@ -278,6 +278,10 @@ impl Session {
             .map(|s| DeltaNetState { conv: r.f32s(s.conv_state_len()), recurrent: r.f32s(s.recurrent_state_len()) })
             .collect();
         let logits = (flags & FLAG_LOGITS != 0).then(|| r.f32s(vocab));
+        if let Some((i, v)) = logits.as_deref().and_then(|l| crate::sampling::first_nonfinite(l).map(|i| (i, l[i]))) {
+            // A session holds only finite logits (Session::step relies on it).
+            return Err(invalid(format!("logit {i} is {v}: a state holds finite logits")));
+        }
         let sampler = if flags & FLAG_SAMPLER != 0 {
             let temperature = r.f32();
             let top_k = usize::try_from(r.u64()).map_err(|_| invalid("sampler top_k does not fit"))?;
