@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use half::bf16;
 
-use super::{deltanet_shape, linear_layers, Engine, GpuPrecision, Logits};
+use super::{deltanet_shape, linear_layers, Engine, GpuPrecision, HostLogits, Logits};
 use crate::backend::cuda::attention::{
     self, AttnConfig, AttnPrecision, AttnScratch, DeviceKv, KvDtype, QkvPrep, StepPlan, StepPos,
 };
@@ -300,7 +300,7 @@ impl GpuModel {
         cache: &mut DeviceCache,
         tokens: &[u32],
         logits: Logits,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<HostLogits> {
         let start = cache.len;
         cache.reserve(tokens.len())?;
         let hybrid = cache.is_hybrid();
@@ -322,7 +322,13 @@ impl GpuModel {
         }
     }
 
-    fn forward_rows(&self, engine: &Engine, cache: &mut DeviceCache, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
+    fn forward_rows(
+        &self,
+        engine: &Engine,
+        cache: &mut DeviceCache,
+        tokens: &[u32],
+        want: Logits,
+    ) -> Result<HostLogits> {
         if tokens.len() == 1 && want == Logits::Last && self.graph_allowed(engine) {
             return self.forward_graph(engine, cache, tokens[0]);
         }
@@ -345,7 +351,7 @@ impl GpuModel {
         let started = std::time::Instant::now();
         let k = self.config.num_experts_per_tok;
         let help = engine.prefill_help().applies(self.stages.len(), t) && t > MOE_GEMV_MAX_ROWS;
-        let r = (|| -> Result<Vec<f32>> {
+        let r = (|| -> Result<HostLogits> {
             first.gpu.stream().memcpy_htod(tokens, &mut scratch[0].tokens)?;
             for i in 0..self.stages.len() {
                 let stage = &self.stages[i];
@@ -436,7 +442,7 @@ impl GpuModel {
     /// the position to the devices, launches the first stage's graph, then
     /// each hand-off and the next stage's graph. The kernels that depend on
     /// the position read it from device memory (`StepPos`).
-    fn forward_graph(&self, engine: &Engine, cache: &mut DeviceCache, token: u32) -> Result<Vec<f32>> {
+    fn forward_graph(&self, engine: &Engine, cache: &mut DeviceCache, token: u32) -> Result<HostLogits> {
         let c = &self.config;
         let start = cache.len;
         let mut experts = self.stages[0].experts.as_ref().map(|x| x.lock());
@@ -448,7 +454,7 @@ impl GpuModel {
             scratch.push(sc.take_scratch(1)?);
         }
         let started = std::time::Instant::now();
-        let r = (|| -> Result<Vec<f32>> {
+        let r = (|| -> Result<HostLogits> {
             for (i, stage) in self.stages.iter().enumerate() {
                 if i > 0 {
                     self.hand_off(cache, &mut scratch, i)?;
@@ -487,7 +493,7 @@ impl GpuModel {
         start: usize,
         rows: usize,
         started: std::time::Instant,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<HostLogits> {
         let c = &self.config;
         let (h, vocab) = (c.hidden_size, c.vocab_size);
         let t = scratch[0].t;
@@ -499,18 +505,30 @@ impl GpuModel {
             stage.gpu.stream().memcpy_dtoh(&cache.stages[i].flags, &mut flags[i])?;
         }
         let last = &self.stages[n - 1];
+        // One row (a decode step): straight into a page-locked buffer the
+        // session keeps (no copy into a vector); more: through the
+        // scratch's page-locked buffer into a vector.
+        let mut one_row = None;
         if rows > 0 {
             let lg = LogitScratch::get(&mut scratch[n - 1].head, &last.gpu, rows, h, vocab)?;
-            last.gpu.stream().memcpy_dtoh(&lg.logits, &mut lg.host)?;
+            if rows == 1 {
+                let mut buf = cache.stages[n - 1].logit_pool.take(&last.gpu, vocab)?;
+                last.gpu.stream().memcpy_dtoh(&lg.logits, &mut buf)?;
+                one_row = Some(buf);
+            } else {
+                last.gpu.stream().memcpy_dtoh(&lg.logits, &mut lg.host)?;
+            }
         }
         for stage in &self.stages {
             stage.gpu.sync()?;
         }
-        let out = if rows > 0 {
-            let lg = LogitScratch::get(&mut scratch[n - 1].head, &last.gpu, rows, h, vocab)?;
-            lg.host.as_slice()?.to_vec()
-        } else {
-            Vec::new()
+        let out = match one_row {
+            Some(buf) => HostLogits::pinned(PinnedLogits::new(buf, &cache.stages[n - 1].logit_pool)?),
+            None if rows > 0 => {
+                let lg = LogitScratch::get(&mut scratch[n - 1].head, &last.gpu, rows, h, vocab)?;
+                lg.host.as_slice()?.to_vec().into()
+            }
+            None => Vec::new().into(),
         };
         if n > 1 {
             let (mut seconds, mut handoff) = (Vec::with_capacity(n), 0.0);
@@ -1432,6 +1450,82 @@ struct DeltaScratch {
     scratch: DeltaNetScratch,
 }
 
+/// Page-locked buffers of one row of logits for a stage's decode steps: a
+/// step takes one, the device copies its logits into it, and the session
+/// holds it (`PinnedLogits`) until its next logits replace it, which gives
+/// it back. A session holds at most two at once (its logits and the next
+/// step's), so the pool stays that small.
+#[derive(Default)]
+pub(crate) struct LogitPool {
+    free: parking_lot::Mutex<Vec<PinnedHostSlice<f32>>>,
+}
+
+/// Buffers a pool keeps for reuse; more given back are freed.
+const LOGIT_POOL_KEEP: usize = 4;
+
+impl LogitPool {
+    /// A free buffer of `len` floats, or a new one.
+    fn take(&self, gpu: &Gpu, len: usize) -> Result<PinnedHostSlice<f32>> {
+        let mut free = self.free.lock();
+        if let Some(i) = free.iter().position(|b| b.len() == len) {
+            return Ok(free.swap_remove(i));
+        }
+        drop(free);
+        // SAFETY: read only after a copy into it has completed (PinnedLogits::new waits for it).
+        Ok(unsafe { gpu.context().alloc_pinned_with_flags::<f32>(len, 0) }?)
+    }
+
+    fn give_back(&self, buf: PinnedHostSlice<f32>) {
+        let mut free = self.free.lock();
+        if free.len() < LOGIT_POOL_KEEP {
+            free.push(buf);
+        }
+    }
+}
+
+/// One row of logits in a page-locked buffer of a `LogitPool`, read as
+/// `[f32]`; dropping it gives the buffer back.
+pub(crate) struct PinnedLogits {
+    buf: Option<PinnedHostSlice<f32>>,
+    /// The buffer's contents, checked complete once at creation.
+    ptr: *const f32,
+    len: usize,
+    pool: Arc<LogitPool>,
+}
+
+// SAFETY: the buffer is page-locked host memory owned by this value (no
+// device work writes it once `new` has waited for the copy), read through
+// `&self` only; moving it between threads or sharing `&` is sound.
+unsafe impl Send for PinnedLogits {}
+unsafe impl Sync for PinnedLogits {}
+
+impl PinnedLogits {
+    /// Wraps `buf` once the copy into it has completed.
+    fn new(buf: PinnedHostSlice<f32>, pool: &Arc<LogitPool>) -> Result<PinnedLogits> {
+        let s = buf.as_slice()?;
+        let (ptr, len) = (s.as_ptr(), s.len());
+        Ok(PinnedLogits { buf: Some(buf), ptr, len, pool: pool.clone() })
+    }
+}
+
+impl std::ops::Deref for PinnedLogits {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        // SAFETY: `ptr`/`len` describe `buf`, alive while `self` is, and
+        // written by nothing while a `PinnedLogits` holds it.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedLogits {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            self.pool.give_back(buf);
+        }
+    }
+}
+
 /// The buffers of the final norm and head for `rows` rows.
 struct LogitScratch {
     rows: CudaSlice<f32>,
@@ -1598,6 +1692,9 @@ struct StageCache {
     generation: u64,
     /// A split's timing of this stage in the current forward.
     clock: StageClock,
+    /// Page-locked buffers for one row of logits (the last stage's decode
+    /// steps), shared with the `PinnedLogits` a session holds.
+    logit_pool: Arc<LogitPool>,
     /// What this forward moved and helped, for `SplitStats`.
     handoff_bytes: u64,
     helped_layers: u64,
@@ -1821,6 +1918,7 @@ impl StageCache {
             step: None,
             graph: None,
             generation: 0,
+            logit_pool: Arc::new(LogitPool::default()),
             handoff_bytes: 0,
             helped_layers: 0,
             helper_rows: 0,

@@ -22,6 +22,7 @@
 
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
+mod host_logits;
 #[cfg(test)]
 pub(crate) mod test_pack;
 
@@ -46,6 +47,7 @@ use crate::moe::{self, MoeLayer};
 use crate::pack::{ExpertView, Pack, TensorData};
 use crate::session::kv::{Cache, KvCache, KvRounding};
 use crate::session::{KvType, Session, SessionOptions};
+pub(crate) use host_logits::HostLogits;
 
 #[derive(Clone, Debug, Default)]
 pub struct EngineOptions {
@@ -1086,10 +1088,10 @@ impl Engine {
     /// end of every layer, and the logits computed; the first NaN or
     /// infinity fails the forward with `Error::NonFinite` naming the layer
     /// (or the logits) and the absolute position where it was seen.
-    pub(crate) fn forward(&self, cache: &mut Cache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
+    pub(crate) fn forward(&self, cache: &mut Cache, tokens: &[u32], logits: Logits) -> Result<HostLogits> {
         assert!(!tokens.is_empty(), "forward: no tokens (the session rejects empty prompts)");
         match cache {
-            Cache::Host(kv) => self.forward_host(kv, tokens, logits),
+            Cache::Host(kv) => self.forward_host(kv, tokens, logits).map(HostLogits::from),
             #[cfg(feature = "cuda")]
             Cache::Device(d) => match &self.inner.exec {
                 Exec::Cuda(m) => m.forward(self, d, tokens, logits),

@@ -14,7 +14,7 @@ pub mod state;
 use std::collections::BTreeMap;
 
 use crate::backend::DeltaNetState;
-use crate::engine::{Engine, Logits};
+use crate::engine::{Engine, HostLogits, Logits};
 use crate::error::{Error, Result};
 use crate::sampling::{Sampler, SamplingParams};
 use kv::Cache;
@@ -99,7 +99,7 @@ pub struct Session {
     kv: Cache,
     tokens: Vec<u32>,
     /// Logits of the last position, when they match `tokens`.
-    logits: Option<Vec<f32>>,
+    logits: Option<HostLogits>,
     kept: Option<KeptLogits>,
     capacity: usize,
     prefill_chunk: usize,
@@ -224,7 +224,7 @@ impl Session {
     }
 
     /// Runs `tokens` through the engine on this session's cache, counting them.
-    fn forward(&mut self, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
+    fn forward(&mut self, tokens: &[u32], want: Logits) -> Result<HostLogits> {
         let logits = self.engine.forward(&mut self.kv, tokens, want)?;
         self.forwarded += tokens.len() as u64;
         Ok(logits)
@@ -362,7 +362,7 @@ impl Session {
         if n < self.tokens.len() {
             let known = self.known_logits(n);
             self.shorten(n);
-            self.logits = known;
+            self.logits = known.map(HostLogits::from);
         }
         Ok(())
     }
@@ -391,7 +391,7 @@ impl Session {
         let known = self.known_logits(position);
         if known.is_some() || position == 0 {
             self.shorten(position);
-            self.logits = known;
+            self.logits = known.map(HostLogits::from);
             return Ok(());
         }
         let last = self.tokens[position - 1];
@@ -415,7 +415,8 @@ impl Session {
         let id = self.next_checkpoint;
         self.next_checkpoint += 1;
         let deltas = if self.kv.is_hybrid() { self.kv.deltas() } else { Vec::new() };
-        let cp = Checkpoint { position: self.tokens.len(), logits: self.logits.clone(), deltas, automatic };
+        let logits = self.logits.as_deref().map(<[f32]>::to_vec);
+        let cp = Checkpoint { position: self.tokens.len(), logits, deltas, automatic };
         self.checkpoints.insert(id, cp);
         self.enforce_checkpoint_budget();
         id
@@ -463,7 +464,7 @@ impl Session {
             Some(d) => self.kv.restore_deltas(&d),
             None => self.kv.reset_deltas(),
         }
-        self.logits = logits;
+        self.logits = logits.map(HostLogits::from);
         if !replay.is_empty() {
             // On failure the session is back at the checkpoint.
             self.read_tokens(&replay, Read { all: false, keep_progress: false, end_checkpoint: false })?;
@@ -481,7 +482,7 @@ impl Session {
         if let Some(d) = deltas {
             self.kv.restore_deltas(&d);
         }
-        self.logits = logits;
+        self.logits = logits.map(HostLogits::from);
         Ok(())
     }
 
@@ -519,7 +520,7 @@ impl Session {
         }
         if n == self.tokens.len() {
             if let Some(l) = &self.logits {
-                return Some(l.clone());
+                return Some(l.to_vec());
             }
         }
         if let Some(cp) = self.checkpoints.values().find(|cp| cp.position == n && cp.logits.is_some()) {
@@ -638,10 +639,15 @@ impl Session {
             match self.forward(part, want) {
                 Ok(l) => {
                     self.tokens.extend_from_slice(part);
-                    self.logits = (want != Logits::Skip).then(|| l[l.len() - vocab..].to_vec());
                     if all || last {
                         out.extend_from_slice(&l);
                     }
+                    // One row (a decode-size piece) is kept as it came.
+                    self.logits = match want {
+                        Logits::Skip => None,
+                        _ if l.len() == vocab => Some(l),
+                        _ => Some(l[l.len() - vocab..].to_vec().into()),
+                    };
                     if checkpoint && !(last && read.end_checkpoint) {
                         self.take_checkpoint(true);
                     }

@@ -297,7 +297,7 @@ impl Session {
 
         self.kv = self.kv.restored(kv_dim, n, &linear, kv, &deltas)?;
         self.tokens = tokens;
-        self.logits = logits;
+        self.logits = logits.map(crate::engine::HostLogits::from);
         self.sampler = sampler;
         self.kept = None;
         self.checkpoints.clear();
