@@ -7,7 +7,7 @@ use strata::engine::{Help, SplitStats};
 
 #[derive(Args, Clone, Debug, Default)]
 pub struct SplitArgs {
-    /// With several devices (--device cpu,cpu): the first layer of each
+    /// With several devices (--device cpu,cpu or cuda:0,cuda:1): the first layer of each
     /// stage after the first, comma-separated (default: layers divided
     /// evenly).
     #[arg(long, value_delimiter = ',')]

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU checks and benches of docs/performance.md and docs/layer-split.md
+# on a CUDA machine, from binaries built elsewhere (the H200 machine has no
+# Rust toolchain):
+#
+#   STRATA_CUDA_ARCHS=90 cargo test --release --features cuda,test-hooks --test gpu --no-run
+#   cargo build --release --features cuda,test-hooks --bin strata
+#   # copy target/release/deps/gpu-<hash> to BIN/gpu-suite, target/release/strata to BIN/strata
+#   BIN=.dev/carry OUT=/some/dir bash scripts/device-check.sh suite stress bench
+#
+# Phases (each prints to stdout and to OUT/<phase>.log):
+#   suite     the whole GPU suite (its last line: "gpu suite: N passed, M failed")
+#   stress    the split tests with STRATA_SPLIT_STRESS=1 (every producing stream
+#             delayed before each event another stream waits on)
+#   memcheck  compute-sanitizer memcheck over the suite, timing tests skipped
+#   bench     30b-a3b synth pack, all resident: decode at context 4128 (three
+#             benches) and 48, prefill 4096
+#   split     the same pack split over two logical devices of GPU 0, help off and on
+#   cache     the expert-cache matrix: 100/50/25/10% of the 6144 experts of
+#             30b-a3b in VRAM slots, the rest in page-locked RAM, uniform routing
+# Run from the repository root (the suite finds tests/data there).
+set -uo pipefail
+BIN="${BIN:-.dev/carry}"
+OUT="${OUT:-/tmp/strata-device-check}"
+PACK="${PACK:-/tmp/p30}"
+mkdir -p "$OUT"
+suite="$BIN/gpu-suite"
+strata="$BIN/strata"
+[ -x "$suite" ] && [ -x "$strata" ] || { echo "need $suite and $strata" >&2; exit 2; }
+
+pack() {
+  [ -d "$PACK" ] || "$strata" synth --preset 30b-a3b --out "$PACK" >/dev/null
+}
+
+phase() {
+  local name="$1"
+  shift
+  echo "== $name: $*"
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  return "${PIPESTATUS[0]}"
+}
+
+status=0
+for p in "$@"; do
+  case "$p" in
+    suite) phase suite "$suite" || status=1 ;;
+    stress) phase stress env STRATA_SPLIT_STRESS=1 "$suite" split_ || status=1 ;;
+    memcheck)
+      phase memcheck env STRATA_GPU_SKIP=timing compute-sanitizer --tool memcheck --error-exitcode 9 \
+        "$suite" || status=1
+      ;;
+    bench)
+      pack
+      for i in 1 2 3; do
+        phase "bench-4096-$i" "$strata" bench --pack "$PACK" --prompt-len 4096 --gen 64 --repeats 3 || status=1
+      done
+      phase bench-16 "$strata" bench --pack "$PACK" --prompt-len 16 --gen 64 --repeats 3 || status=1
+      ;;
+    split)
+      pack
+      for help in off on; do
+        phase "split-help-$help" "$strata" bench --pack "$PACK" --device cuda:0,cuda:0 --prefill-help "$help" \
+          --prompt-len 4096 --gen 32 --repeats 2 || status=1
+      done
+      ;;
+    cache)
+      pack
+      for pct in 100 50 25 10; do
+        phase "cache-$pct" "$strata" bench --pack "$PACK" --expert-cache $((6144 * pct / 100)) \
+          --resident-budget-gib 20 --ring-slots 32 --prompt-len 4096 --gen 64 --repeats 2 || status=1
+      done
+      ;;
+    *) echo "unknown phase $p (suite, stress, memcheck, bench, split, cache)" >&2; status=2 ;;
+  esac
+done
+exit "$status"
