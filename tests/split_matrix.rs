@@ -146,6 +146,8 @@ fn matrix(arch: Arch) {
         assert!(stats.handoffs > 0 && stats.handoff_bytes > 0, "{path:?}: {stats:?}");
         assert_eq!(stats.helped_layers > 0, path.help == Help::On, "{path:?}: {stats:?}");
         assert_eq!(stats.helper_rows > 0, path.help == Help::On, "{path:?}: {stats:?}");
+        // Without forced help or the cache, the chunked prefills ran pipelined.
+        assert_eq!(stats.pipelined_windows > 0, path.help != Help::On && !path.cache, "{path:?}: {stats:?}");
         // Help measured the speeds of the stages it paired (the share follows them).
         let measured = stats.stages.iter().filter(|s| s.expert_rows_per_second.is_some_and(|r| r > 0.0)).count();
         assert_eq!(measured >= 2, path.help == Help::On, "{path:?}: {stats:?}");

@@ -45,7 +45,7 @@ use crate::model::weights::{layer_tensor_name, model_tensor_name, Role};
 use crate::model::ModelConfig;
 use crate::moe::{self, MoeLayer};
 use crate::pack::{ExpertView, Pack, TensorData};
-use crate::session::kv::{Cache, KvCache, KvRounding};
+use crate::session::kv::{Cache, KvCache, KvRounding, StageKv};
 use crate::session::{KvType, Session, SessionOptions};
 pub(crate) use host_logits::HostLogits;
 
@@ -91,11 +91,13 @@ pub struct EngineOptions {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Help {
     /// Help when a forward has at least `HELP_AUTO_MIN_ROWS` rows (a
-    /// prefill chunk, not a decode step) and there is another stage, idle
-    /// because windows are not pipelined.
+    /// prefill chunk, not a decode step) and there is another stage idle:
+    /// a prefill of one piece (several pieces on CPU stages run pipelined,
+    /// every stage busy, unhelped).
     #[default]
     Auto,
-    /// Help on every forward of a split engine, whatever its rows.
+    /// Help on every forward of a split engine, whatever its rows (and no
+    /// pipelined windows: help needs an idle stage).
     On,
     /// Never help.
     Off,
@@ -521,6 +523,9 @@ pub struct SplitStats {
     /// helping stage computed in them.
     pub helped_layers: u64,
     pub helper_rows: u64,
+    /// Prompt pieces run with pipelined windows (stages overlapping on
+    /// consecutive pieces).
+    pub pipelined_windows: u64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -591,6 +596,32 @@ enum SharedMlp {
     Nvfp4 { gate: String, up: String, down: String },
     /// Stored dense (BF16/F32): decoded once.
     Dense { gate: Matrix, up: Matrix, down: Matrix },
+}
+
+/// A piece of a prompt for `Engine::forward_pieces`: its tokens and the
+/// logits it needs.
+pub(crate) struct Piece<'a> {
+    pub tokens: &'a [u32],
+    pub want: Logits,
+}
+
+/// Hidden states that may wait between two pipelined stages (a stage runs
+/// at most this many pieces ahead of the next).
+const PIPELINE_DEPTH: usize = 1;
+
+/// What one stage's thread did in `forward_pipelined`.
+#[derive(Default)]
+struct StageRun {
+    /// Pieces it completed (the last stage: pieces with logits).
+    done: usize,
+    /// The last stage: the logits of each completed piece.
+    logits: Vec<Vec<f32>>,
+    /// The piece that failed here, and why.
+    error: Option<(usize, Error)>,
+    seconds: f64,
+    handoffs: u64,
+    handoff_bytes: u64,
+    handoff_seconds: f64,
 }
 
 /// Which rows of a forward need logits.
@@ -1100,6 +1131,180 @@ impl Engine {
         }
     }
 
+    /// Runs `pieces` in order as `forward` runs each one, and returns the
+    /// logits of the pieces that completed (in order) and the error of the
+    /// first that failed; the cache then holds exactly the completed
+    /// pieces, recurrent states included.
+    ///
+    /// On a split of CPU stages, several pieces are pipelined (windows in
+    /// flight, `forward_pipelined`) unless prefill help is forced on (help
+    /// needs an idle stage) or the expert cache is on (its planner follows
+    /// one forward at a time). Logits are the same bits either way.
+    pub(crate) fn forward_pieces(&self, cache: &mut Cache, pieces: &[Piece<'_>]) -> (Vec<HostLogits>, Option<Error>) {
+        #[allow(irrefutable_let_patterns)] // without feature cuda
+        if let Cache::Host(kv) = cache {
+            if self.pipelines(pieces.len()) {
+                let (logits, err) = self.forward_pipelined(kv, pieces);
+                return (logits.into_iter().map(HostLogits::from).collect(), err);
+            }
+        }
+        let mut out = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            match self.forward(cache, p.tokens, p.want) {
+                Ok(l) => out.push(l),
+                Err(e) => return (out, Some(e)),
+            }
+        }
+        (out, None)
+    }
+
+    /// Whether `forward_pieces` pipelines a run of `pieces` pieces.
+    fn pipelines(&self, pieces: usize) -> bool {
+        let stages = match &self.inner.exec {
+            Exec::Cpu { stages, .. } => stages.len(),
+            #[cfg(feature = "cuda")]
+            Exec::Cuda(_) => 1,
+        };
+        stages > 1 && pieces > 1 && self.inner.experts.is_none() && self.inner.prefill_help != Help::On
+    }
+
+    /// Pipelined windows: one thread per stage runs its layers on each
+    /// piece in turn and hands the hidden state to the next stage's thread
+    /// (at most `PIPELINE_DEPTH` waiting), so while stage `s` runs piece
+    /// `j`, stage `s - 1` already runs piece `j + 1`. Each stage appends
+    /// to and reads only its own layers' KV and recurrent states
+    /// (`KvCache::stage_views`), every row at its own position, so each
+    /// piece sees exactly what the sequential forward would.
+    ///
+    /// If a piece fails, the stages stop; the cache is brought back to the
+    /// end of the pieces the last stage completed (all those before the
+    /// failing one): KV rows past it are dropped, and on a hybrid model the
+    /// recurrent states (advanced by later pieces on earlier stages) are
+    /// restored from before the run and the completed pieces run again,
+    /// one at a time.
+    fn forward_pipelined(&self, kv: &mut KvCache, pieces: &[Piece<'_>]) -> (Vec<Vec<f32>>, Option<Error>) {
+        let (stages, _) = self.cpu();
+        let n = stages.len();
+        let start = kv.len();
+        let mut starts = Vec::with_capacity(pieces.len() + 1);
+        starts.push(start);
+        for p in pieces {
+            starts.push(starts[starts.len() - 1] + p.tokens.len());
+        }
+        let total = starts[pieces.len()] - start;
+        let before = kv.is_hybrid().then(|| kv.deltas());
+        kv.reserve(total);
+        let ranges: Vec<Range<usize>> = stages.iter().map(|s| s.layers.clone()).collect();
+        let mut views = kv.stage_views(&ranges);
+        let starts = &starts;
+        let runs: Vec<StageRun> = std::thread::scope(|scope| {
+            let (mut senders, mut receivers) = (Vec::with_capacity(n), vec![None]);
+            for _ in 1..n {
+                let (tx, rx) = mpsc::sync_channel::<Vec<f32>>(PIPELINE_DEPTH);
+                senders.push(Some(tx));
+                receivers.push(Some(rx));
+            }
+            senders.push(None);
+            let handles: Vec<_> = views
+                .iter_mut()
+                .zip(senders)
+                .zip(receivers)
+                .enumerate()
+                .map(|(s, ((view, tx), rx))| scope.spawn(move || self.pipeline_stage(s, view, tx, rx, pieces, starts)))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        });
+        drop(views);
+        if let Some(split) = &self.inner.split {
+            let mut st = split.lock();
+            for (s, run) in runs.iter().enumerate() {
+                st.stages[s].seconds += run.seconds;
+                st.handoffs += run.handoffs;
+                st.handoff_bytes += run.handoff_bytes;
+                st.handoff_seconds += run.handoff_seconds;
+            }
+            st.pipelined_windows += runs[n - 1].done as u64;
+        }
+        let mut runs = runs;
+        let done = runs[n - 1].done;
+        let logits = std::mem::take(&mut runs[n - 1].logits);
+        // The first failing piece's error (the earliest stage's on a tie).
+        let failed = runs.into_iter().filter_map(|r| r.error).min_by_key(|(j, _)| *j);
+        let Some((j, err)) = failed else {
+            debug_assert_eq!(done, pieces.len());
+            kv.commit(total);
+            return (logits, None);
+        };
+        debug_assert_eq!(done, j, "every piece before the failing one completes");
+        match before {
+            None => kv.settle(starts[done]),
+            Some(deltas) => {
+                kv.settle(start);
+                kv.restore_deltas(&deltas);
+                for p in &pieces[..done] {
+                    if let Err(e) = self.forward_host(kv, p.tokens, Logits::Skip) {
+                        // Not expected (the same rows ran before): the
+                        // cache holds what did run again.
+                        return (logits, Some(e));
+                    }
+                }
+            }
+        }
+        (logits, Some(err))
+    }
+
+    /// Stage `s`'s thread of `forward_pipelined`: each piece from the
+    /// previous stage (the embedding on the first), its layers, then to the
+    /// next stage (the logits on the last).
+    fn pipeline_stage(
+        &self,
+        s: usize,
+        kv: &mut StageKv<'_>,
+        tx: Option<mpsc::SyncSender<Vec<f32>>>,
+        rx: Option<mpsc::Receiver<Vec<f32>>>,
+        pieces: &[Piece<'_>],
+        starts: &[usize],
+    ) -> StageRun {
+        let mut run = StageRun::default();
+        for (j, p) in pieces.iter().enumerate() {
+            let mut x = match &rx {
+                None => self.embed(p.tokens),
+                Some(rx) => match rx.recv() {
+                    Ok(x) => x,
+                    // The previous stage stopped (a failure there).
+                    Err(_) => break,
+                },
+            };
+            let began = Instant::now();
+            if let Err(e) = self.run_stage(s, None, kv, &mut x, starts[j]) {
+                run.error = Some((j, e));
+                break;
+            }
+            run.seconds += began.elapsed().as_secs_f64();
+            match &tx {
+                Some(tx) => {
+                    let (bytes, sent) = (std::mem::size_of_val(&x[..]) as u64, Instant::now());
+                    if tx.send(x).is_err() {
+                        // The next stage stopped (a failure there).
+                        break;
+                    }
+                    run.handoffs += 1;
+                    run.handoff_bytes += bytes;
+                    run.handoff_seconds += sent.elapsed().as_secs_f64();
+                }
+                None => match self.head(&x, p.want, starts[j]) {
+                    Ok(l) => run.logits.push(l),
+                    Err(e) => {
+                        run.error = Some((j, e));
+                        break;
+                    }
+                },
+            }
+            run.done = j + 1;
+        }
+        run
+    }
+
     fn forward_host(&self, kv: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         let start = kv.len();
         let deltas = if kv.is_hybrid() { Some(kv.deltas()) } else { None };
@@ -1120,48 +1325,23 @@ impl Engine {
 
     fn forward_rows(&self, kv: &mut KvCache, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         let c = self.config();
-        let (stages, w) = self.cpu();
+        let (stages, _) = self.cpu();
         let (h, t) = (c.hidden_size, tokens.len());
         let start = kv.len();
         if let Some(cache) = &self.inner.experts {
             cache.lock().begin_forward(t);
         }
         let help = self.inner.prefill_help.applies(stages.len(), t);
-        let mut x = vec![0.0f32; t * h];
-        for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
-            row.copy_from_slice(w.embed.row(tok as usize));
-        }
-        for (s, stage) in stages.iter().enumerate() {
+        let mut x = self.embed(tokens);
+        let ranges: Vec<Range<usize>> = stages.iter().map(|s| s.layers.clone()).collect();
+        let mut views = kv.stage_views(&ranges);
+        for (s, view) in views.iter_mut().enumerate() {
             if s > 0 {
                 x = self.hand_off(&x);
             }
             let began = Instant::now();
-            let b: &dyn Backend = &stage.backend;
             let helper = help.then(|| helper_of(stages, s));
-            for l in stage.layers.clone() {
-                let lw = &w.layers[l];
-                match &lw.mixer {
-                    Mixer::Attention { .. } => self.attention_block(b, l, lw, kv, &mut x),
-                    Mixer::Linear { .. } => self.linear_block(b, l, lw, kv, &mut x),
-                }
-                self.moe_block(b, s, helper, l, lw, &mut x)?;
-                #[cfg(any(test, feature = "test-hooks"))]
-                if let Some(row) = self.take_nan(l, start, t) {
-                    x[row * h] = f32::NAN;
-                }
-                check_finite(&x, h, start, || format!("at layer {l}"))?;
-                #[cfg(test)]
-                {
-                    let mut fail = self.inner.fail_after_layers.lock().unwrap();
-                    if let Some(n) = fail.as_mut() {
-                        *n -= 1;
-                        if *n == 0 {
-                            *fail = None;
-                            return Err(Error::Cancelled);
-                        }
-                    }
-                }
-            }
+            self.run_stage(s, helper, view, &mut x, start)?;
             if let Some(split) = &self.inner.split {
                 split.lock().stages[s].seconds += began.elapsed().as_secs_f64();
             }
@@ -1169,10 +1349,74 @@ impl Engine {
         if let Some(cache) = &self.inner.experts {
             cache.lock().end_forward(&self.inner.pack, t)?;
         }
-        let (rows, first) = match logits {
+        debug_assert_eq!(x.len(), t * h);
+        self.head(&x, logits, start)
+    }
+
+    /// The embedding rows of `tokens`.
+    fn embed(&self, tokens: &[u32]) -> Vec<f32> {
+        let (_, w) = self.cpu();
+        let h = self.config().hidden_size;
+        let mut x = vec![0.0f32; tokens.len() * h];
+        for (row, &tok) in x.chunks_exact_mut(h).zip(tokens) {
+            row.copy_from_slice(w.embed.row(tok as usize));
+        }
+        x
+    }
+
+    /// Runs stage `s`'s layers on the rows `x` at positions `start..` (with
+    /// a `helper` for its MoE blocks), the hidden state checked after each.
+    fn run_stage(
+        &self,
+        s: usize,
+        helper: Option<(usize, &dyn Backend, f64)>,
+        kv: &mut StageKv<'_>,
+        x: &mut [f32],
+        start: usize,
+    ) -> Result<()> {
+        let (stages, w) = self.cpu();
+        let stage = &stages[s];
+        let b: &dyn Backend = &stage.backend;
+        let h = self.config().hidden_size;
+        #[cfg(any(test, feature = "test-hooks"))]
+        let t = x.len() / h;
+        for l in stage.layers.clone() {
+            let lw = &w.layers[l];
+            match &lw.mixer {
+                Mixer::Attention { .. } => self.attention_block(b, l, lw, kv, x),
+                Mixer::Linear { .. } => self.linear_block(b, l, lw, kv, x),
+            }
+            self.moe_block(b, s, helper, l, lw, x)?;
+            #[cfg(any(test, feature = "test-hooks"))]
+            if let Some(row) = self.take_nan(l, start, t) {
+                x[row * h] = f32::NAN;
+            }
+            check_finite(x, h, start, || format!("at layer {l}"))?;
+            #[cfg(test)]
+            {
+                let mut fail = self.inner.fail_after_layers.lock().unwrap();
+                if let Some(n) = fail.as_mut() {
+                    *n -= 1;
+                    if *n == 0 {
+                        *fail = None;
+                        return Err(Error::Cancelled);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The logits `want`s of the final hidden state `x` of rows at
+    /// positions `start..`, on the last stage, checked finite.
+    fn head(&self, x: &[f32], want: Logits, start: usize) -> Result<Vec<f32>> {
+        let c = self.config();
+        let (stages, w) = self.cpu();
+        let (h, t) = (c.hidden_size, x.len() / c.hidden_size);
+        let (rows, first) = match want {
             Logits::Skip => return Ok(Vec::new()),
             Logits::Last => (&x[(t - 1) * h..], start + t - 1),
-            Logits::All => (&x[..], start),
+            Logits::All => (x, start),
         };
         let b = &stages[stages.len() - 1].backend;
         let mut xn = vec![0.0f32; rows.len()];
@@ -1202,13 +1446,13 @@ impl Engine {
     }
 
     /// `x += o_proj(attention(rope(norm(q)), rope(norm(k)), v))` over `x [T, hidden]`.
-    fn attention_block(&self, b: &dyn Backend, layer: usize, lw: &LayerWeights, kv: &mut KvCache, x: &mut [f32]) {
+    fn attention_block(&self, b: &dyn Backend, layer: usize, lw: &LayerWeights, kv: &mut StageKv<'_>, x: &mut [f32]) {
         let c = self.config();
         let eps = self.eps();
         let shape =
             AttentionShape { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim };
         let t = x.len() / c.hidden_size;
-        let start_pos = kv.len();
+        let start_pos = kv.rows(layer);
 
         let Mixer::Attention { q_proj, k_proj, v_proj, o_proj, q_norm, k_norm } = &lw.mixer else {
             unreachable!("attention_block on a linear layer")
@@ -1251,7 +1495,7 @@ impl Engine {
     }
 
     /// `x += gated_deltanet(norm(x))`, advancing the layer's recurrent state.
-    fn linear_block(&self, b: &dyn Backend, layer: usize, lw: &LayerWeights, kv: &mut KvCache, x: &mut [f32]) {
+    fn linear_block(&self, b: &dyn Backend, layer: usize, lw: &LayerWeights, kv: &mut StageKv<'_>, x: &mut [f32]) {
         let c = self.config();
         let Mixer::Linear { in_proj_qkvz, in_proj_ba, conv1d, dt_bias, a_log, norm, out_proj } = &lw.mixer else {
             unreachable!("linear_block on an attention layer")

@@ -12,6 +12,54 @@ use std::borrow::Cow;
 
 use crate::backend::{DeltaNetShape, DeltaNetState};
 
+/// The layers of one stage of a `KvCache` (`KvCache::stage_views`): what
+/// a stage's forward appends to and reads, by model layer index.
+pub struct StageKv<'a> {
+    /// The model layer of `layers[0]`.
+    first: usize,
+    kv_dim: usize,
+    rounding: KvRounding,
+    layers: &'a mut [LayerKv],
+    delta: &'a mut [Option<DeltaNetState>],
+}
+
+impl StageKv<'_> {
+    /// Appends the keys and values `[T, kv_dim]` of the rows being run to `layer`.
+    pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+        assert!(k.len() == v.len() && k.len() % self.kv_dim == 0, "KvCache::append: k/v shapes");
+        let rounding = self.rounding;
+        let l = &mut self.layers[layer - self.first];
+        for (dst, src) in [(&mut l.k, k), (&mut l.v, v)] {
+            let at = dst.len();
+            dst.extend_from_slice(src);
+            match rounding {
+                KvRounding::None => {}
+                KvRounding::Bf16 => crate::quant::bf16_round_trip(&mut dst[at..]),
+                KvRounding::Int8 { head_dim } => {
+                    dst[at..].chunks_exact_mut(head_dim).for_each(crate::quant::int8_block_round_trip)
+                }
+            }
+        }
+    }
+
+    /// Keys and values of `layer` for every position appended so far.
+    pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
+        let l = &self.layers[layer - self.first];
+        (&l.k, &l.v)
+    }
+
+    /// Positions `layer` holds, committed or appended by the forward in
+    /// progress: the position of the next row it runs.
+    pub fn rows(&self, layer: usize) -> usize {
+        self.layers[layer - self.first].k.len() / self.kv_dim
+    }
+
+    /// The recurrent state of Gated DeltaNet layer `layer`.
+    pub fn delta_mut(&mut self, layer: usize) -> &mut DeltaNetState {
+        self.delta[layer - self.first].as_mut().expect("StageKv::delta_mut: not a Gated DeltaNet layer")
+    }
+}
+
 /// How the host cache stores keys and values: f32, or as the CUDA cache's
 /// int8 / bf16 would hold them (values rounded on append and kept as f32),
 /// so the CPU reference computes exactly what a quantized cache holds.
@@ -63,11 +111,6 @@ impl KvCache {
     /// Whether any layer holds a recurrent state.
     pub fn is_hybrid(&self) -> bool {
         self.delta.iter().any(Option::is_some)
-    }
-
-    /// The recurrent state of Gated DeltaNet layer `layer`.
-    pub fn delta_mut(&mut self, layer: usize) -> &mut DeltaNetState {
-        self.delta[layer].as_mut().expect("KvCache::delta_mut: not a Gated DeltaNet layer")
     }
 
     /// A copy of every Gated DeltaNet layer's state, in layer order.
@@ -145,28 +188,56 @@ impl KvCache {
         self
     }
 
-    /// Appends the keys and values `[T, kv_dim]` of the rows being run to `layer`.
-    pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
-        assert!(k.len() == v.len() && k.len() % self.kv_dim == 0, "KvCache::append: k/v shapes");
-        let rounding = self.rounding;
-        let l = &mut self.layers[layer];
-        for (dst, src) in [(&mut l.k, k), (&mut l.v, v)] {
-            let at = dst.len();
-            dst.extend_from_slice(src);
-            match rounding {
-                KvRounding::None => {}
-                KvRounding::Bf16 => crate::quant::bf16_round_trip(&mut dst[at..]),
-                KvRounding::Int8 { head_dim } => {
-                    dst[at..].chunks_exact_mut(head_dim).for_each(crate::quant::int8_block_round_trip)
-                }
-            }
-        }
-    }
-
     /// Keys and values of `layer` for every position appended so far.
     pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
         let l = &self.layers[layer];
         (&l.k, &l.v)
+    }
+
+    /// `StageKv::append` on the whole cache.
+    #[cfg(test)]
+    pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+        let all = 0..self.layers.len();
+        self.stage_views(&[all])[0].append(layer, k, v);
+    }
+
+    /// The layers `ranges[i]` of each stage of a layer split as views a
+    /// stage can run its layers on while the others run theirs (pipelined
+    /// windows); the ranges are consecutive from layer 0 and cover every
+    /// layer. One range: the whole cache.
+    pub fn stage_views(&mut self, ranges: &[std::ops::Range<usize>]) -> Vec<StageKv<'_>> {
+        assert!(
+            ranges.first().is_some_and(|r| r.start == 0)
+                && ranges.windows(2).all(|w| w[0].end == w[1].start)
+                && ranges.last().is_some_and(|r| r.end == self.layers.len()),
+            "KvCache::stage_views: the ranges must cover the layers in order"
+        );
+        let (kv_dim, rounding) = (self.kv_dim, self.rounding);
+        let (mut layers, mut delta) = (&mut self.layers[..], &mut self.delta[..]);
+        let mut views = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            let (l, rest) = std::mem::take(&mut layers).split_at_mut(r.len());
+            let (d, drest) = std::mem::take(&mut delta).split_at_mut(r.len());
+            (layers, delta) = (rest, drest);
+            views.push(StageKv { first: r.start, kv_dim, rounding, layers: l, delta: d });
+        }
+        views
+    }
+
+    /// After a forward that stopped partway (some layers appended rows of
+    /// later pieces than others): every attention layer keeps positions
+    /// `0..n`, and `n` become the committed positions. Each must hold at
+    /// least `n`. Recurrent states are left as they are.
+    pub fn settle(&mut self, n: usize) {
+        let want = n * self.kv_dim;
+        for (l, d) in self.layers.iter_mut().zip(&self.delta) {
+            if d.is_none() {
+                assert!(l.k.len() >= want && l.v.len() >= want, "KvCache::settle: a layer holds fewer than {n} rows");
+                l.k.truncate(want);
+                l.v.truncate(want);
+            }
+        }
+        self.len = n;
     }
 
     /// Marks `n` more positions as held by every layer (after a forward).
@@ -361,6 +432,31 @@ mod tests {
         assert_eq!(kv.layer(0).0.len(), 6);
         kv.truncate(1);
         assert_eq!((kv.len(), kv.layer(1).1), (1, &[2.0; 3][..]));
+    }
+
+    #[test]
+    fn stage_views_split_the_layers_and_settle_keeps_the_common_rows() {
+        let mut kv = KvCache::new(3, 2);
+        {
+            let mut views = kv.stage_views(&[0..1, 1..3]);
+            let (a, b) = views.split_at_mut(1);
+            // Stage 0 ran two pieces of one row, stage 1 only the first.
+            a[0].append(0, &[1.0, 1.0], &[1.0, 1.0]);
+            a[0].append(0, &[2.0, 2.0], &[2.0, 2.0]);
+            b[0].append(1, &[3.0, 3.0], &[3.0, 3.0]);
+            b[0].append(2, &[4.0, 4.0], &[4.0, 4.0]);
+            assert_eq!((a[0].rows(0), b[0].rows(1), b[0].rows(2)), (2, 1, 1));
+            assert_eq!(b[0].layer(2).0, &[4.0, 4.0]);
+        }
+        assert_eq!(kv.layer(0).0, &[1.0, 1.0, 2.0, 2.0]);
+        kv.settle(1);
+        assert_eq!((kv.len(), kv.layer(0).0, kv.layer(1).1), (1, &[1.0, 1.0][..], &[3.0, 3.0][..]));
+    }
+
+    #[test]
+    #[should_panic(expected = "cover the layers")]
+    fn stage_views_must_cover_the_layers() {
+        KvCache::new(3, 1).stage_views(&[0..1, 2..3]);
     }
 
     #[test]

@@ -14,7 +14,7 @@ pub mod state;
 use std::collections::BTreeMap;
 
 use crate::backend::DeltaNetState;
-use crate::engine::{Engine, HostLogits, Logits};
+use crate::engine::{Engine, HostLogits, Logits, Piece};
 use crate::error::{Error, Result};
 use crate::sampling::{Sampler, SamplingParams};
 use kv::Cache;
@@ -628,43 +628,55 @@ impl Session {
             (deltas, self.logits.clone())
         });
         let mut out = Vec::new();
-        for (i, (off, len, checkpoint)) in pieces.into_iter().enumerate() {
-            let last = i + 1 == n_pieces;
-            let want = match (all, last || checkpoint) {
-                (true, _) => Logits::All,
-                (false, true) => Logits::Last,
-                (false, false) => Logits::Skip,
-            };
-            let part = &tokens[off..off + len];
-            match self.forward(part, want) {
-                Ok(l) => {
-                    self.tokens.extend_from_slice(part);
-                    if all || last {
-                        out.extend_from_slice(&l);
-                    }
-                    // One row (a decode-size piece) is kept as it came.
-                    self.logits = match want {
-                        Logits::Skip => None,
-                        _ if l.len() == vocab => Some(l),
-                        _ => Some(l[l.len() - vocab..].to_vec().into()),
-                    };
-                    if checkpoint && !(last && read.end_checkpoint) {
-                        self.take_checkpoint(true);
-                    }
+        let want = |i: usize, checkpoint: bool| match (all, i + 1 == n_pieces || checkpoint) {
+            (true, _) => Logits::All,
+            (false, true) => Logits::Last,
+            (false, false) => Logits::Skip,
+        };
+        // Runs of pieces that end at a checkpoint piece (its state is taken
+        // after it) or at the last: the engine may pipeline a run.
+        let mut first = 0;
+        while first < n_pieces {
+            let end = (first..n_pieces).find(|&i| pieces[i].2).map_or(n_pieces, |i| i + 1);
+            let run: Vec<Piece<'_>> = (first..end)
+                .map(|i| {
+                    let (off, len, checkpoint) = pieces[i];
+                    Piece { tokens: &tokens[off..off + len], want: want(i, checkpoint) }
+                })
+                .collect();
+            let (done, failed) = self.engine.forward_pieces(&mut self.kv, &run);
+            for (k, l) in done.into_iter().enumerate() {
+                let i = first + k;
+                let (off, len, checkpoint) = pieces[i];
+                let (last, part) = (i + 1 == n_pieces, &tokens[off..off + len]);
+                self.forwarded += len as u64;
+                self.tokens.extend_from_slice(part);
+                if all || last {
+                    out.extend_from_slice(&l);
                 }
-                Err(e) => {
-                    if let Some((deltas, logits)) = before {
-                        self.tokens.truncate(start);
-                        self.kv.truncate(start);
-                        if let Some(d) = &deltas {
-                            self.kv.restore_deltas(d);
-                        }
-                        self.logits = logits;
-                        self.checkpoints.retain(|_, cp| cp.position <= start);
-                    }
-                    return Err(e);
+                // One row (a decode-size piece) is kept as it came.
+                self.logits = match run[k].want {
+                    Logits::Skip => None,
+                    _ if l.len() == vocab => Some(l),
+                    _ => Some(l[l.len() - vocab..].to_vec().into()),
+                };
+                if checkpoint && !(last && read.end_checkpoint) {
+                    self.take_checkpoint(true);
                 }
             }
+            if let Some(e) = failed {
+                if let Some((deltas, logits)) = before {
+                    self.tokens.truncate(start);
+                    self.kv.truncate(start);
+                    if let Some(d) = &deltas {
+                        self.kv.restore_deltas(d);
+                    }
+                    self.logits = logits;
+                    self.checkpoints.retain(|_, cp| cp.position <= start);
+                }
+                return Err(e);
+            }
+            first = end;
         }
         if self.keep_all_logits {
             self.kept = Some(KeptLogits { start, rows: out.clone() });
@@ -1111,6 +1123,46 @@ mod tests {
         crate::pack::synth::synth(&cfg, dir.path(), &Default::default()).unwrap();
         let e = Engine::load(dir.path(), &Default::default()).unwrap();
         (dir, e)
+    }
+
+    /// A split of two CPU stages pipelines a prefill's pieces; a NaN in a
+    /// later piece (on either stage) fails the call with the place, the
+    /// session keeps exactly the pieces before it (KV and recurrent
+    /// states), and reading on gives the one-device logits bit for bit.
+    #[test]
+    fn a_failure_in_pipelined_pieces_keeps_the_pieces_before_it() {
+        for arch in [crate::model::Arch::Qwen3Moe, crate::model::Arch::Qwen3Next] {
+            let dir = tempfile::tempdir().unwrap();
+            let cfg = crate::pack::synth::preset(arch, "tiny").unwrap();
+            crate::pack::synth::synth(&cfg, dir.path(), &Default::default()).unwrap();
+            let one = Engine::load(dir.path(), &EngineOptions::default()).unwrap();
+            let split = Engine::load(
+                dir.path(),
+                &EngineOptions {
+                    devices: vec!["cpu".into(), "cpu".into()],
+                    threads: Some(2),
+                    prefill_help: crate::engine::Help::Off,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let tokens = next_prompt(&one, 40);
+            let mut want = session(&one, 8);
+            want.prefill_conversation(&tokens).unwrap();
+            for layer in [0, cfg.num_hidden_layers - 1] {
+                let mut s = session(&split, 8);
+                split.inject_nan_at(layer, 27);
+                let err = s.prefill_conversation(&tokens).unwrap_err();
+                let place = format!("at layer {layer}, position 27");
+                assert!(matches!(err, Error::NonFinite(ref m) if m.contains(&place)), "{arch:?}: {err}");
+                assert_eq!(s.len(), 24, "{arch:?} layer {layer}: the pieces before the failing one");
+                let report = s.prefill_conversation(&tokens).unwrap();
+                assert_eq!((report.reused, report.read), (24, 16));
+                let (a, b) = (s.logits().unwrap(), want.logits().unwrap());
+                assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{arch:?} layer {layer}");
+            }
+            assert!(split.split_stats().unwrap().pipelined_windows > 0);
+        }
     }
 
     fn next_prompt(e: &Engine, n: u32) -> Vec<u32> {
