@@ -1008,7 +1008,8 @@ impl Engine {
 
     /// Tests: a forward fails (`Error::Cancelled`) once `layers` more layers
     /// have run (counted across forwards), with the cache and recurrent
-    /// states already advanced.
+    /// states already advanced. (Pipelined stages share the count: which
+    /// piece fails is then a matter of timing.)
     #[cfg(test)]
     pub(crate) fn fail_next_forward_after(&self, layers: usize) {
         *self.inner.fail_after_layers.lock().unwrap() = Some(layers);
@@ -1134,17 +1135,24 @@ impl Engine {
     /// Runs `pieces` in order as `forward` runs each one, and returns the
     /// logits of the pieces that completed (in order) and the error of the
     /// first that failed; the cache then holds exactly the completed
-    /// pieces, recurrent states included.
+    /// pieces, recurrent states included. Without `keep_completed` (the
+    /// caller undoes the whole run on failure) a failed pipelined run may
+    /// instead return no logits with the cache back at its start.
     ///
     /// On a split of CPU stages, several pieces are pipelined (windows in
     /// flight, `forward_pipelined`) unless prefill help is forced on (help
     /// needs an idle stage) or the expert cache is on (its planner follows
     /// one forward at a time). Logits are the same bits either way.
-    pub(crate) fn forward_pieces(&self, cache: &mut Cache, pieces: &[Piece<'_>]) -> (Vec<HostLogits>, Option<Error>) {
+    pub(crate) fn forward_pieces(
+        &self,
+        cache: &mut Cache,
+        pieces: &[Piece<'_>],
+        keep_completed: bool,
+    ) -> (Vec<HostLogits>, Option<Error>) {
         #[allow(irrefutable_let_patterns)] // without feature cuda
         if let Cache::Host(kv) = cache {
             if self.pipelines(pieces.len()) {
-                let (logits, err) = self.forward_pipelined(kv, pieces);
+                let (logits, err) = self.forward_pipelined(kv, pieces, keep_completed);
                 return (logits.into_iter().map(HostLogits::from).collect(), err);
             }
         }
@@ -1181,8 +1189,14 @@ impl Engine {
     /// failing one): KV rows past it are dropped, and on a hybrid model the
     /// recurrent states (advanced by later pieces on earlier stages) are
     /// restored from before the run and the completed pieces run again,
-    /// one at a time.
-    fn forward_pipelined(&self, kv: &mut KvCache, pieces: &[Piece<'_>]) -> (Vec<Vec<f32>>, Option<Error>) {
+    /// one at a time (unless `!keep_completed`: then the cache goes back to
+    /// the start of the run and no logits are returned).
+    fn forward_pipelined(
+        &self,
+        kv: &mut KvCache,
+        pieces: &[Piece<'_>],
+        keep_completed: bool,
+    ) -> (Vec<Vec<f32>>, Option<Error>) {
         let (stages, _) = self.cpu();
         let n = stages.len();
         let start = kv.len();
@@ -1227,7 +1241,7 @@ impl Engine {
         }
         let mut runs = runs;
         let done = runs[n - 1].done;
-        let logits = std::mem::take(&mut runs[n - 1].logits);
+        let mut logits = std::mem::take(&mut runs[n - 1].logits);
         // The first failing piece's error (the earliest stage's on a tie).
         let failed = runs.into_iter().filter_map(|r| r.error).min_by_key(|(j, _)| *j);
         let Some((j, err)) = failed else {
@@ -1238,13 +1252,19 @@ impl Engine {
         debug_assert_eq!(done, j, "every piece before the failing one completes");
         match before {
             None => kv.settle(starts[done]),
+            Some(deltas) if !keep_completed => {
+                kv.settle(start);
+                kv.restore_deltas(&deltas);
+                logits.clear();
+            }
             Some(deltas) => {
                 kv.settle(start);
                 kv.restore_deltas(&deltas);
-                for p in &pieces[..done] {
+                for (k, p) in pieces[..done].iter().enumerate() {
                     if let Err(e) = self.forward_host(kv, p.tokens, Logits::Skip) {
                         // Not expected (the same rows ran before): the
-                        // cache holds what did run again.
+                        // cache holds the pieces that did run again.
+                        logits.truncate(k);
                         return (logits, Some(e));
                     }
                 }

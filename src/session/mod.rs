@@ -644,7 +644,9 @@ impl Session {
                     Piece { tokens: &tokens[off..off + len], want: want(i, checkpoint) }
                 })
                 .collect();
-            let (done, failed) = self.engine.forward_pieces(&mut self.kv, &run);
+            // Undoing the whole call on failure (`before`): the engine
+            // need not keep the completed pieces of a failed run.
+            let (done, failed) = self.engine.forward_pieces(&mut self.kv, &run, before.is_none());
             for (k, l) in done.into_iter().enumerate() {
                 let i = first + k;
                 let (off, len, checkpoint) = pieces[i];
@@ -1161,6 +1163,16 @@ mod tests {
                 let (a, b) = (s.logits().unwrap(), want.logits().unwrap());
                 assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{arch:?} layer {layer}");
             }
+            // `prefill` undoes the whole call: the session is as before it.
+            let mut s = session(&split, 8);
+            s.prefill(&tokens[..8]).unwrap();
+            let before = s.save_state();
+            split.inject_nan_at(cfg.num_hidden_layers - 1, 27);
+            assert!(matches!(s.prefill(&tokens[8..]), Err(Error::NonFinite(_))), "{arch:?}");
+            assert_eq!(s.save_state(), before, "{arch:?}: the failed prefill changed the session");
+            s.prefill(&tokens[8..]).unwrap();
+            let (a, b) = (s.logits().unwrap(), want.logits().unwrap());
+            assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "{arch:?} after an undone prefill");
             assert!(split.split_stats().unwrap().pipelined_windows > 0);
         }
     }
