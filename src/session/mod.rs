@@ -1177,6 +1177,39 @@ mod tests {
         }
     }
 
+    /// On a hybrid split, pipelined runs end at the checkpoint pieces:
+    /// the checkpoints hold the states a one-device session takes, so
+    /// rewinding between them gives the same bits.
+    #[test]
+    fn pipelined_runs_end_at_checkpoints_and_rewinds_match_one_device() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = crate::pack::synth::preset(crate::model::Arch::Qwen3Next, "tiny").unwrap();
+        crate::pack::synth::synth(&cfg, dir.path(), &Default::default()).unwrap();
+        let one = Engine::load(dir.path(), &EngineOptions::default()).unwrap();
+        let split = Engine::load(
+            dir.path(),
+            &EngineOptions { devices: vec!["cpu".into(), "cpu".into()], threads: Some(2), ..Default::default() },
+        )
+        .unwrap();
+        let opts = SessionOptions { prefill_chunk: 6, checkpoint_every: 16, ..Default::default() };
+        let tokens = next_prompt(&one, 50);
+        let (mut a, mut b) = (one.new_session(&opts).unwrap(), split.new_session(&opts).unwrap());
+        let same = |a: &Session, b: &Session, what: &str| {
+            let (x, y) = (a.logits().unwrap(), b.logits().unwrap());
+            assert!(x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()), "{what}");
+        };
+        a.prefill(&tokens).unwrap();
+        b.prefill(&tokens).unwrap();
+        same(&a, &b, "prefill");
+        assert_eq!(a.checkpoint_ids().len(), b.checkpoint_ids().len());
+        for pos in [40, 20, 7] {
+            a.rewind_to(pos).unwrap();
+            b.rewind_to(pos).unwrap();
+            same(&a, &b, &format!("rewind_to({pos})"));
+        }
+        assert!(split.split_stats().unwrap().pipelined_windows > 0);
+    }
+
     fn next_prompt(e: &Engine, n: u32) -> Vec<u32> {
         (0..n).map(|i| (i * 7 + 3) % e.config().vocab_size as u32).collect()
     }
