@@ -187,9 +187,9 @@ impl Sampler {
         Ok(self.sample_checked(logits))
     }
 
-    /// `sample` of logits the caller has checked with `check_samplable`
-    /// (a session checks them itself, naming the position): one scan of
-    /// the vocabulary fewer per decode step.
+    /// `sample` of logits known to be finite and not empty (a session's:
+    /// the engine checked them): one scan of the vocabulary fewer per
+    /// decode step.
     pub(crate) fn sample_checked(&mut self, logits: &[f32]) -> u32 {
         debug_assert!(check_samplable(logits).is_ok(), "sample_checked of unchecked logits");
         let cand = self.probabilities_of_finite(logits);
@@ -204,8 +204,10 @@ impl Sampler {
                 return tok;
             }
         }
-        // Rounding left the sum just below u: the last candidate.
-        cand[cand.len() - 1].0
+        // Rounding left the sum just below u: the last candidate. (No
+        // candidate only if the logits were not finite after all: token 0
+        // rather than a panic; debug builds assert above.)
+        cand.last().map_or(0, |c| c.0)
     }
 }
 
