@@ -560,9 +560,11 @@ impl GpuModel {
             );
         }
         // Each slot is written by one stage: the one running the layer
-        // after it (the last layer and the logits: the last stage).
+        // after it (the last layer and the logits: the last stage); the
+        // others hold NONFINITE_NONE there.
+        let none = dense::NONFINITE_NONE;
         let merged: Vec<u32> = (0..=c.num_hidden_layers)
-            .map(|slot| flags.iter().map(|f| f[slot]).find(|&f| f != 0).unwrap_or(0))
+            .map(|slot| flags.iter().map(|f| f[slot]).find(|&f| f != none).unwrap_or(none))
             .collect();
         let first_logit_row = start + t - rows;
         for (slot, &flag) in merged.iter().enumerate() {

@@ -32,8 +32,12 @@ use strata::session::{KvType, SessionOptions};
 
 use super::common::{check_close, e, GpuTest};
 
-pub const TESTS: &[GpuTest] =
-    &[("split_matrix_on_logical_devices", matrix), ("split_field_report_on_logical_devices", field_report)];
+pub const TESTS: &[GpuTest] = &[
+    ("split_matrix_on_logical_devices", matrix),
+    ("split_field_report_on_logical_devices", field_report),
+    #[cfg(feature = "test-hooks")]
+    ("split_nan_guard_on_every_stage", nan_guard),
+];
 
 /// As tests/gpu/model.rs: GPU logits against the CPU's, relative to
 /// max |logit| (bf16 KV on both, the accurate precision).
@@ -244,6 +248,39 @@ fn field_report(_gpu: &Arc<Gpu>) -> Result<(), String> {
         .collect::<Result<Vec<_>, String>>()?;
         check_scenario(&cpu, &gpus, arch, 0, &[1024, 1500, 1200])?;
         check_stats(&gpus)?;
+    }
+    Ok(())
+}
+
+/// A NaN injected in a layer of either stage of a split fails the forward
+/// with NONFINITE naming the layer and the position (the flags of the
+/// stages merged), prefill and decode, and the session is as before.
+#[cfg(feature = "test-hooks")]
+fn nan_guard(_gpu: &Arc<Gpu>) -> Result<(), String> {
+    for arch in [Arch::Qwen3Moe, Arch::Qwen3Next] {
+        let dir = tempfile::tempdir().map_err(e)?;
+        let layers = synth_pack(dir.path(), arch)?;
+        let path = GpuPath { devices: vec!["cuda:0", "cuda:0"], split: Some(vec![layers / 2]), help: Help::Off };
+        let engine = gpu_engine(dir.path(), &path)?;
+        let prompt = tokens(20, 3);
+        for layer in [0, layers / 2 - 1, layers / 2, layers - 1] {
+            let mut s = engine.new_session(&session_opts(4)).map_err(e)?;
+            s.prefill(&prompt[..6]).map_err(e)?;
+            let before = s.save_state();
+            // Prefill (pieces of 4), then one token (a decode-size forward).
+            for (pos, input) in [(9, &prompt[6..]), (6, &prompt[6..7])] {
+                engine.inject_nan_at(layer, pos);
+                let what = format!("{arch:?} layer {layer} position {pos}");
+                let err = s.prefill(input).expect_err("an injected NaN must fail");
+                let place = format!("at layer {layer}, position {pos}");
+                if !matches!(err, strata::Error::NonFinite(_)) || !err.to_string().contains(&place) {
+                    return Err(format!("{what}: {err}"));
+                }
+                if s.save_state() != before {
+                    return Err(format!("{what}: the failed call changed the session"));
+                }
+            }
+        }
     }
     Ok(())
 }
