@@ -498,12 +498,9 @@ impl GpuModel {
         let (h, vocab) = (c.hidden_size, c.vocab_size);
         let t = scratch[0].t;
         let queued = started.elapsed();
-        // Every copy queued, then the waits.
+        // Every copy queued, then the waits: the logits (page-locked, async)
+        // before the flags (pageable: the host waits for each).
         let n = self.stages.len();
-        let mut flags = vec![vec![0u32; c.num_hidden_layers + 1]; n];
-        for (i, stage) in self.stages.iter().enumerate() {
-            stage.gpu.stream().memcpy_dtoh(&cache.stages[i].flags, &mut flags[i])?;
-        }
         let last = &self.stages[n - 1];
         // One row (a decode step): straight into a page-locked buffer the
         // session keeps (no copy into a vector); more: through the
@@ -518,6 +515,10 @@ impl GpuModel {
             } else {
                 last.gpu.stream().memcpy_dtoh(&lg.logits, &mut lg.host)?;
             }
+        }
+        let mut flags = vec![vec![0u32; c.num_hidden_layers + 1]; n];
+        for (i, stage) in self.stages.iter().enumerate() {
+            stage.gpu.stream().memcpy_dtoh(&cache.stages[i].flags, &mut flags[i])?;
         }
         for stage in &self.stages {
             stage.gpu.sync()?;
