@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use half::bf16;
 
-use super::{deltanet_shape, linear_layers, Engine, GpuPrecision, HostLogits, Logits};
+use super::{deltanet_shape, linear_layers, Engine, GpuPrecision, HostLogits, Logits, Piece};
 use crate::backend::cuda::attention::{
     self, AttnConfig, AttnPrecision, AttnScratch, DeviceKv, KvDtype, QkvPrep, StepPlan, StepPos,
 };
@@ -481,6 +481,254 @@ impl GpuModel {
         }
     }
 
+    /// Whether `forward_pieces` pipelines a run of `pieces` pieces on these
+    /// stages: several of both, no expert cache (one stage only anyway),
+    /// prefill help not forced on (help needs an idle stage), and not
+    /// turned off by `STRATA_GPU_PIPELINE=0`.
+    pub(crate) fn pipelines(&self, engine: &Engine, pieces: usize) -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *ON.get_or_init(|| std::env::var("STRATA_GPU_PIPELINE").map_or(true, |v| v != "0"));
+        on && self.stages.len() > 1 && pieces > 1 && engine.prefill_help() != super::Help::On
+    }
+
+    /// Pipelined windows on CUDA stages (`Engine::forward_pieces`): every
+    /// piece of the run is queued on every stage's stream without a wait
+    /// on the host in between, so a stage's stream runs piece `j + 1`
+    /// while the next stage's runs piece `j`. Each hand-off waits for the
+    /// producing stage's piece, and a stage waits for the next stage's copy
+    /// of its hidden state before it writes that buffer for another piece.
+    /// Each piece has its own non-finite flags and (when it wants logits)
+    /// its own device copy of them; the host waits once at the end.
+    ///
+    /// A failing piece (its flags, read at the end) keeps the pieces before
+    /// it: the KV length goes there; on a hybrid model the recurrent states
+    /// go back to before the run and the completed pieces run again, one
+    /// at a time (not when `!keep_completed`: the cache then goes back to
+    /// the start of the run).
+    pub(crate) fn forward_pipelined(
+        &self,
+        engine: &Engine,
+        cache: &mut DeviceCache,
+        pieces: &[Piece<'_>],
+        keep_completed: bool,
+    ) -> (Vec<HostLogits>, Option<Error>) {
+        let start = cache.len;
+        let mut starts = vec![start];
+        for p in pieces {
+            starts.push(starts[starts.len() - 1] + p.tokens.len());
+        }
+        let total = starts[pieces.len()] - start;
+        let hybrid = cache.is_hybrid();
+        let prepared = cache.reserve(total).and_then(|()| if hybrid { cache.snapshot() } else { Ok(()) });
+        if let Err(e) = prepared {
+            return (Vec::new(), Some(e));
+        }
+        let (flags, outs) = match self.queue_pieces(engine, cache, pieces, &starts) {
+            Ok(r) => r,
+            Err(e) => {
+                if hybrid {
+                    if let Err(r) = cache.restore_snapshot() {
+                        return (Vec::new(), Some(r));
+                    }
+                }
+                return (Vec::new(), Some(e));
+            }
+        };
+        // The first failing piece, by its flags.
+        let mut failed = None;
+        for (j, p) in pieces.iter().enumerate() {
+            let rows = match p.want {
+                Logits::Skip => 0,
+                Logits::Last => 1,
+                Logits::All => p.tokens.len(),
+            };
+            let of_piece: Vec<Vec<u32>> = flags.iter().map(|f| f[j].clone()).collect();
+            if let Err(e) = self.check_flags(&of_piece, starts[j], p.tokens.len(), rows) {
+                failed = Some((j, e));
+                break;
+            }
+        }
+        let done = failed.as_ref().map_or(pieces.len(), |(j, _)| *j);
+        let last = &self.stages[self.stages.len() - 1].gpu;
+        let mut logits = Vec::with_capacity(done);
+        for out in outs.iter().take(done) {
+            let l = match out {
+                Some(d) => match last.download(d) {
+                    Ok(v) => v,
+                    Err(e) => return (Vec::new(), Some(e)),
+                },
+                None => Vec::new(),
+            };
+            logits.push(HostLogits::from(l));
+        }
+        engine.record_split(|s| s.pipelined_windows += done as u64);
+        let Some((_, err)) = failed else {
+            cache.len = start + total;
+            return (logits, None);
+        };
+        if !hybrid {
+            cache.len = starts[done];
+            return (logits, Some(err));
+        }
+        if let Err(e) = cache.restore_snapshot() {
+            return (Vec::new(), Some(e));
+        }
+        if !keep_completed {
+            return (Vec::new(), Some(err));
+        }
+        for (k, p) in pieces[..done].iter().enumerate() {
+            if let Err(e) = self.forward(engine, cache, p.tokens, Logits::Skip) {
+                // Not expected (the same rows ran before): the cache holds
+                // the pieces that did run again.
+                logits.truncate(k);
+                return (logits, Some(e));
+            }
+        }
+        (logits, Some(err))
+    }
+
+    /// Queues every piece on every stage (`forward_pipelined`); returns
+    /// each stage's flags per piece, read back after the wait, and each
+    /// piece's device copy of its logits (`None` for `Logits::Skip`).
+    #[allow(clippy::type_complexity)]
+    fn queue_pieces(
+        &self,
+        engine: &Engine,
+        cache: &mut DeviceCache,
+        pieces: &[Piece<'_>],
+        starts: &[usize],
+    ) -> Result<(Vec<Vec<Vec<u32>>>, Vec<Option<CudaSlice<f32>>>)> {
+        let c = &self.config;
+        let (n, h, vocab) = (self.stages.len(), c.hidden_size, c.vocab_size);
+        // Per stage: a scratch per piece size in the run, and the flags of each piece.
+        let mut scratch: Vec<Vec<Scratch>> = (0..n).map(|_| Vec::new()).collect();
+        let mut flags: Vec<Vec<CudaSlice<u32>>> = Vec::with_capacity(n);
+        for stage in &self.stages {
+            flags.push(
+                (0..pieces.len()).map(|_| stage.gpu.alloc_zeros(c.num_hidden_layers + 1)).collect::<Result<_>>()?,
+            );
+        }
+        let mut outs: Vec<Option<CudaSlice<f32>>> = Vec::with_capacity(pieces.len());
+        // consumed[i]: recorded on stage i + 1's stream after its copy of
+        // stage i's hidden state.
+        let mut consumed: Vec<Option<CudaEvent>> = (0..n).map(|_| None).collect();
+        let mut bytes = 0u64;
+        let r = (|| -> Result<()> {
+            for (i, stage) in self.stages.iter().enumerate() {
+                cache.stages[i].clock.start(&stage.gpu)?;
+            }
+            for (j, p) in pieces.iter().enumerate() {
+                let t = p.tokens.len();
+                let rows = match p.want {
+                    Logits::Skip => 0,
+                    Logits::Last => 1,
+                    Logits::All => t,
+                };
+                let mut out = None;
+                for (i, stage) in self.stages.iter().enumerate() {
+                    let stream = stage.gpu.stream();
+                    let si = match scratch[i].iter().position(|s| s.t == t) {
+                        Some(si) => si,
+                        None => {
+                            scratch[i].push(cache.stages[i].take_scratch(t)?);
+                            scratch[i].len() - 1
+                        }
+                    };
+                    if let Some(ev) = consumed[i].take() {
+                        stream.wait(&ev)?;
+                    }
+                    if i == 0 {
+                        stream.memcpy_htod(p.tokens, &mut scratch[0][si].tokens)?;
+                    } else {
+                        let prev = &self.stages[i - 1];
+                        let pi =
+                            scratch[i - 1].iter().position(|s| s.t == t).expect("the previous stage ran this piece");
+                        let (before, after) = scratch.split_at_mut(i);
+                        stress(&prev.gpu)?;
+                        stream.wait(&prev.gpu.stream().record_event(None)?)?;
+                        stream.memcpy_dtod(&before[i - 1][pi].x, &mut after[0][si].x)?;
+                        consumed[i - 1] = Some(stream.record_event(None)?);
+                        bytes += (t * h * std::mem::size_of::<f32>()) as u64;
+                    }
+                    let sc = &mut cache.stages[i];
+                    std::mem::swap(&mut sc.flags, &mut flags[i][j]);
+                    let queued = stage.enqueue(engine, sc, &mut scratch[i][si], starts[j], rows, None, None, None);
+                    std::mem::swap(&mut sc.flags, &mut flags[i][j]);
+                    queued?;
+                    if i + 1 == n && rows > 0 {
+                        let lg = LogitScratch::get(&mut scratch[i][si].head, &stage.gpu, rows, h, vocab)?;
+                        let mut copy = stage.gpu.alloc_zeros::<f32>(rows * vocab)?;
+                        stream.memcpy_dtod(&lg.logits, &mut copy)?;
+                        out = Some(copy);
+                    }
+                }
+                outs.push(out);
+            }
+            for (i, stage) in self.stages.iter().enumerate() {
+                cache.stages[i].clock.end(&stage.gpu)?;
+            }
+            Ok(())
+        })();
+        // Every stream done before a scratch is kept or freed (another
+        // stage's stream may read it); a failure to wait fails the run.
+        let mut r = r;
+        for stage in &self.stages {
+            let waited = stage.gpu.sync();
+            if r.is_ok() {
+                r = waited;
+            }
+        }
+        for (sc, kept) in cache.stages.iter_mut().zip(scratch) {
+            for s in kept {
+                sc.put_scratch(s);
+            }
+        }
+        r?;
+        let mut host = Vec::with_capacity(n);
+        for (i, stage) in self.stages.iter().enumerate() {
+            let mut per_piece = Vec::with_capacity(pieces.len());
+            for f in &flags[i] {
+                per_piece.push(stage.gpu.download(f)?);
+            }
+            host.push(per_piece);
+        }
+        let mut seconds = Vec::with_capacity(n);
+        for sc in &mut cache.stages {
+            seconds.push(sc.clock.read()?.0);
+        }
+        engine.record_split(|s| {
+            for (st, sec) in s.stages.iter_mut().zip(&seconds) {
+                st.seconds += sec;
+            }
+            s.handoffs += ((n - 1) * pieces.len()) as u64;
+            s.handoff_bytes += bytes;
+        });
+        Ok((host, outs))
+    }
+
+    /// The non-finite error of the first layer (or the logits) flagged in
+    /// any stage's `flags` of a forward of `t` rows at `start` whose last
+    /// `rows` rows have logits. Each slot is written by one stage: the one
+    /// running the layer after it (the last layer and the logits: the last
+    /// stage); the others hold NONFINITE_NONE there.
+    fn check_flags(&self, flags: &[Vec<u32>], start: usize, t: usize, rows: usize) -> Result<()> {
+        let c = &self.config;
+        let (h, vocab) = (c.hidden_size, c.vocab_size);
+        let none = dense::NONFINITE_NONE;
+        let first_logit_row = start + t - rows;
+        for slot in 0..=c.num_hidden_layers {
+            let flag = flags.iter().map(|f| f[slot]).find(|&f| f != none).unwrap_or(none);
+            let width = if slot < c.num_hidden_layers { h } else { vocab };
+            if let Some((row, _)) = dense::nonfinite_row(flag, width) {
+                let place =
+                    if slot < c.num_hidden_layers { format!("at layer {slot}") } else { "in the logits".into() };
+                let pos = if slot < c.num_hidden_layers { start + row } else { first_logit_row + row };
+                return Err(Error::NonFinite(format!("NaN or infinity {place}, position {pos}")));
+            }
+        }
+        Ok(())
+    }
+
     /// Waits for a queued forward and returns its logits (the last `rows`
     /// rows, from the last stage), or the non-finite error of the first
     /// layer (or the logits) whose flag is set on any stage; a split's
@@ -560,23 +808,7 @@ impl GpuModel {
                 started.elapsed().as_secs_f64() * 1e3
             );
         }
-        // Each slot is written by one stage: the one running the layer
-        // after it (the last layer and the logits: the last stage); the
-        // others hold NONFINITE_NONE there.
-        let none = dense::NONFINITE_NONE;
-        let merged: Vec<u32> = (0..=c.num_hidden_layers)
-            .map(|slot| flags.iter().map(|f| f[slot]).find(|&f| f != none).unwrap_or(none))
-            .collect();
-        let first_logit_row = start + t - rows;
-        for (slot, &flag) in merged.iter().enumerate() {
-            let width = if slot < c.num_hidden_layers { h } else { vocab };
-            if let Some((row, _)) = dense::nonfinite_row(flag, width) {
-                let place =
-                    if slot < c.num_hidden_layers { format!("at layer {slot}") } else { "in the logits".into() };
-                let pos = if slot < c.num_hidden_layers { start + row } else { first_logit_row + row };
-                return Err(Error::NonFinite(format!("NaN or infinity {place}, position {pos}")));
-            }
-        }
+        self.check_flags(&flags, start, t, rows)?;
         Ok(out)
     }
 }

@@ -1139,22 +1139,31 @@ impl Engine {
     /// caller undoes the whole run on failure) a failed pipelined run may
     /// instead return no logits with the cache back at its start.
     ///
-    /// On a split of CPU stages, several pieces are pipelined (windows in
-    /// flight, `forward_pipelined`) unless prefill help is forced on (help
-    /// needs an idle stage) or the expert cache is on (its planner follows
-    /// one forward at a time). Logits are the same bits either way.
+    /// On a split, several pieces are pipelined (windows in flight: CPU
+    /// stages `forward_pipelined`, CUDA stages `gpu::GpuModel::
+    /// forward_pipelined`) unless prefill help is forced on (help needs an
+    /// idle stage) or the expert cache is on (its planner follows one
+    /// forward at a time). Logits are the same bits either way.
     pub(crate) fn forward_pieces(
         &self,
         cache: &mut Cache,
         pieces: &[Piece<'_>],
         keep_completed: bool,
     ) -> (Vec<HostLogits>, Option<Error>) {
-        #[allow(irrefutable_let_patterns)] // without feature cuda
-        if let Cache::Host(kv) = cache {
-            if self.pipelines(pieces.len()) {
+        match cache {
+            Cache::Host(kv) if self.pipelines(pieces.len()) => {
                 let (logits, err) = self.forward_pipelined(kv, pieces, keep_completed);
                 return (logits.into_iter().map(HostLogits::from).collect(), err);
             }
+            #[cfg(feature = "cuda")]
+            Cache::Device(d) => {
+                if let Exec::Cuda(m) = &self.inner.exec {
+                    if m.pipelines(self, pieces.len()) {
+                        return m.forward_pipelined(self, d, pieces, keep_completed);
+                    }
+                }
+            }
+            _ => {}
         }
         let mut out = Vec::with_capacity(pieces.len());
         for p in pieces {

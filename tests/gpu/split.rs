@@ -193,7 +193,10 @@ fn check_stats(gpus: &[(GpuPath, Engine)]) -> Result<(), String> {
     for (path, engine) in &gpus[1..] {
         let stats = engine.split_stats().ok_or_else(|| format!("{path:?}: a split engine has no split stats"))?;
         let helped = path.help == Help::On;
-        let ok = stats.stages.len() == path.devices.len()
+        // Chunked prefills run pipelined unless help is forced on.
+        let pipelined = (stats.pipelined_windows > 0) != helped;
+        let ok = pipelined
+            && stats.stages.len() == path.devices.len()
             && stats.handoffs > 0
             && stats.handoff_bytes > 0
             && stats.stages.iter().all(|s| s.seconds > 0.0)
@@ -279,6 +282,24 @@ fn nan_guard(_gpu: &Arc<Gpu>) -> Result<(), String> {
                 if s.save_state() != before {
                     return Err(format!("{what}: the failed call changed the session"));
                 }
+            }
+            // A later piece of a pipelined run fails: prefill_conversation
+            // keeps the pieces before it, and reading on gives the bits of
+            // an unbroken session.
+            let mut whole = engine.new_session(&session_opts(4)).map_err(e)?;
+            whole.prefill_conversation(&prompt).map_err(e)?;
+            let mut s = engine.new_session(&session_opts(4)).map_err(e)?;
+            engine.inject_nan_at(layer, 15);
+            let what = format!("{arch:?} layer {layer}, a later piece");
+            if !matches!(s.prefill_conversation(&prompt), Err(strata::Error::NonFinite(_))) {
+                return Err(format!("{what}: no NONFINITE"));
+            }
+            if s.len() != 12 {
+                return Err(format!("{what}: the session holds {} tokens, not the 12 before the piece", s.len()));
+            }
+            s.prefill_conversation(&prompt).map_err(e)?;
+            if bitwise_equal(&[s.logits().unwrap().to_vec()], &[whole.logits().unwrap().to_vec()]).is_some() {
+                return Err(format!("{what}: reading on differs from an unbroken session"));
             }
         }
     }
