@@ -481,14 +481,27 @@ impl GpuModel {
         }
     }
 
-    /// Whether `forward_pieces` pipelines a run of `pieces` pieces on these
-    /// stages: several of both, no expert cache (one stage only anyway),
-    /// prefill help not forced on (help needs an idle stage), and not
-    /// turned off by `STRATA_GPU_PIPELINE=0`.
-    pub(crate) fn pipelines(&self, engine: &Engine, pieces: usize) -> bool {
+    /// Whether `forward_pieces` pipelines `pieces` on these stages: several
+    /// of both, no expert cache (one stage only anyway), prefill help not
+    /// forced on (help needs an idle stage), the run's logits (held on the
+    /// device until its end) within `PIPELINE_LOGITS_BYTES`, and not turned
+    /// off by `STRATA_GPU_PIPELINE=0`.
+    pub(crate) fn pipelines(&self, engine: &Engine, pieces: &[Piece<'_>]) -> bool {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let on = *ON.get_or_init(|| std::env::var("STRATA_GPU_PIPELINE").map_or(true, |v| v != "0"));
-        on && self.stages.len() > 1 && pieces > 1 && engine.prefill_help() != super::Help::On
+        let rows: usize = pieces
+            .iter()
+            .map(|p| match p.want {
+                Logits::Skip => 0,
+                Logits::Last => 1,
+                Logits::All => p.tokens.len(),
+            })
+            .sum();
+        let logits = rows as u64 * self.config.vocab_size as u64 * 4;
+        on && self.stages.len() > 1
+            && pieces.len() > 1
+            && engine.prefill_help() != super::Help::On
+            && logits <= PIPELINE_LOGITS_BYTES
     }
 
     /// Pipelined windows on CUDA stages (`Engine::forward_pieces`): every
@@ -555,7 +568,13 @@ impl GpuModel {
             let l = match out {
                 Some(d) => match last.download(d) {
                     Ok(v) => v,
-                    Err(e) => return (Vec::new(), Some(e)),
+                    Err(e) => {
+                        // Back to the run's start (the KV length still is).
+                        if hybrid {
+                            let _ = cache.restore_snapshot();
+                        }
+                        return (Vec::new(), Some(e));
+                    }
                 },
                 None => Vec::new(),
             };
@@ -829,6 +848,11 @@ fn stress(gpu: &Gpu) -> Result<()> {
     let _ = gpu;
     Ok(())
 }
+
+/// The most device memory a pipelined run's logits may take (each piece
+/// keeps its own until the run's one wait); a run wanting more (every
+/// row's logits of a long prompt) runs one piece at a time.
+const PIPELINE_LOGITS_BYTES: u64 = 1 << 30;
 
 /// The share of a helped layer's expert rows the helping GPU stage
 /// computes. Fixed: the helper is the next stage of the same kind of

@@ -1158,7 +1158,7 @@ impl Engine {
             #[cfg(feature = "cuda")]
             Cache::Device(d) => {
                 if let Exec::Cuda(m) = &self.inner.exec {
-                    if m.pipelines(self, pieces.len()) {
+                    if m.pipelines(self, pieces) {
                         return m.forward_pipelined(self, d, pieces, keep_completed);
                     }
                 }
