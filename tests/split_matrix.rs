@@ -1,7 +1,8 @@
 //! The path-equivalence matrix on CPU devices (architecture invariant 1):
 //! {one device; a layer split at every possible layer; those splits with
-//! prefill help forced on; three stages; a split, with and without help,
-//! while experts stream through the expert cache's ring} x {qwen3_moe, qwen3_next} x
+//! prefill help forced on; three stages, pipelined and helped; a split,
+//! with and without help, while experts stream through the expert cache's
+//! ring} x {qwen3_moe, qwen3_next} x
 //! {prefill lengths, a 1024..3276-token turn after a reused prefix} x
 //! {chunk sizes}. Tiny synthetic NVFP4 packs whose global scales are far
 //! from 1 (`pack::synth`), so a dropped scale cannot hide. On the CPU every
@@ -49,6 +50,9 @@ fn paths(layers: usize) -> Vec<ExecPath> {
         p.push(path(2, Some(vec![at]), Help::On, false));
     }
     if layers >= 3 {
+        // Three stages: pipelined (a middle stage both receives and sends),
+        // and helped.
+        p.push(path(3, None, Help::Off, false));
         p.push(path(3, None, Help::On, false));
     }
     p.push(path(2, Some(vec![layers / 2]), Help::Off, true));
