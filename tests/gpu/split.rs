@@ -73,6 +73,8 @@ fn paths(layers: usize) -> Result<Vec<GpuPath>, String> {
         p.push(path(&two, Some(vec![at]), Help::On));
     }
     if layers >= 3 {
+        // Three stages: pipelined (a middle stage both receives and sends), and helped.
+        p.push(path(&["cuda:0"; 3], None, Help::Off));
         p.push(path(&["cuda:0"; 3], None, Help::On));
     }
     if strata::backend::cuda::device_count().map_err(e)? >= 2 {
