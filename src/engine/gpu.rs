@@ -334,11 +334,7 @@ impl GpuModel {
         }
         let t = tokens.len();
         let start = cache.len;
-        let rows = match want {
-            Logits::Skip => 0,
-            Logits::Last => 1,
-            Logits::All => t,
-        };
+        let rows = want.rows(t);
         let first = &self.stages[0];
         let mut experts = first.experts.as_ref().map(|x| x.lock());
         if let Some(x) = experts.as_mut() {
@@ -489,14 +485,7 @@ impl GpuModel {
     pub(crate) fn pipelines(&self, engine: &Engine, pieces: &[Piece<'_>]) -> bool {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let on = *ON.get_or_init(|| std::env::var("STRATA_GPU_PIPELINE").map_or(true, |v| v != "0"));
-        let rows: usize = pieces
-            .iter()
-            .map(|p| match p.want {
-                Logits::Skip => 0,
-                Logits::Last => 1,
-                Logits::All => p.tokens.len(),
-            })
-            .sum();
+        let rows: usize = pieces.iter().map(|p| p.rows()).sum();
         let logits = rows as u64 * self.config.vocab_size as u64 * 4;
         on && self.stages.len() > 1
             && pieces.len() > 1
@@ -550,11 +539,7 @@ impl GpuModel {
         // The first failing piece, by its flags.
         let mut failed = None;
         for (j, p) in pieces.iter().enumerate() {
-            let rows = match p.want {
-                Logits::Skip => 0,
-                Logits::Last => 1,
-                Logits::All => p.tokens.len(),
-            };
+            let rows = p.rows();
             let of_piece: Vec<Vec<u32>> = flags.iter().map(|f| f[j].clone()).collect();
             if let Err(e) = self.check_flags(&of_piece, starts[j], p.tokens.len(), rows) {
                 failed = Some((j, e));
@@ -638,11 +623,7 @@ impl GpuModel {
             }
             for (j, p) in pieces.iter().enumerate() {
                 let t = p.tokens.len();
-                let rows = match p.want {
-                    Logits::Skip => 0,
-                    Logits::Last => 1,
-                    Logits::All => t,
-                };
+                let rows = p.rows();
                 let mut out = None;
                 for (i, stage) in self.stages.iter().enumerate() {
                     let stream = stage.gpu.stream();
@@ -1457,7 +1438,7 @@ impl GpuStage {
     /// The routed experts of layer `l` (ids routed into `s.ids`) with
     /// another stage's help (prefill help, docs/layer-split.md): the one
     /// grouped pipeline, its experts divided at an expert boundary
-    /// (`help_split`), the experts before it computed here, the rest by the
+    /// (`moe::help_cut_rows`, as on the CPU), the experts before it computed here, the rest by the
     /// helper's stream reading this stage's normed rows and expert table in
     /// place (two logical devices on one GPU, or a peer GPU), the helper's
     /// output rows copied back before the one combine. Returns the rows the
@@ -1475,7 +1456,8 @@ impl GpuStage {
         let mut offsets = vec![0u32; e + 1];
         gpu.stream().memcpy_dtoh(&g.offsets, &mut offsets)?;
         gpu.sync()?;
-        let split = help_split(&offsets, help.share);
+        // The CPU's rule (`moe::help_cut_rows`): the helper takes experts split..E.
+        let split = crate::moe::help_cut_rows(offsets.windows(2).map(|w| (w[1] - w[0]) as usize), help.share);
         let tiles = |mine: Range<usize>| -> Vec<u32> {
             let mut tiles = vec![0u32; e + 1];
             for j in 0..e {
@@ -1521,22 +1503,6 @@ impl GpuStage {
         moe::moe_combine(gpu, y, g, &s.weights, h, &mut s.x, true)?;
         Ok((offsets[e] - offsets[split]) as usize)
     }
-}
-
-/// Where prefill help divides a layer's experts, from the exclusive scan
-/// of their rows (`offsets [E + 1]`): the helper takes experts `split..E`,
-/// whose rows come nearest `share` of all rows (the first such boundary).
-fn help_split(offsets: &[u32], share: f64) -> usize {
-    let e = offsets.len() - 1;
-    let total = offsets[e] as f64;
-    let want = total * share.clamp(0.0, 1.0);
-    (0..=e)
-        .min_by(|&a, &b| {
-            let da = ((total - offsets[a] as f64) - want).abs();
-            let db = ((total - offsets[b] as f64) - want).abs();
-            da.total_cmp(&db).then(a.cmp(&b))
-        })
-        .expect("at least one boundary")
 }
 
 /// `out (+)= sum_j w[t, j] * expert_{ids[t, j]}(x[t])` with the experts found
@@ -2232,28 +2198,5 @@ impl StageCache {
         } else {
             self.scratch = Some(s);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::help_split;
-
-    #[test]
-    fn help_divides_the_experts_where_the_helper_gets_nearest_its_share() {
-        // Rows per expert 4, 0, 6, 2, 8 (20 in all).
-        let offsets = [0, 4, 4, 10, 12, 20];
-        // Half: experts 3.. have 10 rows, exactly half.
-        assert_eq!(help_split(&offsets, 0.5), 3);
-        // A quarter (5 rows): expert 4 alone (8 rows, 3 off) beats experts
-        // 3.. (10, 5 off) and none (0, 5 off).
-        assert_eq!(help_split(&offsets, 0.25), 4);
-        // Nothing; everything.
-        assert_eq!(help_split(&offsets, 0.0), 5);
-        assert_eq!(help_split(&offsets, 1.0), 0);
-        // 16 rows: boundaries 1 and 2 tie (expert 1 is empty): the first.
-        assert_eq!(help_split(&offsets, 0.8), 1);
-        // No rows at all: every boundary ties, the first.
-        assert_eq!(help_split(&[0, 0, 0], 0.5), 0);
     }
 }

@@ -605,6 +605,14 @@ pub(crate) struct Piece<'a> {
     pub want: Logits,
 }
 
+impl Piece<'_> {
+    /// Rows of logits this piece returns.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn rows(&self) -> usize {
+        self.want.rows(self.tokens.len())
+    }
+}
+
 /// Hidden states that may wait between two pipelined stages (a stage runs
 /// at most this many pieces ahead of the next).
 const PIPELINE_DEPTH: usize = 1;
@@ -631,6 +639,17 @@ pub(crate) enum Logits {
     Skip,
     Last,
     All,
+}
+
+impl Logits {
+    /// Rows of logits of a forward of `t` rows (the last ones).
+    pub(crate) fn rows(self, t: usize) -> usize {
+        match self {
+            Logits::Skip => 0,
+            Logits::Last => 1,
+            Logits::All => t,
+        }
+    }
 }
 
 fn load_matrix(pack: &Pack, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
@@ -1442,11 +1461,11 @@ impl Engine {
         let c = self.config();
         let (stages, w) = self.cpu();
         let (h, t) = (c.hidden_size, x.len() / c.hidden_size);
-        let (rows, first) = match want {
-            Logits::Skip => return Ok(Vec::new()),
-            Logits::Last => (&x[(t - 1) * h..], start + t - 1),
-            Logits::All => (x, start),
-        };
+        let r = want.rows(t);
+        if r == 0 {
+            return Ok(Vec::new());
+        }
+        let (rows, first) = (&x[(t - r) * h..], start + t - r);
         let b = &stages[stages.len() - 1].backend;
         let mut xn = vec![0.0f32; rows.len()];
         b.rmsnorm(rows, &w.final_norm, self.eps(), &mut xn);

@@ -226,15 +226,23 @@ impl HelpTiming {
 
 /// Where to cut `groups` so that the groups after the cut hold about
 /// `share` of the rows (a group is never cut): the number of groups the
-/// active device keeps, the cut whose helper rows are nearest the target.
+/// active device keeps (`help_cut_rows`).
 pub fn help_cut(groups: &[ExpertGroup], share: f64) -> usize {
-    let total: usize = groups.iter().map(|g| g.tokens.len()).sum();
+    help_cut_rows(groups.iter().map(|g| g.tokens.len()), share)
+}
+
+/// The rule of prefill help on every device: given the rows of each group
+/// (expert) in order, the number of leading groups the active device keeps
+/// so that the rest hold about `share` of all rows: the cut whose helper
+/// rows are nearest the target, the first such cut on ties.
+pub fn help_cut_rows(rows: impl Iterator<Item = usize> + Clone, share: f64) -> usize {
+    let total: usize = rows.clone().sum();
     let keep = total as f64 * (1.0 - share.clamp(0.0, 1.0));
     let mut best = (0, keep);
-    let mut rows = 0;
-    for (k, g) in groups.iter().enumerate() {
-        rows += g.tokens.len();
-        let miss = (rows as f64 - keep).abs();
+    let mut kept = 0;
+    for (k, r) in rows.enumerate() {
+        kept += r;
+        let miss = (kept as f64 - keep).abs();
         if miss < best.1 {
             best = (k + 1, miss);
         }
@@ -527,5 +535,25 @@ mod tests {
         let mut out = vec![0.0; 16];
         let e = forward(&backend, &Experts(vec![]), &moe, &[1.0; 16], &mut out).unwrap_err();
         assert!(e.to_string().contains("0/0"), "{e}");
+    }
+
+    #[test]
+    fn help_cuts_where_the_helper_gets_nearest_its_share() {
+        // Rows per expert 4, 0, 6, 2, 8 (20 in all); the cut is the number
+        // of experts the active device keeps.
+        let rows = [4usize, 0, 6, 2, 8];
+        let cut = |share| help_cut_rows(rows.iter().copied(), share);
+        // Half: experts 3.. have 10 rows, exactly half.
+        assert_eq!(cut(0.5), 3);
+        // A quarter (5 rows): expert 4 alone (8 rows, 3 off) beats experts
+        // 3.. (10, 5 off) and none (0, 5 off).
+        assert_eq!(cut(0.25), 4);
+        // Nothing; everything.
+        assert_eq!(cut(0.0), 5);
+        assert_eq!(cut(1.0), 0);
+        // 16 rows: cuts 1 and 2 tie (expert 1 is empty): the first.
+        assert_eq!(cut(0.8), 1);
+        // No rows at all: every cut ties, the first.
+        assert_eq!(help_cut_rows([0usize, 0].into_iter(), 0.5), 0);
     }
 }

@@ -1089,9 +1089,7 @@ mod tests {
 
     #[test]
     fn a_failing_forward_on_a_hybrid_leaves_the_session_as_it_was() {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = crate::pack::synth::preset(crate::model::Arch::Qwen3Next, "tiny").unwrap();
-        crate::pack::synth::synth(&cfg, dir.path(), &Default::default()).unwrap();
+        let (dir, cfg) = synth_tiny(crate::model::Arch::Qwen3Next);
         let e = Engine::load(dir.path(), &Default::default()).unwrap();
         assert!(e.config().num_hidden_layers >= 2 && !e.config().is_full_attention(0));
         let prompt: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % cfg.vocab_size as u32).collect();
@@ -1120,11 +1118,30 @@ mod tests {
     }
 
     fn tiny_next() -> (TempDir, Engine) {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = crate::pack::synth::preset(crate::model::Arch::Qwen3Next, "tiny").unwrap();
-        crate::pack::synth::synth(&cfg, dir.path(), &Default::default()).unwrap();
+        let (dir, _) = synth_tiny(crate::model::Arch::Qwen3Next);
         let e = Engine::load(dir.path(), &Default::default()).unwrap();
         (dir, e)
+    }
+
+    /// A tiny synthetic pack of `arch` and its config.
+    fn synth_tiny(arch: crate::model::Arch) -> (TempDir, crate::model::ModelConfig) {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = crate::pack::synth::preset(arch, "tiny").unwrap();
+        crate::pack::synth::synth(&cfg, dir.path(), &Default::default()).unwrap();
+        (dir, cfg)
+    }
+
+    /// The pack in `dir` on one CPU device and on two CPU stages (one
+    /// thread each, prefill help as given).
+    fn one_and_split(dir: &std::path::Path, help: crate::engine::Help) -> (Engine, Engine) {
+        let one = Engine::load(dir, &EngineOptions::default()).unwrap();
+        let two = EngineOptions {
+            devices: vec!["cpu".into(), "cpu".into()],
+            threads: Some(2),
+            prefill_help: help,
+            ..Default::default()
+        };
+        (one, Engine::load(dir, &two).unwrap())
     }
 
     /// A split of two CPU stages pipelines a prefill's pieces; a NaN in a
@@ -1134,20 +1151,8 @@ mod tests {
     #[test]
     fn a_failure_in_pipelined_pieces_keeps_the_pieces_before_it() {
         for arch in [crate::model::Arch::Qwen3Moe, crate::model::Arch::Qwen3Next] {
-            let dir = tempfile::tempdir().unwrap();
-            let cfg = crate::pack::synth::preset(arch, "tiny").unwrap();
-            crate::pack::synth::synth(&cfg, dir.path(), &Default::default()).unwrap();
-            let one = Engine::load(dir.path(), &EngineOptions::default()).unwrap();
-            let split = Engine::load(
-                dir.path(),
-                &EngineOptions {
-                    devices: vec!["cpu".into(), "cpu".into()],
-                    threads: Some(2),
-                    prefill_help: crate::engine::Help::Off,
-                    ..Default::default()
-                },
-            )
-            .unwrap();
+            let (dir, cfg) = synth_tiny(arch);
+            let (one, split) = one_and_split(dir.path(), crate::engine::Help::Off);
             let tokens = next_prompt(&one, 40);
             let mut want = session(&one, 8);
             want.prefill_conversation(&tokens).unwrap();
@@ -1182,15 +1187,8 @@ mod tests {
     /// rewinding between them gives the same bits.
     #[test]
     fn pipelined_runs_end_at_checkpoints_and_rewinds_match_one_device() {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = crate::pack::synth::preset(crate::model::Arch::Qwen3Next, "tiny").unwrap();
-        crate::pack::synth::synth(&cfg, dir.path(), &Default::default()).unwrap();
-        let one = Engine::load(dir.path(), &EngineOptions::default()).unwrap();
-        let split = Engine::load(
-            dir.path(),
-            &EngineOptions { devices: vec!["cpu".into(), "cpu".into()], threads: Some(2), ..Default::default() },
-        )
-        .unwrap();
+        let (dir, _) = synth_tiny(crate::model::Arch::Qwen3Next);
+        let (one, split) = one_and_split(dir.path(), crate::engine::Help::Auto);
         let opts = SessionOptions { prefill_chunk: 6, checkpoint_every: 16, ..Default::default() };
         let tokens = next_prompt(&one, 50);
         let (mut a, mut b) = (one.new_session(&opts).unwrap(), split.new_session(&opts).unwrap());

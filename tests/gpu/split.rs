@@ -98,6 +98,11 @@ fn gpu_engine(dir: &Path, path: &GpuPath) -> Result<Engine, String> {
     }
 }
 
+/// An engine for each path.
+fn gpu_engines(dir: &Path, paths: Vec<GpuPath>) -> Result<Vec<(GpuPath, Engine)>, String> {
+    paths.into_iter().map(|p| gpu_engine(dir, &p).map(|g| (p, g))).collect()
+}
+
 fn tokens(n: usize, seed: u32) -> Vec<u32> {
     (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97) >> 7) % 256).collect()
 }
@@ -219,10 +224,7 @@ fn matrix(_gpu: &Arc<Gpu>) -> Result<(), String> {
         let dir = tempfile::tempdir().map_err(e)?;
         let layers = synth_pack(dir.path(), arch)?;
         let cpu = Engine::load(dir.path(), &EngineOptions::default()).map_err(e)?;
-        let gpus = paths(layers)?
-            .into_iter()
-            .map(|p| gpu_engine(dir.path(), &p).map(|g| (p, g)))
-            .collect::<Result<Vec<_>, String>>()?;
+        let gpus = gpu_engines(dir.path(), paths(layers)?)?;
         let scenarios: &[&[usize]] = &[&[1], &[17], &[300], &[40, 1100]];
         for &turns in scenarios {
             for chunk in [0, 64, 1000] {
@@ -244,13 +246,13 @@ fn field_report(_gpu: &Arc<Gpu>) -> Result<(), String> {
         let dir = tempfile::tempdir().map_err(e)?;
         let layers = synth_pack(dir.path(), arch)?;
         let cpu = Engine::load(dir.path(), &EngineOptions::default()).map_err(e)?;
-        let gpus = [
-            GpuPath { devices: vec!["cuda:0"], split: None, help: Help::Off },
-            GpuPath { devices: vec!["cuda:0", "cuda:0"], split: Some(vec![layers / 2]), help: Help::On },
-        ]
-        .into_iter()
-        .map(|p| gpu_engine(dir.path(), &p).map(|g| (p, g)))
-        .collect::<Result<Vec<_>, String>>()?;
+        let gpus = gpu_engines(
+            dir.path(),
+            vec![
+                GpuPath { devices: vec!["cuda:0"], split: None, help: Help::Off },
+                GpuPath { devices: vec!["cuda:0", "cuda:0"], split: Some(vec![layers / 2]), help: Help::On },
+            ],
+        )?;
         check_scenario(&cpu, &gpus, arch, 0, &[1024, 1500, 1200])?;
         check_stats(&gpus)?;
     }
