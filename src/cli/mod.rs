@@ -70,6 +70,11 @@ enum Cmd {
         /// Zipf exponent of expert popularity (0 = uniform routing).
         #[arg(long, default_value_t = 0.0)]
         zipf: f64,
+        /// Embeddings 1000x larger, so that routing stays spread over the
+        /// experts at every depth (random weights otherwise route every
+        /// token to a few experts after a few layers); for cache benches.
+        #[arg(long)]
+        spread_routing: bool,
         /// Keep only the first N layers of the preset's geometry (qwen3_next:
         /// at least one full-attention layer).
         #[arg(long)]
@@ -96,8 +101,8 @@ pub fn main() -> i32 {
     let cli = Cli::parse();
     let (name, res) = match cli.cmd {
         Cmd::Pack { from, out, dense, force } => ("pack", cmd_pack(from, out, dense, force)),
-        Cmd::Synth { arch, preset, out, seed, zipf, layers, force } => {
-            let opts = SynthOptions { seed, zipf, overwrite: force, progress: true, layers };
+        Cmd::Synth { arch, preset, out, seed, zipf, spread_routing, layers, force } => {
+            let opts = SynthOptions { seed, zipf, spread_routing, overwrite: force, progress: true, layers };
             ("synth", cmd_synth(arch, &preset, out, &opts))
         }
         Cmd::Inspect { pack, verify } => ("inspect", cmd_inspect(pack, verify)),
