@@ -190,6 +190,7 @@ struct CachePhase {
     hits: u64,
     misses: u64,
     streamed: u64,
+    prefetched: u64,
     seconds: f64,
 }
 
@@ -200,6 +201,7 @@ impl CachePhase {
             self.hits += a.hits - b.hits;
             self.misses += a.misses - b.misses;
             self.streamed += a.streamed - b.streamed;
+            self.prefetched += a.prefetched - b.prefetched;
             self.seconds += seconds;
         }
     }
@@ -352,13 +354,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let rate = prefill_cache.bytes as f64 / prefill_cache.seconds;
         println!(
             "prefill expert copies: {:.1} MB per prefill, {:.1} GB/s over the prefill ({:.1}% of {:.1} GB/s \
-             measured pinned host-to-device); {:.1}% hits, {} streamed",
+             measured pinned host-to-device); {:.1}% hits, {} streamed ({} prefetched)",
             prefill_cache.bytes as f64 / 1e6 / a.repeats as f64,
             rate / 1e9,
             100.0 * rate / h2d,
             h2d / 1e9,
             prefill_cache.hit_pct(),
-            prefill_cache.streamed / a.repeats as u64
+            prefill_cache.streamed / a.repeats as u64,
+            prefill_cache.prefetched / a.repeats as u64
         );
     }
     if !step_s.is_empty() {

@@ -1432,6 +1432,9 @@ impl GpuStage {
                 x.wave_computed(rw)?;
             }
         }
+        // The next layer's step will likely stream too: its first ring
+        // copies start now, under this layer's last wave and its attention.
+        x.prefetch_ring(pack, l + 1)?;
         moe::moe_combine(gpu, y, g, &s.weights, layout.hidden as usize, &mut s.x, true)
     }
 

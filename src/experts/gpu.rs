@@ -120,6 +120,15 @@ pub struct GpuExpertCache {
     copied: CudaEvent,
     /// Recorded on the compute stream after each ring wave (by ring half).
     computed: [CudaEvent; 2],
+    /// The ring half of the last `wave_computed`.
+    last_half: usize,
+    /// What each ring slot holds, in copy-stream order: the expert the
+    /// last copy queued into it writes (a step skips the copy of an entry
+    /// its ring slot already holds: a prefetch).
+    ring_holds: Vec<Option<RingHeld>>,
+    /// Recorded on the copy stream after the prefetched copies into each
+    /// ring half (`prefetch_ring`).
+    prefetch_ready: [CudaEvent; 2],
     /// Per layer: the device address of each expert's blob where it is
     /// (stale for experts the step does not route to; never read for them).
     tables: Vec<CudaSlice<u64>>,
@@ -134,6 +143,19 @@ pub struct GpuExpertCache {
     poisoned: Option<String>,
     /// Mapped decode, when on.
     mapped: Option<Mapped>,
+}
+
+/// A ring slot's contents (`GpuExpertCache::ring_holds`).
+#[derive(Clone, Copy, Debug)]
+struct RingHeld {
+    key: ExpertKey,
+    from: Source,
+    /// A step has computed from it (else it is an unused prefetch).
+    used: bool,
+    /// Written by a prefetch into this ring half: a step using it waits for
+    /// `prefetch_ready[half]`. (Other copies were waited for by the compute
+    /// stream before the step's routed ids were read back.)
+    prefetch: Option<usize>,
 }
 
 /// The state of mapped decode (see the module documentation).
@@ -178,6 +200,13 @@ pub enum TracePhase {
     Plan = 1,
     /// Queueing the expert kernels (and streamed waves).
     Compute = 2,
+}
+
+/// Ring prefetch across layers (`GpuExpertCache::prefetch_ring`); off with
+/// `STRATA_RING_PREFETCH=0`, to measure what it brings.
+fn prefetch_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("STRATA_RING_PREFETCH").map_or(true, |v| v != "0"))
 }
 
 fn trace_on() -> bool {
@@ -257,6 +286,9 @@ impl GpuExpertCache {
             copy: ctx.new_stream()?,
             copied: ctx.new_event(None)?,
             computed: [ctx.new_event(None)?, ctx.new_event(None)?],
+            last_half: 0,
+            ring_holds: vec![None; cap.ring_slots],
+            prefetch_ready: [ctx.new_event(None)?, ctx.new_event(None)?],
             tables,
             mirror: Pinned::new(gpu, layers * experts * 8)?,
             ids: Pinned::new(gpu, c.num_experts_per_tok * 64 * 4)?,
@@ -488,6 +520,20 @@ impl GpuExpertCache {
         self.slot_base + (slot * self.stride) as u64
     }
 
+    fn ring_slots(&self) -> usize {
+        (self.ring.len() / self.stride.max(1)).max(1)
+    }
+
+    /// Records that the next copy queued into ring slot `slot` writes
+    /// `held`; an unused prefetch it overwrites is counted as a copy no plan
+    /// made.
+    fn hold_ring(&mut self, slot: usize, held: RingHeld) {
+        if let Some(old) = self.ring_holds[slot].filter(|old| !old.used) {
+            self.planner.record_unplanned_copy(old.from);
+        }
+        self.ring_holds[slot] = Some(held);
+    }
+
     fn ring_addr(&self, ring_slot: usize) -> u64 {
         self.ring_base + (ring_slot * self.stride) as u64
     }
@@ -676,7 +722,7 @@ impl GpuExpertCache {
         for f in &plan.fills {
             self.planner.slot_fill_done(f.slot);
         }
-        let ring_slots = (self.ring.len() / self.stride.max(1)).max(1);
+        let ring_slots = self.ring_slots();
         let row = layer * self.experts * 8;
         for &(e, place) in &plan.experts {
             let addr = match place {
@@ -710,7 +756,7 @@ impl GpuExpertCache {
     /// the ring entries in waves of half the ring (one entry for a ring of
     /// one), so a wave's copies overlap the previous wave's compute.
     pub fn waves(&self, plan: &StepPlan) -> Waves {
-        let ring_slots = (self.ring.len() / self.stride.max(1)).max(1);
+        let ring_slots = self.ring_slots();
         let per_wave = (ring_slots / 2).max(1);
         let slots = plan.experts.iter().filter(|(_, p)| matches!(p, Place::Slot { .. })).map(|&(e, _)| e).collect();
         let ring = (0..plan.ring.len()).collect::<Vec<_>>().chunks(per_wave).map(|c| c.to_vec()).collect();
@@ -728,7 +774,7 @@ impl GpuExpertCache {
 
     fn stream_wave_copies(&mut self, pack: &Pack, plan: &StepPlan, waves: &Waves, w: usize) -> Result<()> {
         let started = Instant::now();
-        let ring_slots = (self.ring.len() / self.stride.max(1)).max(1);
+        let ring_slots = self.ring_slots();
         if w >= 1 && ring_slots >= 2 {
             // Wave w uses the ring half wave w - 2 used (wave w - 1 the other half).
             if w >= 2 {
@@ -738,17 +784,80 @@ impl GpuExpertCache {
             // One ring slot: every wave reuses it.
             self.copy.wait(&self.computed[(w - 1) % 2])?;
         }
-        let items: Vec<_> = waves.ring[w]
-            .iter()
-            .map(|&n| {
-                let entry = plan.ring[n];
-                (ExpertKey::new(plan.layer, entry.expert), entry.from, self.ring_addr(entry.ring_slot % ring_slots))
-            })
-            .collect();
-        self.copy_many(pack, &items)?;
-        self.copied.record(&self.copy)?;
-        self.gpu.stream().wait(&self.copied)?;
+        let mut items = Vec::new();
+        let mut prefetched = [false; 2];
+        for &n in &waves.ring[w] {
+            let entry = plan.ring[n];
+            let (key, slot) = (ExpertKey::new(plan.layer, entry.expert), entry.ring_slot % ring_slots);
+            if let Some(held) = self.ring_holds[slot].as_mut().filter(|h| h.key == key) {
+                // Already there (a prefetch): no second copy.
+                if let Some(half) = held.prefetch {
+                    prefetched[half] = true;
+                }
+                if !held.used {
+                    held.used = true;
+                    self.planner.record_prefetched();
+                }
+                continue;
+            }
+            self.hold_ring(slot, RingHeld { key, from: entry.from, used: true, prefetch: None });
+            items.push((key, entry.from, self.ring_addr(slot)));
+        }
+        if !items.is_empty() {
+            self.copy_many(pack, &items)?;
+            self.copied.record(&self.copy)?;
+            self.gpu.stream().wait(&self.copied)?;
+        }
+        for (ready, _) in self.prefetch_ready.iter().zip(prefetched).filter(|p| p.1) {
+            self.gpu.stream().wait(ready)?;
+        }
         self.planner.record_wait(started.elapsed().as_nanos() as u64);
+        Ok(())
+    }
+
+    /// After a streamed step of the layer before `layer` (its last wave
+    /// queued): queues the copies of `layer`'s first two ring waves as if
+    /// its step will route to every expert (a large prefill chunk does),
+    /// so the link works while that layer's attention and router run and
+    /// the host waits for its routed ids. The step's entry `n` is its `n`th
+    /// expert in no slot, ascending, in ring slot `n mod ring_slots`; an
+    /// entry whose ring slot already holds it is not copied again
+    /// (`stream_wave`), and a wrong guess only costs link time. Each half's
+    /// copies wait for the compute that last used it (`computed`), the half
+    /// freed first first. Only experts in host buffers (no host read here)
+    /// and only for an even ring of at least 2 slots (its waves are halves).
+    pub fn prefetch_ring(&mut self, pack: &Pack, layer: usize) -> Result<()> {
+        let r = self.prefetch_ring_copies(pack, layer);
+        self.poison_on(r)
+    }
+
+    fn prefetch_ring_copies(&mut self, pack: &Pack, layer: usize) -> Result<()> {
+        let rs = self.ring_slots();
+        if !prefetch_on() || rs < 2 || rs % 2 == 1 || layer >= self.tables.len() {
+            return Ok(());
+        }
+        let per_wave = rs / 2;
+        let next: Vec<usize> =
+            (0..self.experts).filter(|&e| self.planner.slot_of(ExpertKey::new(layer, e)).is_none()).take(rs).collect();
+        let first = 1 - self.last_half;
+        for half in [first, 1 - first] {
+            let mut items = Vec::new();
+            for (n, &e) in next.iter().enumerate().skip(half * per_wave).take(per_wave) {
+                let key = ExpertKey::new(layer, e);
+                let Some(h) = self.planner.host_of(key) else { continue };
+                if self.ring_holds[n].is_some_and(|held| held.key == key) {
+                    continue;
+                }
+                self.hold_ring(n, RingHeld { key, from: Source::Host(h), used: false, prefetch: Some(half) });
+                items.push((key, Source::Host(h), self.ring_addr(n)));
+            }
+            if items.is_empty() {
+                continue;
+            }
+            self.copy.wait(&self.computed[half])?;
+            self.copy_many(pack, &items)?;
+            self.prefetch_ready[half].record(&self.copy)?;
+        }
         Ok(())
     }
 
@@ -756,6 +865,7 @@ impl GpuExpertCache {
     /// once they complete.
     pub fn wave_computed(&mut self, w: usize) -> Result<()> {
         self.computed[w % 2].record(self.gpu.stream())?;
+        self.last_half = w % 2;
         Ok(())
     }
 }

@@ -266,6 +266,10 @@ pub struct ExpertStats {
     /// Misses a decode step's kernels read in place from page-locked host
     /// memory (mapped decode: no copy, no host round trip).
     pub mapped: u64,
+    /// Streamed misses whose ring copy was queued ahead, while the layer
+    /// before computed (GPU ring prefetch); a prefetch no step used is
+    /// still in `bytes_copied`.
+    pub prefetched: u64,
     /// Slot contents replaced by a miss.
     pub evictions: u64,
     /// Slot swaps made by adaptive placement.

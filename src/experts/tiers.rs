@@ -377,6 +377,18 @@ impl Planner {
     }
 
     /// Adds time a step waited on copies (executors measure it).
+    /// A streamed miss of a planned step whose ring copy the executor had
+    /// queued ahead of the plan (and so did not copy again).
+    pub fn record_prefetched(&mut self) {
+        self.stats.prefetched += 1;
+    }
+
+    /// A copy the executor made that no plan counted: a ring prefetch that
+    /// no step used (the link carried it all the same).
+    pub fn record_unplanned_copy(&mut self, from: Source) {
+        self.count_copy(from);
+    }
+
     pub fn record_wait(&mut self, ns: u64) {
         self.stats.wait_ns += ns;
     }

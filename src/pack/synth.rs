@@ -288,9 +288,9 @@ pub fn synth(config: &ModelConfig, out: &Path, opts: &SynthOptions) -> Result<Ma
             if opts.zipf > 0.0 {
                 let scale = if opts.spread_routing { SPREAD_EMBED_SCALE } else { 1.0 };
                 match role {
-                    Role::Embedding => {
-                        v.par_chunks_mut(h).for_each(|row| row.iter_mut().zip(&u).for_each(|(x, ui)| *x += scale * STD * ui))
-                    }
+                    Role::Embedding => v
+                        .par_chunks_mut(h)
+                        .for_each(|row| row.iter_mut().zip(&u).for_each(|(x, ui)| *x += scale * STD * ui)),
                     Role::Router => {
                         for (e, row) in v.chunks_mut(h).enumerate() {
                             let b = -(2.0f64).sqrt() * opts.zipf * ((ranks[e] + 1) as f64).ln();

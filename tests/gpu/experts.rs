@@ -95,7 +95,10 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
                     mapped_decode: false,
                     ..Default::default()
                 },
-                |s| s.streamed > 0 && s.bytes_from_host > 0 && s.mapped == 0,
+                // Each layer's first ring waves are prefetched while the layer
+                // before computes (a wrong guess, for a decode step, is
+                // overwritten: both paths).
+                |s| s.streamed > 0 && s.bytes_from_host > 0 && s.mapped == 0 && s.prefetched > 0,
             ),
             (
                 "mapped decode: misses read in place from host memory, swaps off the critical path",
