@@ -60,7 +60,7 @@ for p in "$@"; do
       pack
       for help in off on; do
         phase "split-help-$help" "$strata" bench --pack "$PACK" --device cuda:0,cuda:0 --prefill-help "$help" \
-          --prompt-len 4096 --gen 32 --repeats 2 || status=1
+          --prompt-len 4096 --gen 32 --repeats 3 || status=1
       done
       ;;
     cache)

@@ -160,9 +160,15 @@ fn prefill_flops(pack: &Pack, n: usize) -> Result<f64> {
     Ok(total)
 }
 
+/// The median (of an even count, the mean of the middle two).
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+    let n = v.len();
+    if n % 2 == 0 {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    } else {
+        v[n / 2]
+    }
 }
 
 /// `STRATA_PROFILE_DECODE=1`: the decode steps of the last repeat are marked

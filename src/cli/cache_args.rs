@@ -30,6 +30,10 @@ pub struct ExpertCacheArgs {
     /// Slots of the prefill ring.
     #[arg(long, default_value_t = 4)]
     ring_slots: usize,
+    /// A step routing to more than this fraction of a layer's experts
+    /// streams its misses through the ring instead of evicting slots.
+    #[arg(long, default_value_t = ExpertCacheOptions::default().ring_threshold)]
+    ring_threshold: f64,
     /// Workers reading the mapped pack into staging.
     #[arg(long, default_value_t = 4)]
     pool_workers: usize,
@@ -63,6 +67,7 @@ impl ExpertCacheArgs {
             vram_budget: self.expert_vram_budget_mib.map(|m| bytes(m, MIB)),
             vram_reserve: bytes(self.vram_reserve_mib, MIB),
             ring_slots: self.ring_slots,
+            ring_threshold: self.ring_threshold,
             host_budget: self.resident_budget_gib.map(|g| bytes(g, GIB)),
             pool_workers: self.pool_workers,
             adapt_every: self.adapt_every,
@@ -79,13 +84,14 @@ impl ExpertCacheArgs {
 pub fn stats_line(s: &ExpertStats) -> String {
     let lookups = s.hits + s.misses;
     format!(
-        "expert cache: {} hits, {} misses ({:.1}% hits; {} streamed, {} read in place from host memory: {:.1} MB), \
+        "expert cache: {} hits, {} misses ({:.1}% hits; {} streamed, {} of them prefetched, {} read in place from host memory: {:.1} MB), \
          {} evictions, {} swaps, {:.1} MB copied ({:.1} from host buffers, {:.1} from the pack), {:.3} s waiting on \
          copies",
         s.hits,
         s.misses,
         100.0 * s.hits as f64 / lookups.max(1) as f64,
         s.streamed,
+        s.prefetched,
         s.mapped,
         s.bytes_mapped as f64 / 1e6,
         s.evictions,
