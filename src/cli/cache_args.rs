@@ -75,7 +75,6 @@ impl ExpertCacheArgs {
             adapt_decay: self.adapt_decay,
             profile: self.expert_profile.clone(),
             mapped_decode: !self.copy_decode_misses,
-            ..Default::default()
         }
     }
 }

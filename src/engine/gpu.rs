@@ -42,8 +42,8 @@ use crate::backend::cuda::{CudaEvent, CudaSlice, DevicePtr, Gpu};
 use crate::backend::{AttentionShape, DeltaNetState, Rope};
 use crate::error::{Error, Result};
 use crate::experts::gpu::{GpuExpertCache, TracePhase};
-use crate::experts::ExpertCacheOptions;
 use crate::experts::StepPlan as ExpertStepPlan;
+use crate::experts::{ExpertCacheOptions, ExpertStats};
 use crate::model::weights::{layer_tensor_name, model_tensor_name, Role};
 use crate::model::ModelConfig;
 use crate::pack::format::ExpertLayout;
@@ -237,13 +237,6 @@ impl GpuModel {
         progress: &mut dyn FnMut(usize, usize) -> Result<()>,
     ) -> Result<GpuModel> {
         assert_eq!(gpus.len(), ranges.len(), "GpuModel::load: one device per stage");
-        if ranges.len() > 1 && cache_opts.enabled() {
-            return Err(Error::Unsupported(
-                "the expert cache with several CUDA stages: a cache per stage is not built yet (load the split \
-                 without a cache, or the cache on one device)"
-                    .into(),
-            ));
-        }
         let c = pack.config().clone();
         let total = c.num_hidden_layers + 1;
         let n = ranges.len();
@@ -272,9 +265,58 @@ impl GpuModel {
         Ok(GpuModel { config: c, stages, helpable })
     }
 
-    /// `f` of the expert cache (`None` without one).
-    pub(crate) fn expert_cache<R>(&self, f: impl FnOnce(&GpuExpertCache) -> R) -> Option<R> {
-        self.stages[0].experts.as_ref().map(|c| f(&c.lock()))
+    /// The statistics of the expert caches, every stage's added up (`None`
+    /// without a cache).
+    pub(crate) fn expert_stats(&self) -> Option<ExpertStats> {
+        self.expert_routed().map(|(s, _)| s)
+    }
+
+    /// The statistics of the expert caches and the tokens routed to each
+    /// (layer, expert), every stage's layers in order.
+    pub(crate) fn expert_routed(&self) -> Option<(ExpertStats, Vec<Vec<u64>>)> {
+        let mut all: Option<(ExpertStats, Vec<Vec<u64>>)> = None;
+        for x in self.stages.iter().filter_map(|s| s.experts.as_ref()) {
+            let x = x.lock();
+            let (stats, counts) = (x.stats(), x.planner().routed_counts());
+            match all.as_mut() {
+                None => all = Some((stats, counts)),
+                Some((s, c)) => {
+                    s.add_stage(&stats);
+                    c.extend(counts);
+                }
+            }
+        }
+        all
+    }
+
+    /// Every stage's expert cache, locked (`None` for a stage without one).
+    fn lock_caches(&self) -> Vec<Option<parking_lot::MutexGuard<'_, GpuExpertCache>>> {
+        self.stages.iter().map(|s| s.experts.as_ref().map(|x| x.lock())).collect()
+    }
+
+    /// `begin_forward` of every stage's cache.
+    fn begin_caches(caches: &mut [Option<parking_lot::MutexGuard<'_, GpuExpertCache>>], t: usize) -> Result<()> {
+        caches.iter_mut().flatten().try_for_each(|x| x.begin_forward(t))
+    }
+
+    /// `end_forward` of every stage's cache after a forward that returned
+    /// `r` (each cache's statistics and swaps follow its stage's steps, so
+    /// every one runs; the first failure is returned).
+    fn end_caches<T>(
+        caches: &mut [Option<parking_lot::MutexGuard<'_, GpuExpertCache>>],
+        pack: &Pack,
+        t: usize,
+        r: Result<T>,
+    ) -> Result<T> {
+        let Ok(v) = r else { return r };
+        let mut first = Ok(());
+        for x in caches.iter_mut().flatten() {
+            let e = x.end_forward(pack, t);
+            if first.is_ok() {
+                first = e;
+            }
+        }
+        first.map(|()| v)
     }
 
     /// A session cache on these devices: each stage's KV and recurrent
@@ -336,10 +378,8 @@ impl GpuModel {
         let start = cache.len;
         let rows = want.rows(t);
         let first = &self.stages[0];
-        let mut experts = first.experts.as_ref().map(|x| x.lock());
-        if let Some(x) = experts.as_mut() {
-            x.begin_forward(t)?;
-        }
+        let mut experts = self.lock_caches();
+        Self::begin_caches(&mut experts, t)?;
         let mut scratch = Vec::with_capacity(self.stages.len());
         for sc in cache.stages.iter_mut() {
             scratch.push(sc.take_scratch(t)?);
@@ -349,8 +389,7 @@ impl GpuModel {
         let help = engine.prefill_help().applies(self.stages.len(), t) && t > MOE_GEMV_MAX_ROWS;
         let r = (|| -> Result<HostLogits> {
             first.gpu.stream().memcpy_htod(tokens, &mut scratch[0].tokens)?;
-            for i in 0..self.stages.len() {
-                let stage = &self.stages[i];
+            for (i, (stage, x)) in self.stages.iter().zip(experts.iter_mut()).enumerate() {
                 if i > 0 {
                     self.hand_off(cache, &mut scratch, i)?;
                 } else {
@@ -363,11 +402,10 @@ impl GpuModel {
                     scratch: h,
                     share: GPU_HELP_SHARE,
                 });
-                let x = if i == 0 { experts.as_deref_mut() } else { None };
-                stage.enqueue(engine, &mut cache.stages[i], own, start, rows, None, x, help)?;
+                stage.enqueue(engine, &mut cache.stages[i], own, start, rows, None, x.as_deref_mut(), help)?;
                 cache.stages[i].clock.end(&stage.gpu)?;
             }
-            if let Some(x) = experts.as_mut().filter(|x| x.mapped_decode(t)) {
+            for x in experts.iter_mut().flatten().filter(|x| x.mapped_decode(t)) {
                 x.note_mapped_forward(t, k)?;
             }
             self.finish(engine, cache, &mut scratch, start, rows, started)
@@ -376,11 +414,7 @@ impl GpuModel {
         for (sc, s) in cache.stages.iter_mut().zip(scratch) {
             sc.put_scratch(s);
         }
-        let r = match (r, experts.as_mut()) {
-            (Ok(l), Some(x)) => x.end_forward(engine.pack(), t).map(|()| l),
-            (r, _) => r,
-        };
-        r
+        Self::end_caches(&mut experts, engine.pack(), t, r)
     }
 
     /// After a failed forward of a split: waits for every stream, so that
@@ -419,7 +453,7 @@ impl GpuModel {
     /// injection is a host decision made while queueing).
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(unused_variables))]
     fn graph_allowed(&self, engine: &Engine) -> bool {
-        if self.stages[0].experts.as_ref().is_some_and(|x| !x.lock().mapped_decode(1)) {
+        if self.stages.iter().any(|s| s.experts.as_ref().is_some_and(|x| !x.lock().mapped_decode(1))) {
             // The expert cache decides copies on the host at every layer
             // (unless decode runs mapped).
             return false;
@@ -441,10 +475,8 @@ impl GpuModel {
     fn forward_graph(&self, engine: &Engine, cache: &mut DeviceCache, token: u32) -> Result<HostLogits> {
         let c = &self.config;
         let start = cache.len;
-        let mut experts = self.stages[0].experts.as_ref().map(|x| x.lock());
-        if let Some(x) = experts.as_mut() {
-            x.begin_forward(1)?;
-        }
+        let mut experts = self.lock_caches();
+        Self::begin_caches(&mut experts, 1)?;
         let mut scratch = Vec::with_capacity(self.stages.len());
         for sc in cache.stages.iter_mut() {
             scratch.push(sc.take_scratch(1)?);
@@ -458,11 +490,10 @@ impl GpuModel {
                     stage.gpu.stream().memcpy_htod(&[token], &mut scratch[0].tokens)?;
                     cache.stages[0].clock.start(&stage.gpu)?;
                 }
-                let x = if i == 0 { experts.as_deref_mut() } else { None };
-                stage.launch_step(engine, &mut cache.stages[i], &mut scratch[i], start, x)?;
+                stage.launch_step(engine, &mut cache.stages[i], &mut scratch[i], start, experts[i].as_deref_mut())?;
                 cache.stages[i].clock.end(&stage.gpu)?;
             }
-            if let Some(x) = experts.as_mut() {
+            for x in experts.iter_mut().flatten() {
                 x.note_mapped_forward(1, c.num_experts_per_tok)?;
             }
             self.finish(engine, cache, &mut scratch, start, 1, started)
@@ -471,14 +502,11 @@ impl GpuModel {
         for (sc, s) in cache.stages.iter_mut().zip(scratch) {
             sc.put_scratch(s);
         }
-        match (r, experts.as_mut()) {
-            (Ok(l), Some(x)) => x.end_forward(engine.pack(), 1).map(|()| l),
-            (r, _) => r,
-        }
+        Self::end_caches(&mut experts, engine.pack(), 1, r)
     }
 
     /// Whether `forward_pieces` pipelines `pieces` on these stages: several
-    /// of both, no expert cache (one stage only anyway), prefill help not
+    /// of both, no expert cache (its steps wait on the host for routed ids), prefill help not
     /// forced on (help needs an idle stage), the run's logits (held on the
     /// device until its end) within `PIPELINE_LOGITS_BYTES`, and not turned
     /// off by `STRATA_GPU_PIPELINE=0`.
@@ -489,6 +517,7 @@ impl GpuModel {
         let logits = rows as u64 * self.config.vocab_size as u64 * 4;
         on && self.stages.len() > 1
             && pieces.len() > 1
+            && self.stages.iter().all(|s| s.experts.is_none())
             && engine.prefill_help() != super::Help::On
             && logits <= PIPELINE_LOGITS_BYTES
     }
@@ -1003,7 +1032,7 @@ impl GpuStage {
                 layout.intermediate
             )));
         }
-        let experts_cache = GpuExpertCache::load(pack, &gpu, cache_opts)?.map(parking_lot::Mutex::new);
+        let experts_cache = GpuExpertCache::load(pack, &gpu, cache_opts, range.clone())?.map(parking_lot::Mutex::new);
         gpu.sync()?;
         Ok(GpuStage {
             gpu,

@@ -1076,7 +1076,7 @@ impl Engine {
     pub fn expert_stats(&self) -> Option<ExpertStats> {
         #[cfg(feature = "cuda")]
         if let Exec::Cuda(m) = &self.inner.exec {
-            return m.expert_cache(|c| c.stats());
+            return m.expert_stats();
         }
         self.inner.experts.as_ref().map(|c| c.lock().stats())
     }
@@ -1089,7 +1089,7 @@ impl Engine {
         };
         #[cfg(feature = "cuda")]
         if let Exec::Cuda(m) = &self.inner.exec {
-            return m.expert_cache(|c| profile(c.stats(), c.planner()));
+            return m.expert_routed().map(|(stats, counts)| ExpertProfile::new(self.config(), stats.tokens, counts));
         }
         self.inner.experts.as_ref().map(|c| {
             let c = c.lock();

@@ -36,7 +36,7 @@ impl CpuExpertCache {
     /// the initial placement copied in. Fails when a budget is below the
     /// minimum (`Capacity::plan`) or a profile does not fit the model.
     pub fn load(pack: &Pack, opts: &ExpertCacheOptions) -> Result<Option<CpuExpertCache>> {
-        let Some((cap, planner, fills)) = super::plan_cache(pack, opts)? else {
+        let Some((cap, planner, fills)) = super::plan_cache(pack, opts, 0..pack.config().num_hidden_layers)? else {
             return Ok(None);
         };
         let layout = pack.layout();

@@ -96,7 +96,10 @@ pub struct Waves {
 
 /// One engine's expert cache on one CUDA device.
 pub struct GpuExpertCache {
+    /// Numbers the layers from 0: the model's layer `first_layer + l` is
+    /// its layer `l` (and `ExpertKey::layer`'s, here).
     planner: Planner,
+    first_layer: usize,
     gpu: Arc<Gpu>,
     experts: usize,
     stride: usize,
@@ -231,12 +234,21 @@ fn address<T>(gpu: &Gpu, buf: &CudaSlice<T>) -> u64 {
 }
 
 impl GpuExpertCache {
-    /// The cache `opts` asks for over `pack` on `gpu` (`None` when it is
-    /// off), with the initial placement copied in. Fails, naming the budget
-    /// and the need, when a budget is below the minimum, or when the device
-    /// cannot hold what the budget allows.
-    pub fn load(pack: &Pack, gpu: &Arc<Gpu>, opts: &ExpertCacheOptions) -> Result<Option<GpuExpertCache>> {
-        let Some((cap, planner, fills)) = super::plan_cache(pack, opts)? else {
+    /// The cache `opts` asks for over `pack`'s layers `layers` on `gpu`
+    /// (`None` when it is off), with the initial placement copied in: every
+    /// layer for one device, a stage's layers on a split (each stage has its
+    /// own; `super::plan_cache` says what share of the budgets it gets).
+    /// Fails, naming the budget and the need, when a budget is below the
+    /// minimum, or when the device cannot hold what the budget allows. The
+    /// methods take the model's layer numbers.
+    pub fn load(
+        pack: &Pack,
+        gpu: &Arc<Gpu>,
+        opts: &ExpertCacheOptions,
+        layers: std::ops::Range<usize>,
+    ) -> Result<Option<GpuExpertCache>> {
+        let first_layer = layers.start;
+        let Some((cap, planner, fills)) = super::plan_cache(pack, opts, layers.clone())? else {
             return Ok(None);
         };
         let c = pack.config();
@@ -255,7 +267,7 @@ impl GpuExpertCache {
                 free as f64 / 1048576.0
             )));
         }
-        let (layers, experts) = (c.num_hidden_layers, c.num_experts);
+        let (layers, experts) = (layers.len(), c.num_experts);
         let ctx = gpu.context();
         let mut staging = Vec::with_capacity(cap.staging_blobs.max(1));
         for _ in 0..cap.staging_blobs.max(1) {
@@ -274,6 +286,7 @@ impl GpuExpertCache {
             ring_base: address(gpu, &ring),
             table_addrs,
             planner,
+            first_layer,
             gpu: gpu.clone(),
             experts,
             stride,
@@ -325,6 +338,7 @@ impl GpuExpertCache {
     /// routed ids (`rows * k` of them; `note_mapped_forward` once the
     /// forward is queued).
     pub fn mapped_step(&mut self, layer: usize) -> Result<(&CudaSlice<u64>, CudaViewMut<'_, u32>)> {
+        let layer = self.local(layer);
         let m = self.mapped.as_mut().ok_or_else(|| Error::Cuda("mapped_step without mapped decode".into()))?;
         let per = m.ids_per_layer;
         Ok((&self.tables[layer], m.ids.slice_mut(layer * per..(layer + 1) * per)))
@@ -357,7 +371,8 @@ impl GpuExpertCache {
             Some(h) => Ok(m.host_base + (h * self.stride) as u64),
             None => Err(Error::Cuda(format!(
                 "mapped decode: expert {} of layer {} is neither in a slot nor in host memory",
-                key.expert, key.layer
+                key.expert,
+                self.first_layer + key.layer
             ))),
         }
     }
@@ -513,7 +528,18 @@ impl GpuExpertCache {
     /// The blob-address table of `layer` (valid for the experts of the
     /// step last planned there).
     pub fn table(&self, layer: usize) -> &CudaSlice<u64> {
-        &self.tables[layer]
+        &self.tables[self.local(layer)]
+    }
+
+    /// The planner's number of the model's layer `layer`.
+    fn local(&self, layer: usize) -> usize {
+        debug_assert!(layer >= self.first_layer, "layer {layer} before the cache's first, {}", self.first_layer);
+        layer - self.first_layer
+    }
+
+    /// The pack's expert blob of the planner's `key`.
+    fn blob<'p>(&self, pack: &'p Pack, key: ExpertKey) -> Result<&'p [u8]> {
+        Ok(pack.expert(self.first_layer + key.layer, key.expert)?.blob)
     }
 
     fn slot_addr(&self, slot: usize) -> u64 {
@@ -549,7 +575,7 @@ impl GpuExpertCache {
         for &(key, from, dst) in items {
             match from {
                 Source::Host(h) => self.copy_from_host(h, dst)?,
-                Source::Pack => from_pack.push((pack.expert(key.layer, key.expert)?.blob, dst)),
+                Source::Pack => from_pack.push((self.blob(pack, key)?, dst)),
             }
         }
         let (n, used, stream) = (self.staging.len(), self.used, self.copy.cu_stream());
@@ -635,7 +661,7 @@ impl GpuExpertCache {
         }
         self.copy.synchronize()?;
         for f in &fills.host {
-            let blob = pack.expert(f.key.layer, f.key.expert)?.blob;
+            let blob = self.blob(pack, f.key)?;
             self.host.range_mut(f.host * self.stride, self.used).copy_from_slice(&blob[..self.used]);
             self.planner.host_fill_done(f.host);
         }
@@ -706,9 +732,11 @@ impl GpuExpertCache {
     /// on the host) are `ids`, copies its misses into slots (the compute
     /// stream waits for them) and points the layer's table at every routed
     /// expert: a slot, or for a streamed one its ring slot (filled by
-    /// `stream_wave`). Returns the plan.
+    /// `stream_wave`). Returns the plan (`StepPlan::layer` in the
+    /// planner's numbering).
     pub fn plan_step(&mut self, pack: &Pack, layer: usize, ids: &[u32]) -> Result<StepPlan> {
         self.check_usable()?;
+        let layer = self.local(layer);
         let plan = self.planner.plan_step(layer, &routed_experts(ids, self.experts));
         if let Some(m) = self.mapped.as_mut() {
             m.tables_dirty = true;
@@ -832,6 +860,7 @@ impl GpuExpertCache {
     }
 
     fn prefetch_ring_copies(&mut self, pack: &Pack, layer: usize) -> Result<()> {
+        let layer = self.local(layer);
         let rs = self.ring_slots();
         if !prefetch_on() || rs < 2 || rs % 2 == 1 || layer >= self.tables.len() {
             return Ok(());

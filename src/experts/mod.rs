@@ -21,6 +21,7 @@ pub mod policy;
 pub mod profile;
 pub mod tiers;
 
+use std::ops::Range;
 use std::path::PathBuf;
 
 use crate::error::{Error, Result};
@@ -157,8 +158,21 @@ impl Capacity {
     /// the staging blobs when there is a host budget. Slots beyond one per
     /// (layer, expert) are not allocated.
     pub fn plan(opts: &ExpertCacheOptions, c: &ModelConfig, blob_bytes: u64, copy_bytes: u64) -> Result<Capacity> {
+        Capacity::plan_layers(opts, c, c.num_hidden_layers, opts.host_budget, blob_bytes, copy_bytes)
+    }
+
+    /// `plan` for a cache of `layers` of the model's layers (one stage of a
+    /// layer split) with `host_budget` of the host RAM.
+    fn plan_layers(
+        opts: &ExpertCacheOptions,
+        c: &ModelConfig,
+        layers: usize,
+        host_budget: Option<u64>,
+        blob_bytes: u64,
+        copy_bytes: u64,
+    ) -> Result<Capacity> {
         let bad = |m: String| Err(Error::InvalidArgument(format!("expert cache: {m}")));
-        let pairs = c.num_hidden_layers * c.num_experts;
+        let pairs = layers * c.num_experts;
         let (top_k, ring) = (c.num_experts_per_tok, opts.ring_slots);
         if ring == 0 {
             return bad("ring_slots 0: the prefill ring needs at least 1 slot".into());
@@ -196,7 +210,7 @@ impl Capacity {
                 n.min(pairs)
             }
         };
-        let (host_blobs, staging_blobs) = match opts.host_budget {
+        let (host_blobs, staging_blobs) = match host_budget {
             None => (0, 0),
             Some(budget) => {
                 let staging = opts.pool_workers as u64 * blob_bytes;
@@ -216,14 +230,19 @@ impl Capacity {
     }
 }
 
-/// The cache `opts` asks for over `pack`: `None` when it is off (a host
-/// budget or profile without it is refused); else its tier sizes and the
-/// planner, with the copies of the initial placement (from the profile
-/// `opts` names, else the one the pack ships, else the default ranking)
-/// for an executor to carry out.
+/// The cache `opts` asks for over `pack`'s layers `layers`: `None` when it
+/// is off (a host budget or profile without it is refused); else its tier
+/// sizes and the planner, with the copies of the initial placement (from
+/// the profile `opts` names, else the one the pack ships, else the default
+/// ranking) for an executor to carry out. The planner numbers the layers
+/// from 0 (`layers.start` is its layer 0). A cache of part of the layers
+/// (one stage of a split over CUDA devices: each has its own) has the slot
+/// count or VRAM budget of `opts` on its device, and the share of the host
+/// budget that its layers are of the model's.
 pub(crate) fn plan_cache(
     pack: &crate::pack::Pack,
     opts: &ExpertCacheOptions,
+    layers: Range<usize>,
 ) -> Result<Option<(Capacity, Planner, tiers::Fills)>> {
     if !opts.enabled() {
         if opts.host_budget.is_some() || opts.profile.is_some() {
@@ -236,15 +255,21 @@ pub(crate) fn plan_cache(
     let c = pack.config();
     let layout = pack.layout();
     let policy = opts.policy()?;
-    let cap = Capacity::plan(opts, c, layout.stride, layout.used_len())?;
+    let (n, all) = (layers.len() as u64, c.num_hidden_layers as u64);
+    if layers.is_empty() || layers.end > c.num_hidden_layers {
+        return Err(Error::InvalidArgument(format!("expert cache of layers {layers:?} of {all}")));
+    }
+    let host = opts.host_budget.map(|b| if n == all { b } else { (b as u128 * n as u128 / all as u128) as u64 });
+    let cap = Capacity::plan_layers(opts, c, layers.len(), host, layout.stride, layout.used_len())?;
     let shipped = pack.dir().join(profile::PACK_PROFILE_FILE);
     let profile = match &opts.profile {
         Some(p) => Some(ExpertProfile::load(p, c)?),
         None if shipped.is_file() => Some(ExpertProfile::load(&shipped, c)?),
         None => None,
     };
-    let rank = policy::ranking(c.num_hidden_layers, c.num_experts, profile.as_ref().map(|p| &p.counts[..]));
-    let (planner, fills) = Planner::new(c.num_hidden_layers, c.num_experts, cap, policy, &rank);
+    let counts = profile.as_ref().map(|p| &p.counts[layers.clone()]);
+    let rank = policy::ranking(layers.len(), c.num_experts, counts);
+    let (planner, fills) = Planner::new(layers.len(), c.num_experts, cap, policy, &rank);
     Ok(Some((cap, planner, fills)))
 }
 
@@ -291,6 +316,29 @@ pub struct ExpertStats {
     pub wait_ns: u64,
 }
 
+impl ExpertStats {
+    /// Adds the statistics of another stage's cache (a split over CUDA
+    /// devices has one per stage): counts add up; the tokens are the same
+    /// forwards', so they do not.
+    pub fn add_stage(&mut self, o: &ExpertStats) {
+        self.steps += o.steps;
+        self.tokens = self.tokens.max(o.tokens);
+        self.hits += o.hits;
+        self.misses += o.misses;
+        self.streamed += o.streamed;
+        self.mapped += o.mapped;
+        self.prefetched += o.prefetched;
+        self.evictions += o.evictions;
+        self.swaps += o.swaps;
+        self.host_swaps += o.host_swaps;
+        self.bytes_copied += o.bytes_copied;
+        self.bytes_from_host += o.bytes_from_host;
+        self.bytes_from_pack += o.bytes_from_pack;
+        self.bytes_mapped += o.bytes_mapped;
+        self.wait_ns += o.wait_ns;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -326,5 +374,35 @@ mod tests {
         }
         let o = ExpertCacheOptions { slots: Some(2), adapt_decay: 0.0, ..Default::default() };
         assert!(o.policy().unwrap_err().to_string().contains("adapt_decay 0"));
+    }
+
+    #[test]
+    fn a_stage_cache_plans_its_layers_with_its_share_of_the_host_budget() {
+        let d = tempfile::tempdir().unwrap();
+        let mut c = crate::pack::synth::preset(crate::model::Arch::Qwen3Moe, "tiny").unwrap();
+        c.num_hidden_layers = 4; // x 8 experts
+        crate::pack::synth::synth(&c, d.path(), &Default::default()).unwrap();
+        let pack = crate::pack::Pack::open(d.path()).unwrap();
+        let blob = pack.layout().stride;
+        // Room for 32 blobs + 1 staging blob over the whole model.
+        let o = ExpertCacheOptions {
+            slots: Some(100),
+            host_budget: Some(33 * blob),
+            pool_workers: 1,
+            ..Default::default()
+        };
+        let (cap, planner, fills) = plan_cache(&pack, &o, 0..4).unwrap().unwrap();
+        assert_eq!((cap.slots, cap.host_blobs), (32, 32));
+        assert!(fills.slots.len() == 32 && fills.host.len() == 32 && planner.slot_of(ExpertKey::new(3, 7)).is_some());
+        // Layers 1..3: half the host budget (16.5 blobs: 1 staging + 15),
+        // slots only for its 16 pairs, the planner's layers 0 and 1.
+        let (cap, planner, fills) = plan_cache(&pack, &o, 1..3).unwrap().unwrap();
+        assert_eq!((cap.slots, cap.host_blobs), (16, 15));
+        let layers = fills.slots.iter().map(|f| f.key.layer).chain(fills.host.iter().map(|f| f.key.layer));
+        assert!(layers.max() == Some(1) && fills.slots.len() == 16);
+        assert!(planner.slot_of(ExpertKey::new(1, 7)).is_some());
+        for bad in [2..2, 3..5] {
+            assert!(matches!(plan_cache(&pack, &o, bad), Err(Error::InvalidArgument(_))));
+        }
     }
 }

@@ -1,7 +1,8 @@
 //! The path-equivalence matrix on two (and three) logical devices of one
 //! GPU (architecture invariant 1; tests/split_matrix.rs is the same matrix
 //! on CPU devices): {one device; a layer split at every layer; those
-//! splits with prefill help forced on; three stages with help} x
+//! splits with prefill help forced on; three stages with help; a split
+//! with an expert cache per stage, its prefill streaming} x
 //! {qwen3_moe, qwen3_next} x {prefill lengths, a 1100-token turn after a
 //! reused prefix} x {chunk sizes}, on the tiny synthetic NVFP4 packs whose
 //! global scales are far from 1.
@@ -10,7 +11,10 @@
 //! hand-off that copies the hidden state exactly, a helper that computes
 //! whole row tiles of its experts), so every split path must give the
 //! one-device GPU run's logits BITWISE; that run must be within the GPU
-//! tolerance of the CPU reference. The decode tokens are the CPU's greedy
+//! tolerance of the CPU reference. The cached split computes a streamed
+//! step in waves and routes decode rows outside the fused GEMV, as the
+//! one-device cache does (tests/gpu/experts.rs): within `CACHE_TOL` of the
+//! one-device run. The decode tokens are the CPU's greedy
 //! tokens, fed to every GPU run, so all runs read the same conversation.
 //! On a machine with two GPUs or more, splits over `cuda:0` and `cuda:1`
 //! (peer copies, help reading the peer's memory) join the matrix.
@@ -25,6 +29,7 @@ use std::sync::Arc;
 
 use strata::backend::cuda::Gpu;
 use strata::engine::{Engine, EngineOptions, Help};
+use strata::experts::ExpertCacheOptions;
 use strata::model::Arch;
 use strata::pack::synth::{self, SynthOptions};
 use strata::sampling::Sampler;
@@ -42,6 +47,8 @@ pub const TESTS: &[GpuTest] = &[
 /// As tests/gpu/model.rs: GPU logits against the CPU's, relative to
 /// max |logit| (bf16 KV on both, the accurate precision).
 const TOL: f32 = 5e-3;
+/// A cached path against the one-device run (tests/gpu/experts.rs's).
+const CACHE_TOL: f32 = 1e-4;
 const DECODE_STEPS: usize = 4;
 
 fn synth_pack(dir: &Path, arch: Arch) -> Result<usize, String> {
@@ -61,11 +68,23 @@ struct GpuPath {
     devices: Vec<&'static str>,
     split: Option<Vec<usize>>,
     help: Help,
+    /// An expert cache on each stage: the fewest slots, a ring of 4 that
+    /// every miss streams through, every expert in page-locked host memory.
+    cache: bool,
+}
+
+impl GpuPath {
+    fn new(devices: &[&'static str], split: Option<Vec<usize>>, help: Help) -> GpuPath {
+        GpuPath { devices: devices.to_vec(), split, help, cache: false }
+    }
+
+    fn cached(self) -> GpuPath {
+        GpuPath { cache: true, ..self }
+    }
 }
 
 fn paths(layers: usize) -> Result<Vec<GpuPath>, String> {
-    let path =
-        |devices: &[&'static str], split: Option<Vec<usize>>, help| GpuPath { devices: devices.to_vec(), split, help };
+    let path = GpuPath::new;
     let two = ["cuda:0", "cuda:0"];
     let mut p = vec![path(&["cuda:0"], None, Help::Off)];
     for at in 1..layers {
@@ -77,18 +96,38 @@ fn paths(layers: usize) -> Result<Vec<GpuPath>, String> {
         p.push(path(&["cuda:0"; 3], None, Help::Off));
         p.push(path(&["cuda:0"; 3], None, Help::On));
     }
+    // A cache per stage, prefill streaming through each stage's ring.
+    p.push(path(&two, Some(vec![layers / 2]), Help::Off).cached());
     if strata::backend::cuda::device_count().map_err(e)? >= 2 {
         p.push(path(&["cuda:0", "cuda:1"], Some(vec![layers / 2]), Help::Off));
         p.push(path(&["cuda:0", "cuda:1"], Some(vec![layers / 2]), Help::On));
+        p.push(path(&["cuda:0", "cuda:1"], Some(vec![layers / 2]), Help::Off).cached());
     }
     Ok(p)
 }
 
 fn gpu_engine(dir: &Path, path: &GpuPath) -> Result<Engine, String> {
+    let expert_cache = if path.cache {
+        let p = strata::pack::Pack::open(dir).map_err(e)?;
+        let c = p.config();
+        let blob = p.layout().stride;
+        ExpertCacheOptions {
+            slots: Some(c.num_experts_per_tok),
+            ring_slots: 4,
+            ring_threshold: 0.0,
+            // Every expert of the model: each stage gets its layers' share.
+            host_budget: Some(blob * (c.num_hidden_layers * c.num_experts + 8) as u64),
+            adapt_every: 0,
+            ..Default::default()
+        }
+    } else {
+        ExpertCacheOptions::default()
+    };
     let opts = EngineOptions {
         devices: path.devices.iter().map(|d| d.to_string()).collect(),
         layer_split: path.split.clone(),
         prefill_help: path.help,
+        expert_cache,
         ..Default::default()
     };
     let engine = Engine::load(dir, &opts).map_err(|x| format!("{path:?}: {x}"))?;
@@ -187,6 +226,12 @@ fn check_scenario(
     for (path, engine) in &gpus[1..] {
         let what = format!("{base} {path:?}");
         let got = gpu_run(engine, chunk, turns, &reference, &what)?;
+        if path.cache {
+            for (i, (g, o)) in got.iter().zip(&one).enumerate() {
+                check_close(&format!("{what}: logits {i} against the one-GPU run"), g, o, CACHE_TOL)?;
+            }
+            continue;
+        }
         if let Some(i) = bitwise_equal(&got, &one) {
             let detail =
                 check_close("", &got[i.min(got.len() - 1)], &one[i.min(one.len() - 1)], 0.0).err().unwrap_or_default();
@@ -200,8 +245,9 @@ fn check_stats(gpus: &[(GpuPath, Engine)]) -> Result<(), String> {
     for (path, engine) in &gpus[1..] {
         let stats = engine.split_stats().ok_or_else(|| format!("{path:?}: a split engine has no split stats"))?;
         let helped = path.help == Help::On;
-        // Chunked prefills run pipelined unless help is forced on.
-        let pipelined = (stats.pipelined_windows > 0) != helped;
+        // Chunked prefills run pipelined unless help is forced on or the
+        // stages have caches (whose steps wait for routed ids on the host).
+        let pipelined = (stats.pipelined_windows > 0) != (helped || path.cache);
         let ok = pipelined
             && stats.stages.len() == path.devices.len()
             && stats.handoffs > 0
@@ -211,6 +257,13 @@ fn check_stats(gpus: &[(GpuPath, Engine)]) -> Result<(), String> {
             && (stats.helper_rows > 0) == helped;
         if !ok {
             return Err(format!("{path:?}: split stats {stats:?}"));
+        }
+        let cache = engine.expert_stats();
+        match (path.cache, cache) {
+            (false, None) => {}
+            // Both stages' caches: streamed and prefetched ring copies from host buffers.
+            (true, Some(x)) if x.streamed > 0 && x.prefetched > 0 && x.bytes_from_host > 0 && x.hits > 0 => {}
+            (_, x) => return Err(format!("{path:?}: expert cache stats {x:?}")),
         }
     }
     if gpus[0].1.split_stats().is_some() {
@@ -249,8 +302,8 @@ fn field_report(_gpu: &Arc<Gpu>) -> Result<(), String> {
         let gpus = gpu_engines(
             dir.path(),
             vec![
-                GpuPath { devices: vec!["cuda:0"], split: None, help: Help::Off },
-                GpuPath { devices: vec!["cuda:0", "cuda:0"], split: Some(vec![layers / 2]), help: Help::On },
+                GpuPath::new(&["cuda:0"], None, Help::Off),
+                GpuPath::new(&["cuda:0", "cuda:0"], Some(vec![layers / 2]), Help::On),
             ],
         )?;
         check_scenario(&cpu, &gpus, arch, 0, &[1024, 1500, 1200])?;
@@ -267,7 +320,7 @@ fn nan_guard(_gpu: &Arc<Gpu>) -> Result<(), String> {
     for arch in [Arch::Qwen3Moe, Arch::Qwen3Next] {
         let dir = tempfile::tempdir().map_err(e)?;
         let layers = synth_pack(dir.path(), arch)?;
-        let path = GpuPath { devices: vec!["cuda:0", "cuda:0"], split: Some(vec![layers / 2]), help: Help::Off };
+        let path = GpuPath::new(&["cuda:0", "cuda:0"], Some(vec![layers / 2]), Help::Off);
         let engine = gpu_engine(dir.path(), &path)?;
         let prompt = tokens(20, 3);
         for layer in [0, layers / 2 - 1, layers / 2, layers - 1] {
