@@ -17,7 +17,9 @@
 #             benches) and 48, prefill 4096
 #   split     the same pack split over two logical devices of GPU 0, help off and on
 #   cache     the expert-cache matrix: 100/50/25/10% of the 6144 experts of
-#             30b-a3b in VRAM slots, the rest in page-locked RAM, uniform routing
+#             30b-a3b in VRAM slots, the rest in page-locked RAM, uniform
+#             routing (a `--spread-routing` pack: routing stays uniform at
+#             every depth), a ring of 64
 # Run from the repository root (the suite finds tests/data there).
 set -uo pipefail
 BIN="${BIN:-.dev/carry}"
@@ -64,10 +66,11 @@ for p in "$@"; do
       done
       ;;
     cache)
-      pack
+      spread="${PACK}-spread"
+      [ -d "$spread" ] || "$strata" synth --preset 30b-a3b --spread-routing --out "$spread" >/dev/null
       for pct in 100 50 25 10; do
-        phase "cache-$pct" "$strata" bench --pack "$PACK" --expert-cache $((6144 * pct / 100)) \
-          --resident-budget-gib 20 --ring-slots 32 --prompt-len 4096 --gen 64 --repeats 2 || status=1
+        phase "cache-$pct" "$strata" bench --pack "$spread" --expert-cache $((6144 * pct / 100)) \
+          --resident-budget-gib 20 --ring-slots 64 --prompt-len 4096 --gen 32 --repeats 3 || status=1
       done
       ;;
     *) echo "unknown phase $p (suite, stress, memcheck, bench, split, cache)" >&2; status=2 ;;
