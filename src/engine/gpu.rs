@@ -1337,7 +1337,14 @@ impl GpuStage {
             moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
             moe::expert_down_gemv(gpu, &s.moe.act, &ids, &s.weights, table, layout, t, k, &mut s.x, true)?;
         } else if let Some(x) = experts {
-            self.cached_experts(engine.pack(), x, l, s)?;
+            // (A helper only for grouped rows: decode-size steps run the GEMVs.)
+            let help = help.filter(|_| t > MOE_GEMV_MAX_ROWS);
+            let helped = help.is_some();
+            let helper_rows = self.cached_experts(engine.pack(), x, l, s, help)?;
+            if helped {
+                cache.helped_layers += 1;
+                cache.helper_rows += helper_rows as u64;
+            }
         } else if t <= MOE_GEMV_MAX_ROWS {
             let (table, layout) = (self.table(l), &self.layout);
             // Decode: the routing runs inside the gate/up GEMV (one launch fewer).
@@ -1388,7 +1395,16 @@ impl GpuStage {
     /// slots, the layer's table pointed at them), then the one expert
     /// pipeline (`run_experts`); a step with streamed experts computes in
     /// waves, each wave's copies into the ring overlapping the wave before.
-    fn cached_experts(&self, pack: &Pack, x: &mut GpuExpertCache, l: usize, s: &mut Scratch) -> Result<()> {
+    /// With `help`, every wave's experts are divided with the helper
+    /// (`cached_compute`). Returns the rows the helper computed.
+    fn cached_experts(
+        &self,
+        pack: &Pack,
+        x: &mut GpuExpertCache,
+        l: usize,
+        s: &mut Scratch,
+        help: Option<&mut StageHelp<'_>>,
+    ) -> Result<usize> {
         let c = &self.config;
         let gpu = &*self.gpu;
         let (t, e, k) = (s.t, c.num_experts, c.num_experts_per_tok);
@@ -1400,12 +1416,23 @@ impl GpuStage {
         let plan = x.plan_step(pack, l, &ids)?;
         x.trace(TracePhase::Plan, started);
         let started = std::time::Instant::now();
-        let r = self.cached_compute(pack, x, l, s, &ids, &plan);
+        let r = self.cached_compute(pack, x, l, s, &ids, &plan, help);
         x.trace(TracePhase::Compute, started);
         r
     }
 
     /// The expert kernels of a planned cached step (`cached_experts`).
+    ///
+    /// With `help` (prefill help while experts stream), each wave's experts
+    /// (ascending) are divided by the rule of every device
+    /// (`moe::help_cut_rows`): the helper's stream waits for the wave's
+    /// copies (an event after this stream's wait for them), runs the grouped
+    /// kernels over the tail of the wave's experts with its own row tiles,
+    /// reading this stage's normed rows, table and slots or ring slots in
+    /// place, and writes its output rows into this stage's (disjoint rows);
+    /// this stream computes the head meanwhile, then waits for the helper
+    /// before the wave's ring slots may be refilled. One combine at the end.
+    #[allow(clippy::too_many_arguments)]
     fn cached_compute(
         &self,
         pack: &Pack,
@@ -1414,14 +1441,16 @@ impl GpuStage {
         s: &mut Scratch,
         ids: &[u32],
         plan: &ExpertStepPlan,
-    ) -> Result<()> {
+        mut help: Option<&mut StageHelp<'_>>,
+    ) -> Result<usize> {
         let c = &self.config;
         let gpu = &*self.gpu;
         let (t, e, k) = (s.t, c.num_experts, c.num_experts_per_tok);
         let p = self.grouped_precision();
         let layout = &self.layout;
-        if plan.ring.is_empty() {
-            return run_experts(gpu, &s.h, &s.ids, &s.weights, x.table(l), layout, t, k, &mut s.moe, &mut s.x, true, p);
+        if plan.ring.is_empty() && help.is_none() {
+            run_experts(gpu, &s.h, &s.ids, &s.weights, x.table(l), layout, t, k, &mut s.moe, &mut s.x, true, p)?;
+            return Ok(0);
         }
         // Waves: the grouped kernels over the rows of one wave's experts at a
         // time (the other experts get no row tiles), one combine at the end.
@@ -1440,6 +1469,29 @@ impl GpuStage {
         let ring_waves: Vec<Vec<usize>> =
             waves.ring.iter().map(|w| w.iter().map(|&n| plan.ring[n].expert).collect()).collect();
         let y = m.y.as_mut().expect("set above");
+        // Row tiles over `mine` of the experts (none for the others).
+        let tiles = |mine: &[usize]| -> Vec<u32> {
+            let mut tiles = vec![0u32; e + 1];
+            for j in 0..e {
+                let rows = if mine.binary_search(&j).is_ok() { counts[j] } else { 0 };
+                tiles[j + 1] = tiles[j] + rows.div_ceil(moe::TILE_M) as u32;
+            }
+            tiles
+        };
+        if let Some(help) = help.as_deref_mut() {
+            // The helper's copy of the grouping (its row tiles are its own).
+            let hstream = help.stage.gpu.stream();
+            let hg = help.scratch.moe.grouping.as_mut().expect("grouped scratch for more than a few rows");
+            stress(gpu)?;
+            hstream.wait(&gpu.stream().record_event(None)?)?;
+            let n = t * k;
+            hstream.memcpy_dtod(&g.offsets, &mut hg.offsets)?;
+            hstream.memcpy_dtod(&g.rows.slice(..n), &mut hg.rows.slice_mut(..n))?;
+            hstream.memcpy_dtod(&g.slot_of.slice(..n), &mut hg.slot_of.slice_mut(..n))?;
+            hstream.memcpy_dtod(&g.slot_expert.slice(..n), &mut hg.slot_expert.slice_mut(..n))?;
+            (hg.tokens, hg.top_k) = (t, k);
+        }
+        let mut helper_rows = 0;
         for (w, experts) in std::iter::once(&waves.slots).chain(&ring_waves).enumerate() {
             if experts.is_empty() {
                 continue;
@@ -1448,23 +1500,53 @@ impl GpuStage {
             if let Some(rw) = ring_wave {
                 x.stream_wave(pack, plan, &waves, rw)?;
             }
-            let mut tiles = vec![0u32; e + 1];
-            for j in 0..e {
-                let mine = experts.binary_search(&j).is_ok();
-                tiles[j + 1] = tiles[j] + if mine { counts[j].div_ceil(moe::TILE_M) as u32 } else { 0 };
+            // The helper takes the wave's experts from `cut` on.
+            let cut = match help.as_deref() {
+                Some(help) => crate::moe::help_cut_rows(experts.iter().map(|&j| counts[j]), help.share),
+                None => experts.len(),
+            };
+            if let Some(help) = help.as_deref_mut().filter(|_| cut < experts.len()) {
+                let hgpu = &*help.stage.gpu;
+                let hstream = hgpu.stream();
+                let hm = &mut help.scratch.moe;
+                let hg = hm.grouping.as_mut().expect("grouped scratch for more than a few rows");
+                // After this stream's wait for the wave's copies (and the table).
+                stress(gpu)?;
+                hstream.wait(&gpu.stream().record_event(None)?)?;
+                hstream.memcpy_htod(&tiles(&experts[cut..]), &mut hg.tile_offsets)?;
+                moe::expert_gate_up_grouped_with(hgpu, &s.h, hg, x.table(l), layout, &mut hm.act, p)?;
+                moe::expert_down_grouped_with(hgpu, &hm.act, hg, x.table(l), layout, y, p)?;
+                helper_rows += experts[cut..].iter().map(|&j| counts[j]).sum::<usize>();
             }
-            // The grouping's own tile offsets are rewritten by its next fill.
-            gpu.stream().memcpy_htod(&tiles, &mut g.tile_offsets)?;
-            moe::expert_gate_up_grouped_with(gpu, &s.h, g, x.table(l), layout, &mut m.act, p)?;
-            moe::expert_down_grouped_with(gpu, &m.act, g, x.table(l), layout, y, p)?;
+            if cut > 0 {
+                // The grouping's own tile offsets are rewritten by its next fill.
+                gpu.stream().memcpy_htod(&tiles(&experts[..cut]), &mut g.tile_offsets)?;
+                moe::expert_gate_up_grouped_with(gpu, &s.h, g, x.table(l), layout, &mut m.act, p)?;
+                moe::expert_down_grouped_with(gpu, &m.act, g, x.table(l), layout, y, p)?;
+            }
+            if let Some(help) = help.as_deref().filter(|_| cut < experts.len()) {
+                // The helper's rows are in, and its reads of the wave's slots done.
+                let hgpu = &*help.stage.gpu;
+                stress(hgpu)?;
+                gpu.stream().wait(&hgpu.stream().record_event(None)?)?;
+            }
             if let Some(rw) = ring_wave {
                 x.wave_computed(rw)?;
             }
         }
+        if let Some(help) = help.as_deref() {
+            // Whether or not it computed: its copies of this layer's
+            // grouping and reads of `h` are done before the next layer
+            // rewrites them.
+            let hgpu = &*help.stage.gpu;
+            stress(hgpu)?;
+            gpu.stream().wait(&hgpu.stream().record_event(None)?)?;
+        }
         // The next layer's step will likely stream too: its first ring
         // copies start now, under this layer's last wave and its attention.
         x.prefetch_ring(pack, l + 1)?;
-        moe::moe_combine(gpu, y, g, &s.weights, layout.hidden as usize, &mut s.x, true)
+        moe::moe_combine(gpu, y, g, &s.weights, layout.hidden as usize, &mut s.x, true)?;
+        Ok(helper_rows)
     }
 
     /// The routed experts of layer `l` (ids routed into `s.ids`) with

@@ -96,12 +96,15 @@ fn paths(layers: usize) -> Result<Vec<GpuPath>, String> {
         p.push(path(&["cuda:0"; 3], None, Help::Off));
         p.push(path(&["cuda:0"; 3], None, Help::On));
     }
-    // A cache per stage, prefill streaming through each stage's ring.
+    // A cache per stage, prefill streaming through each stage's ring; and
+    // help while experts stream (each wave divided with the helper).
     p.push(path(&two, Some(vec![layers / 2]), Help::Off).cached());
+    p.push(path(&two, Some(vec![layers / 2]), Help::On).cached());
     if strata::backend::cuda::device_count().map_err(e)? >= 2 {
         p.push(path(&["cuda:0", "cuda:1"], Some(vec![layers / 2]), Help::Off));
         p.push(path(&["cuda:0", "cuda:1"], Some(vec![layers / 2]), Help::On));
         p.push(path(&["cuda:0", "cuda:1"], Some(vec![layers / 2]), Help::Off).cached());
+        p.push(path(&["cuda:0", "cuda:1"], Some(vec![layers / 2]), Help::On).cached());
     }
     Ok(p)
 }
