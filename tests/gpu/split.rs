@@ -2,7 +2,8 @@
 //! GPU (architecture invariant 1; tests/split_matrix.rs is the same matrix
 //! on CPU devices): {one device; a layer split at every layer; those
 //! splits with prefill help forced on; three stages with help; a split
-//! with an expert cache per stage, its prefill streaming} x
+//! with an expert cache per stage, its prefill streaming, with help off
+//! and on (help while experts stream)} x
 //! {qwen3_moe, qwen3_next} x {prefill lengths, a 1100-token turn after a
 //! reused prefix} x {chunk sizes}, on the tiny synthetic NVFP4 packs whose
 //! global scales are far from 1.
