@@ -397,10 +397,10 @@ impl GpuModel {
                 }
                 let helper = (help && self.helpable[i]).then(|| helper_of(i, self.stages.len()));
                 let (own, helping) = split_scratch(&mut scratch, i, helper);
-                let help = helping.map(|h| StageHelp {
-                    stage: &self.stages[helper.expect("with a helper's scratch")],
-                    scratch: h,
-                    share: GPU_HELP_SHARE,
+                let help = helping.map(|h| {
+                    let index = helper.expect("with a helper's scratch");
+                    let share = engine.inner.help_rates.lock().share(i, index, GPU_HELP_SHARE);
+                    StageHelp { stage: &self.stages[index], index, scratch: h, share }
                 });
                 stage.enqueue(engine, &mut cache.stages[i], own, start, rows, None, x.as_deref_mut(), help)?;
                 cache.stages[i].clock.end(&stage.gpu)?;
@@ -811,6 +811,15 @@ impl GpuModel {
         if n > 1 {
             let (mut seconds, mut handoff) = (Vec::with_capacity(n), 0.0);
             let (mut bytes, mut helped, mut helper_rows) = (0, 0, 0);
+            let mut rates = engine.inner.help_rates.lock();
+            for (i, sc) in cache.stages.iter_mut().enumerate() {
+                // (A sample that cannot be read is dropped: it only steers the share.)
+                if let Some(Ok(Some(x))) = sc.help_clock.as_mut().map(|c| c.read()) {
+                    rates.observe(i, x.active_rows, x.active_seconds);
+                    rates.observe(x.helper_stage, x.helper_rows, x.helper_seconds);
+                }
+            }
+            drop(rates);
             for sc in &mut cache.stages {
                 let (stage, hand) = sc.clock.read()?;
                 seconds.push(stage);
@@ -864,15 +873,15 @@ fn stress(gpu: &Gpu) -> Result<()> {
 /// row's logits of a long prompt) runs one piece at a time.
 const PIPELINE_LOGITS_BYTES: u64 = 1 << 30;
 
-/// The share of a helped layer's expert rows the helping GPU stage
-/// computes. Fixed: the helper is the next stage of the same kind of
-/// device, and the engine measures no GPU speeds yet (the CPU stages'
-/// share follows their measured speeds, `HelpRates`).
+/// The prior of the share of a helped layer's expert rows the helping GPU
+/// stage computes (the next stage, on the same kind of device). Once both
+/// stages' speeds are measured (`HelpClock`, the engine's `HelpRates`, as
+/// for CPU stages) the share follows them.
 const GPU_HELP_SHARE: f64 = 0.5;
 
 /// The stage that helps stage `active` of `n` with its expert rows: the
-/// next one (GPU stages are alike: the engine has no speed model for them
-/// yet, see `GPU_HELP_SHARE`).
+/// next one (CUDA stages are alike; the share, not the choice, follows
+/// their measured speeds).
 fn helper_of(active: usize, n: usize) -> usize {
     (active + 1) % n
 }
@@ -959,8 +968,60 @@ struct StagePlace {
 /// A helping stage's part in a MoE layer of another stage.
 struct StageHelp<'a> {
     stage: &'a GpuStage,
+    /// The helper's stage number.
+    index: usize,
     scratch: &'a mut Scratch,
     share: f64,
+}
+
+/// The timing of a forward's first helped step without the expert cache
+/// (`GpuStage::helped_experts`), for the speed model of prefill help: the
+/// active stage's expert kernels and the helper's, each between two events
+/// on its own stream, read once the forward has finished
+/// (`GpuModel::finish`) and fed to the engine's `HelpRates`. (A cached
+/// step's waves join the two streams at every wave, so its spans measure
+/// the link, not the devices: not sampled.)
+struct HelpClock {
+    active: [CudaEvent; 2],
+    helper: [CudaEvent; 2],
+    helper_stage: usize,
+    /// Set when recorded this forward: (active rows, helper rows).
+    rows: Option<(usize, usize)>,
+}
+
+/// One helped step's timing (`HelpClock::read`).
+struct HelpSample {
+    active_rows: usize,
+    active_seconds: f64,
+    helper_stage: usize,
+    helper_rows: usize,
+    helper_seconds: f64,
+}
+
+impl HelpClock {
+    fn new(active: &Gpu, helper: &Gpu, helper_stage: usize) -> Result<HelpClock> {
+        let ev = |g: &Gpu| g.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT));
+        Ok(HelpClock {
+            active: [ev(active)?, ev(active)?],
+            helper: [ev(helper)?, ev(helper)?],
+            helper_stage,
+            rows: None,
+        })
+    }
+
+    /// The recorded step's timing, clearing it; `None` when nothing was
+    /// recorded this forward.
+    fn read(&mut self) -> Result<Option<HelpSample>> {
+        let Some((active_rows, helper_rows)) = self.rows.take() else { return Ok(None) };
+        let secs = |e: &[CudaEvent; 2]| -> Result<f64> { Ok(f64::from(e[0].elapsed_ms(&e[1])?) / 1e3) };
+        Ok(Some(HelpSample {
+            active_rows,
+            active_seconds: secs(&self.active)?,
+            helper_stage: self.helper_stage,
+            helper_rows,
+            helper_seconds: secs(&self.helper)?,
+        }))
+    }
 }
 
 impl GpuStage {
@@ -1359,7 +1420,7 @@ impl GpuStage {
             moe::expert_down_gemv(gpu, &s.moe.act, &s.ids, &s.weights, table, layout, t, k, &mut s.x, true)?;
         } else if let Some(help) = help {
             moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
-            let helper_rows = self.helped_experts(l, s, help)?;
+            let helper_rows = self.helped_experts(l, s, help, &mut cache.help_clock)?;
             cache.helped_layers += 1;
             cache.helper_rows += helper_rows as u64;
         } else {
@@ -1557,7 +1618,13 @@ impl GpuStage {
     /// place (two logical devices on one GPU, or a peer GPU), the helper's
     /// output rows copied back before the one combine. Returns the rows the
     /// helper computed.
-    fn helped_experts(&self, l: usize, s: &mut Scratch, help: &mut StageHelp<'_>) -> Result<usize> {
+    fn helped_experts(
+        &self,
+        l: usize,
+        s: &mut Scratch,
+        help: &mut StageHelp<'_>,
+        clock: &mut Option<HelpClock>,
+    ) -> Result<usize> {
         let c = &self.config;
         let gpu = &*self.gpu;
         let (t, e, k, h) = (s.t, c.num_experts, c.num_experts_per_tok, c.hidden_size);
@@ -1585,6 +1652,11 @@ impl GpuStage {
         // kernels on its stream once this stream has grouped the rows.
         let hgpu = &*help.stage.gpu;
         let hstream = hgpu.stream();
+        // The forward's first helped step is timed (`HelpClock`).
+        if clock.as_ref().is_none_or(|c| c.helper_stage != help.index) {
+            *clock = Some(HelpClock::new(gpu, hgpu, help.index)?);
+        }
+        let clock = clock.as_mut().filter(|c| c.rows.is_none());
         let hm = &mut help.scratch.moe;
         let hg = hm.grouping.as_mut().expect("grouped scratch for more than a few rows");
         let hy = hm.y.as_mut().expect("grouped scratch for more than a few rows");
@@ -1597,14 +1669,27 @@ impl GpuStage {
         hstream.memcpy_dtod(&g.slot_expert.slice(..n), &mut hg.slot_expert.slice_mut(..n))?;
         (hg.tokens, hg.top_k) = (t, k);
         hstream.memcpy_htod(&tiles(split..e), &mut hg.tile_offsets)?;
+        if let Some(c) = &clock {
+            c.helper[0].record(hstream)?;
+        }
         moe::expert_gate_up_grouped_with(hgpu, &s.h, hg, table, layout, &mut hm.act, p)?;
         moe::expert_down_grouped_with(hgpu, &hm.act, hg, table, layout, hy, p)?;
+        if let Some(c) = &clock {
+            c.helper[1].record(hstream)?;
+        }
 
         // This stage's experts, meanwhile.
         gpu.stream().memcpy_htod(&tiles(0..split), &mut g.tile_offsets)?;
         let y = m.y.as_mut().expect("grouped scratch for more than a few rows");
+        if let Some(c) = &clock {
+            c.active[0].record(gpu.stream())?;
+        }
         moe::expert_gate_up_grouped_with(gpu, &s.h, g, table, layout, &mut m.act, p)?;
         moe::expert_down_grouped_with(gpu, &m.act, g, table, layout, y, p)?;
+        if let Some(c) = clock {
+            c.active[1].record(gpu.stream())?;
+            c.rows = Some((offsets[split] as usize, (offsets[e] - offsets[split]) as usize));
+        }
 
         // The helper's rows (slots offsets[split]..offsets[e], contiguous:
         // slots are in expert order), then the combine of every row.
@@ -2038,6 +2123,8 @@ struct StageCache {
     handoff_bytes: u64,
     helped_layers: u64,
     helper_rows: u64,
+    /// The speed sample of this stage's helped steps (made at its first).
+    help_clock: Option<HelpClock>,
 }
 
 /// Events around a stage's part of a forward (a split only: without one
@@ -2261,6 +2348,7 @@ impl StageCache {
             handoff_bytes: 0,
             helped_layers: 0,
             helper_rows: 0,
+            help_clock: None,
         })
     }
 

@@ -259,7 +259,9 @@ fn check_stats(gpus: &[(GpuPath, Engine)], layers: usize) -> Result<(), String> 
             && stats.handoff_bytes > 0
             && stats.stages.iter().all(|s| s.seconds > 0.0)
             && (stats.helped_layers > 0) == helped
-            && (stats.helper_rows > 0) == helped;
+            && (stats.helper_rows > 0) == helped
+            // Helped steps without the cache measure both stages' speeds.
+            && stats.stages.iter().all(|s| s.expert_rows_per_second.is_some() == (helped && !path.cache));
         if !ok {
             return Err(format!("{path:?}: split stats {stats:?}"));
         }
