@@ -20,6 +20,10 @@
 #             30b-a3b in VRAM slots, the rest in page-locked RAM, uniform
 #             routing (a `--spread-routing` pack: routing stays uniform at
 #             every depth), a ring of 64
+#   crossover the ring threshold's crossover: a 512-token prompt in chunks of
+#             8..128 tokens (routing to 39..100% of a layer's experts) at
+#             25% of the experts in slots, every miss streamed (threshold 0)
+#             against misses copied into slots (threshold 2); about 3 min
 # Run from the repository root (the suite finds tests/data there).
 set -uo pipefail
 BIN="${BIN:-.dev/carry}"
@@ -73,7 +77,18 @@ for p in "$@"; do
           --resident-budget-gib 20 --ring-slots 64 --prompt-len 4096 --gen 32 --repeats 3 || status=1
       done
       ;;
-    *) echo "unknown phase $p (suite, stress, memcheck, bench, split, cache)" >&2; status=2 ;;
+    crossover)
+      spread="${PACK}-spread"
+      [ -d "$spread" ] || "$strata" synth --preset 30b-a3b --spread-routing --out "$spread" >/dev/null
+      for chunk in 8 16 32 64 128; do
+        for th in 0 2; do
+          phase "crossover-$chunk-$th" timeout 100 "$strata" bench --pack "$spread" --expert-cache 1536 \
+            --resident-budget-gib 20 --ring-slots 64 --ring-threshold "$th" --prompt-len 512 --chunk "$chunk" \
+            --gen 16 --repeats 3 || status=1
+        done
+      done
+      ;;
+    *) echo "unknown phase $p (suite, stress, memcheck, bench, split, cache, crossover)" >&2; status=2 ;;
   esac
 done
 exit "$status"
