@@ -226,13 +226,15 @@ typedef struct strata_engine_params {
    0 (default) = no cache, every expert resident in GPU memory. A budget
    below one token's experts plus the ring fails with
    `STRATA_ERR_INVALID_ARGUMENT` naming the budget and the need.
-   Ignored on cpu (experts stay mapped).
+   Per CUDA device: each stage of a split has its own cache. Ignored on
+   cpu (experts stay mapped).
    */
   uint64_t vram_budget_bytes;
   /*
    Page-locked host memory for experts outside the GPU cache; 0
    (default) = none (misses read the mapped pack). Needs
-   `vram_budget_bytes`. Ignored on cpu.
+   `vram_budget_bytes`. On a split, divided among the stages in
+   proportion to their layers. Ignored on cpu.
    */
   uint64_t host_budget_bytes;
   /*
@@ -254,8 +256,7 @@ typedef struct strata_engine_params {
    */
   strata_gpu_precision gpu_precision;
   /*
-   With several devices (CPU devices for now): the first layer of each
-   stage after the first, ascending, `n_devices - 1` entries
+   With several devices: the first layer of each stage after the first, ascending, `n_devices - 1` entries
    (`n_layer_split` of them); NULL (default) = layers split evenly.
    Read during the call only.
    */

@@ -63,11 +63,13 @@ pub struct strata_engine_params {
     /// 0 (default) = no cache, every expert resident in GPU memory. A budget
     /// below one token's experts plus the ring fails with
     /// `STRATA_ERR_INVALID_ARGUMENT` naming the budget and the need.
-    /// Ignored on cpu (experts stay mapped).
+    /// Per CUDA device: each stage of a split has its own cache. Ignored on
+    /// cpu (experts stay mapped).
     pub vram_budget_bytes: u64,
     /// Page-locked host memory for experts outside the GPU cache; 0
     /// (default) = none (misses read the mapped pack). Needs
-    /// `vram_budget_bytes`. Ignored on cpu.
+    /// `vram_budget_bytes`. On a split, divided among the stages in
+    /// proportion to their layers. Ignored on cpu.
     pub host_budget_bytes: u64,
     /// Recompute every checksum of the pack while loading (reads the whole
     /// pack). Default false.
@@ -79,8 +81,7 @@ pub struct strata_engine_params {
     /// How a CUDA device rounds activations in its tensor-core products
     /// (prefill); default `STRATA_GPU_PRECISION_ACCURATE`. Ignored on cpu.
     pub gpu_precision: strata_gpu_precision,
-    /// With several devices (CPU devices for now): the first layer of each
-    /// stage after the first, ascending, `n_devices - 1` entries
+    /// With several devices: the first layer of each stage after the first, ascending, `n_devices - 1` entries
     /// (`n_layer_split` of them); NULL (default) = layers split evenly.
     /// Read during the call only.
     pub layer_split: *const u32,
