@@ -233,8 +233,8 @@ typedef struct strata_engine_params {
   /*
    Page-locked host memory for experts outside the GPU cache; 0
    (default) = none (misses read the mapped pack). Needs
-   `vram_budget_bytes`. On a split, divided among the stages in
-   proportion to their layers. Ignored on cpu.
+   `vram_budget_bytes`. On a split, divided among the stages: each its
+   staging blobs, the rest in proportion to its layers. Ignored on cpu.
    */
   uint64_t host_budget_bytes;
   /*

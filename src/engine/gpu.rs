@@ -240,6 +240,12 @@ impl GpuModel {
         let c = pack.config().clone();
         let total = c.num_hidden_layers + 1;
         let n = ranges.len();
+        // A cache per stage: the slots or VRAM budget on each device, the
+        // host budget divided among the stages.
+        let staging = cache_opts.pool_workers as u64 * pack.layout().stride;
+        let host = cache_opts
+            .host_budget
+            .map(|b| crate::experts::stage_host_budgets(b, &ranges, c.num_hidden_layers, staging));
         let mut done = 0;
         let mut stages = Vec::with_capacity(n);
         for (i, (gpu, range)) in gpus.into_iter().zip(ranges).enumerate() {
@@ -248,7 +254,8 @@ impl GpuModel {
                 progress(done, total)
             };
             let at = StagePlace { first: i == 0, last: i + 1 == n };
-            stages.push(GpuStage::load(pack, gpu, range, at, rope, precision, cache_opts, &mut layer_done)?);
+            let opts = ExpertCacheOptions { host_budget: host.as_ref().map(|h| h[i]), ..cache_opts.clone() };
+            stages.push(GpuStage::load(pack, gpu, range, at, rope, precision, &opts, &mut layer_done)?);
         }
         enable_peer_access(&stages)?;
         // Help needs the helper to read the active stage's memory, and the
@@ -1402,7 +1409,7 @@ impl GpuStage {
             let help = help.filter(|_| t > MOE_GEMV_MAX_ROWS);
             let helped = help.is_some();
             let helper_rows = self.cached_experts(engine.pack(), x, l, s, help)?;
-            if helped {
+            if helped && helper_rows > 0 {
                 cache.helped_layers += 1;
                 cache.helper_rows += helper_rows as u64;
             }
@@ -1561,10 +1568,13 @@ impl GpuStage {
             if let Some(rw) = ring_wave {
                 x.stream_wave(pack, plan, &waves, rw)?;
             }
-            // The helper takes the wave's experts from `cut` on.
+            // The helper takes the wave's experts from `cut` on (a wave of one
+            // expert stays here: the rule would give it all to the helper).
             let cut = match help.as_deref() {
-                Some(help) => crate::moe::help_cut_rows(experts.iter().map(|&j| counts[j]), help.share),
-                None => experts.len(),
+                Some(help) if experts.len() > 1 => {
+                    crate::moe::help_cut_rows(experts.iter().map(|&j| counts[j]), help.share)
+                }
+                _ => experts.len(),
             };
             if let Some(help) = help.as_deref_mut().filter(|_| cut < experts.len()) {
                 let hgpu = &*help.stage.gpu;
@@ -1603,9 +1613,12 @@ impl GpuStage {
             stress(hgpu)?;
             gpu.stream().wait(&hgpu.stream().record_event(None)?)?;
         }
-        // The next layer's step will likely stream too: its first ring
-        // copies start now, under this layer's last wave and its attention.
-        x.prefetch_ring(pack, l + 1)?;
+        // After a streamed prefill step, the next layer's will likely stream
+        // too: its first ring copies start now, under this layer's last wave
+        // and its attention.
+        if !plan.ring.is_empty() && t > MOE_GEMV_MAX_ROWS {
+            x.prefetch_ring(pack, l + 1)?;
+        }
         moe::moe_combine(gpu, y, g, &s.weights, layout.hidden as usize, &mut s.x, true)?;
         Ok(helper_rows)
     }

@@ -152,9 +152,6 @@ pub struct GpuExpertCache {
 #[derive(Clone, Copy, Debug)]
 struct RingHeld {
     key: ExpertKey,
-    from: Source,
-    /// A step has computed from it (else it is an unused prefetch).
-    used: bool,
     /// Written by a prefetch into this ring half: a step using it waits for
     /// `prefetch_ready[half]`. (Other copies were waited for by the compute
     /// stream before the step's routed ids were read back.)
@@ -533,7 +530,7 @@ impl GpuExpertCache {
 
     /// The planner's number of the model's layer `layer`.
     fn local(&self, layer: usize) -> usize {
-        debug_assert!(layer >= self.first_layer, "layer {layer} before the cache's first, {}", self.first_layer);
+        assert!(layer >= self.first_layer, "layer {layer} before the cache's first, {}", self.first_layer);
         layer - self.first_layer
     }
 
@@ -548,16 +545,6 @@ impl GpuExpertCache {
 
     fn ring_slots(&self) -> usize {
         (self.ring.len() / self.stride.max(1)).max(1)
-    }
-
-    /// Records that the next copy queued into ring slot `slot` writes
-    /// `held`; an unused prefetch it overwrites is counted as a copy no plan
-    /// made.
-    fn hold_ring(&mut self, slot: usize, held: RingHeld) {
-        if let Some(old) = self.ring_holds[slot].filter(|old| !old.used) {
-            self.planner.record_unplanned_copy(old.from);
-        }
-        self.ring_holds[slot] = Some(held);
     }
 
     fn ring_addr(&self, ring_slot: usize) -> u64 {
@@ -818,17 +805,15 @@ impl GpuExpertCache {
             let entry = plan.ring[n];
             let (key, slot) = (ExpertKey::new(plan.layer, entry.expert), entry.ring_slot % ring_slots);
             if let Some(held) = self.ring_holds[slot].as_mut().filter(|h| h.key == key) {
-                // Already there (a prefetch): no second copy.
-                if let Some(half) = held.prefetch {
+                // Already there (a prefetch, or left by an earlier step): no second copy.
+                let from_prefetch = held.prefetch.take();
+                if let Some(half) = from_prefetch {
                     prefetched[half] = true;
                 }
-                if !held.used {
-                    held.used = true;
-                    self.planner.record_prefetched();
-                }
+                self.planner.record_copy_skipped(entry.from, from_prefetch.is_some());
                 continue;
             }
-            self.hold_ring(slot, RingHeld { key, from: entry.from, used: true, prefetch: None });
+            self.ring_holds[slot] = Some(RingHeld { key, prefetch: None });
             items.push((key, entry.from, self.ring_addr(slot)));
         }
         if !items.is_empty() {
@@ -854,6 +839,8 @@ impl GpuExpertCache {
     /// copies wait for the compute that last used it (`computed`), the half
     /// freed first first. Only experts in host buffers (no host read here)
     /// and only for an even ring of at least 2 slots (its waves are halves).
+    /// The copies are counted when queued (`bytes_copied`), whether or not
+    /// a step uses them; a step that does counts a `prefetched` miss.
     pub fn prefetch_ring(&mut self, pack: &Pack, layer: usize) -> Result<()> {
         let r = self.prefetch_ring_copies(pack, layer);
         self.poison_on(r)
@@ -877,7 +864,8 @@ impl GpuExpertCache {
                 if self.ring_holds[n].is_some_and(|held| held.key == key) {
                     continue;
                 }
-                self.hold_ring(n, RingHeld { key, from: Source::Host(h), used: false, prefetch: Some(half) });
+                self.ring_holds[n] = Some(RingHeld { key, prefetch: Some(half) });
+                self.planner.record_unplanned_copy(Source::Host(h));
                 items.push((key, Source::Host(h), self.ring_addr(n)));
             }
             if items.is_empty() {

@@ -236,9 +236,9 @@ impl Capacity {
 /// the profile `opts` names, else the one the pack ships, else the default
 /// ranking) for an executor to carry out. The planner numbers the layers
 /// from 0 (`layers.start` is its layer 0). A cache of part of the layers
-/// (one stage of a split over CUDA devices: each has its own) has the slot
-/// count or VRAM budget of `opts` on its device, and the share of the host
-/// budget that its layers are of the model's.
+/// (one stage of a split over CUDA devices: each has its own) takes the
+/// budgets of `opts` as its own: the caller gives each stage its share of
+/// the host budget (`stage_host_budgets`).
 pub(crate) fn plan_cache(
     pack: &crate::pack::Pack,
     opts: &ExpertCacheOptions,
@@ -255,12 +255,10 @@ pub(crate) fn plan_cache(
     let c = pack.config();
     let layout = pack.layout();
     let policy = opts.policy()?;
-    let (n, all) = (layers.len() as u64, c.num_hidden_layers as u64);
     if layers.is_empty() || layers.end > c.num_hidden_layers {
-        return Err(Error::InvalidArgument(format!("expert cache of layers {layers:?} of {all}")));
+        return Err(Error::InvalidArgument(format!("expert cache of layers {layers:?} of {}", c.num_hidden_layers)));
     }
-    let host = opts.host_budget.map(|b| if n == all { b } else { (b as u128 * n as u128 / all as u128) as u64 });
-    let cap = Capacity::plan_layers(opts, c, layers.len(), host, layout.stride, layout.used_len())?;
+    let cap = Capacity::plan_layers(opts, c, layers.len(), opts.host_budget, layout.stride, layout.used_len())?;
     let shipped = pack.dir().join(profile::PACK_PROFILE_FILE);
     let profile = match &opts.profile {
         Some(p) => Some(ExpertProfile::load(p, c)?),
@@ -271,6 +269,29 @@ pub(crate) fn plan_cache(
     let rank = policy::ranking(layers.len(), c.num_experts, counts);
     let (planner, fills) = Planner::new(layers.len(), c.num_experts, cap, policy, &rank);
     Ok(Some((cap, planner, fills)))
+}
+
+/// The host budget of each stage's cache on a split over CUDA devices
+/// (`ranges`, of a model of `layers` layers) from the engine's `total`:
+/// every stage its staging blobs (`staging` bytes, `pool_workers` blobs),
+/// the rest divided in proportion to the stages' layers, the rounding
+/// remainder to the last stage, so that the budgets sum to `total`. (A
+/// total that holds every expert and one stage's staging on one device
+/// needs each further stage's staging more on a split.) A total below
+/// every stage's staging is divided by layers alone (each stage's load then
+/// names its shortfall).
+pub(crate) fn stage_host_budgets(total: u64, ranges: &[Range<usize>], layers: usize, staging: u64) -> Vec<u64> {
+    let n = ranges.len() as u64;
+    let share = |amount: u64, r: &Range<usize>| (amount as u128 * r.len() as u128 / layers.max(1) as u128) as u64;
+    let (base, rest) = match total.checked_sub(n * staging) {
+        Some(rest) => (staging, rest),
+        None => (0, total),
+    };
+    let mut budgets: Vec<u64> = ranges.iter().map(|r| base + share(rest, r)).collect();
+    if let Some(last) = budgets.last_mut() {
+        *last += total - ranges.iter().map(|r| base + share(rest, r)).sum::<u64>();
+    }
+    budgets
 }
 
 /// What the cache did, since load. `hits + misses` is the number of
@@ -292,8 +313,8 @@ pub struct ExpertStats {
     /// memory (mapped decode: no copy, no host round trip).
     pub mapped: u64,
     /// Streamed misses whose ring copy was queued ahead, while the layer
-    /// before computed (GPU ring prefetch); a prefetch no step used is
-    /// still in `bytes_copied`.
+    /// before computed (GPU ring prefetch). Every prefetch is in
+    /// `bytes_copied` once, used or not.
     pub prefetched: u64,
     /// Slot contents replaced by a miss.
     pub evictions: u64,
@@ -394,15 +415,32 @@ mod tests {
         let (cap, planner, fills) = plan_cache(&pack, &o, 0..4).unwrap().unwrap();
         assert_eq!((cap.slots, cap.host_blobs), (32, 32));
         assert!(fills.slots.len() == 32 && fills.host.len() == 32 && planner.slot_of(ExpertKey::new(3, 7)).is_some());
-        // Layers 1..3: half the host budget (16.5 blobs: 1 staging + 15),
-        // slots only for its 16 pairs, the planner's layers 0 and 1.
+        // Layers 1..3 with 17 blobs of host budget (1 staging + 16): slots
+        // and host buffers only for its 16 pairs, the planner's layers 0, 1.
+        let o = ExpertCacheOptions { host_budget: Some(17 * blob), ..o };
         let (cap, planner, fills) = plan_cache(&pack, &o, 1..3).unwrap().unwrap();
-        assert_eq!((cap.slots, cap.host_blobs), (16, 15));
+        assert_eq!((cap.slots, cap.host_blobs), (16, 16));
         let layers = fills.slots.iter().map(|f| f.key.layer).chain(fills.host.iter().map(|f| f.key.layer));
         assert!(layers.max() == Some(1) && fills.slots.len() == 16);
         assert!(planner.slot_of(ExpertKey::new(1, 7)).is_some());
         for bad in [2..2, 3..5] {
             assert!(matches!(plan_cache(&pack, &o, bad), Err(Error::InvalidArgument(_))));
         }
+    }
+
+    #[test]
+    fn stage_host_budgets_give_each_stage_its_staging_and_its_layers_share() {
+        // 48 layers, a budget of every blob (48 x 128 of 10 bytes) + one device's staging (4 x 10).
+        let total = 48 * 128 * 10 + 40;
+        assert_eq!(stage_host_budgets(total, std::slice::from_ref(&(0..48)), 48, 40), vec![total]);
+        // Two stages: each its staging, then 24 layers' blobs; the second
+        // stage's staging is what the split needs more.
+        let b = stage_host_budgets(total + 40, &[0..24, 24..48], 48, 40);
+        assert_eq!(b, vec![24 * 128 * 10 + 40; 2]);
+        // Uneven layers and a remainder: the sum is the total, the last takes the rest.
+        // (800 bytes past the staging: 266 and 533, one byte left over.)
+        assert_eq!(stage_host_budgets(1000, &[0..1, 1..3], 3, 100), vec![366, 634]);
+        // Below every stage's staging: by layers alone.
+        assert_eq!(stage_host_budgets(150, &[0..1, 1..3], 3, 100), vec![50, 100]);
     }
 }

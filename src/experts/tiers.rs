@@ -376,19 +376,28 @@ impl Planner {
         fills
     }
 
-    /// Adds time a step waited on copies (executors measure it).
-    /// A streamed miss of a planned step whose ring copy the executor had
-    /// queued ahead of the plan (and so did not copy again).
-    pub fn record_prefetched(&mut self) {
-        self.stats.prefetched += 1;
-    }
-
-    /// A copy the executor made that no plan counted: a ring prefetch that
-    /// no step used (the link carried it all the same).
+    /// A copy the executor made that no plan asked for (a ring prefetch,
+    /// counted when queued: the link carries it whether or not a step uses
+    /// it).
     pub fn record_unplanned_copy(&mut self, from: Source) {
         self.count_copy(from);
     }
 
+    /// A ring entry of a plan that the executor did not copy: its ring slot
+    /// already held the expert (`prefetched`: put there by a prefetch, which
+    /// was counted when queued; else left by an earlier step). Takes back
+    /// the copy `plan_step` counted for it.
+    pub fn record_copy_skipped(&mut self, from: Source, prefetched: bool) {
+        let b = self.cap.copy_bytes;
+        self.stats.bytes_copied -= b;
+        match from {
+            Source::Host(_) => self.stats.bytes_from_host -= b,
+            Source::Pack => self.stats.bytes_from_pack -= b,
+        }
+        self.stats.prefetched += u64::from(prefetched);
+    }
+
+    /// Adds time a step waited on copies (executors measure it).
     pub fn record_wait(&mut self, ns: u64) {
         self.stats.wait_ns += ns;
     }

@@ -68,8 +68,8 @@ pub struct strata_engine_params {
     pub vram_budget_bytes: u64,
     /// Page-locked host memory for experts outside the GPU cache; 0
     /// (default) = none (misses read the mapped pack). Needs
-    /// `vram_budget_bytes`. On a split, divided among the stages in
-    /// proportion to their layers. Ignored on cpu.
+    /// `vram_budget_bytes`. On a split, divided among the stages: each its
+    /// staging blobs, the rest in proportion to its layers. Ignored on cpu.
     pub host_budget_bytes: u64,
     /// Recompute every checksum of the pack while loading (reads the whole
     /// pack). Default false.

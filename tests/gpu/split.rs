@@ -119,7 +119,8 @@ fn gpu_engine(dir: &Path, path: &GpuPath) -> Result<Engine, String> {
             slots: Some(c.num_experts_per_tok),
             ring_slots: 4,
             ring_threshold: 0.0,
-            // Every expert of the model: each stage gets its layers' share.
+            // Every expert of the model, and each stage's staging (4 blobs):
+            // each stage gets its staging and its layers' share of the rest.
             host_budget: Some(blob * (c.num_hidden_layers * c.num_experts + 8) as u64),
             adapt_every: 0,
             ..Default::default()
