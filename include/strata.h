@@ -281,6 +281,12 @@ typedef struct strata_engine_params {
    Entries of `stage_memory_bytes`. Default 0.
    */
   uint32_t n_stage_memory;
+  /*
+   With `stage_memory_bytes`: each stage's budget also holds one
+   session's KV cache for this many tokens (int8 on CUDA, f32 on the
+   CPU) and its recurrent states; 0 (default) = the weights alone.
+   */
+  uint32_t stage_memory_context;
 } strata_engine_params;
 
 /*

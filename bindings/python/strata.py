@@ -139,6 +139,7 @@ class EngineParams(_Sized):
         ("prefill_help", c_int),
         ("stage_memory_bytes", POINTER(c_uint64)),
         ("n_stage_memory", c_uint32),
+        ("stage_memory_context", c_uint32),
     ]
 
 
@@ -346,12 +347,14 @@ class Engine:
         layer_split: Optional[Sequence[int]] = None,
         prefill_help: str = "auto",
         stage_memory_bytes: Optional[Sequence[int]] = None,
+        stage_memory_context: int = 0,
     ):
         """progress(fraction) -> bool: return False to cancel the load.
         With several devices: layer_split, the first layer of each stage
         after the first (default: even), or stage_memory_bytes, one memory
-        budget per device that chooses the split; and prefill_help "auto",
-        "on" or "off"."""
+        budget per device that chooses the split (stage_memory_context: the
+        tokens of one session's KV each budget also holds); and prefill_help
+        "auto", "on" or "off"."""
         self._ptr = None
         params = EngineParams()
         _check("strata_engine_default_params", _lib.strata_engine_default_params(byref(params), sizeof(params)))
@@ -368,6 +371,7 @@ class Engine:
             self._budgets = (c_uint64 * len(stage_memory_bytes))(*stage_memory_bytes)  # read during the load only
             params.stage_memory_bytes = ctypes.cast(self._budgets, POINTER(c_uint64))
             params.n_stage_memory = len(stage_memory_bytes)
+        params.stage_memory_context = stage_memory_context
         helps = {"auto": 0, "on": 1, "off": 2}
         if prefill_help not in helps:
             raise ValueError(f"prefill_help {prefill_help!r}: one of auto, on, off")

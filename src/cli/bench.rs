@@ -267,6 +267,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         devices: a.device.clone(),
         layer_split: a.split.layer_split(),
         stage_memory: a.split.stage_memory(),
+        stage_memory_context: a.split.stage_memory_context(),
         prefill_help: a.split.help(),
         expert_cache: a.cache.options(),
         gpu_precision: match a.precision {

@@ -74,6 +74,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             devices: a.device.clone(),
             layer_split: a.split.layer_split(),
             stage_memory: a.split.stage_memory(),
+            stage_memory_context: a.split.stage_memory_context(),
             prefill_help: a.split.help(),
             expert_cache: a.cache.options(),
             ..Default::default()

@@ -17,6 +17,10 @@ pub struct SplitArgs {
     /// stage's layers fit its budget, as evenly filled as they can be.
     #[arg(long, value_delimiter = ',', conflicts_with = "layer_split")]
     stage_memory_gib: Option<Vec<f64>>,
+    /// With --stage-memory-gib: each budget also holds one session's KV
+    /// cache for this many tokens, and its recurrent states.
+    #[arg(long, default_value_t = 0, requires = "stage_memory_gib")]
+    stage_memory_context: usize,
     /// Whether an idle stage computes part of the active layer's expert
     /// rows during prefill: auto (chunks of at least 64 tokens), on or off.
     #[arg(long, value_enum, default_value = "auto")]
@@ -38,6 +42,10 @@ impl SplitArgs {
 
     pub fn stage_memory(&self) -> Option<Vec<u64>> {
         self.stage_memory_gib.as_ref().map(|v| v.iter().map(|g| (g.max(0.0) * (1u64 << 30) as f64) as u64).collect())
+    }
+
+    pub fn stage_memory_context(&self) -> usize {
+        self.stage_memory_context
     }
 
     pub fn help(&self) -> Help {

@@ -73,6 +73,12 @@ pub struct EngineOptions {
     /// (`stage_layers_by_budget`). On CPU devices (one host memory) the
     /// budgets only choose the split.
     pub stage_memory: Option<Vec<u64>>,
+    /// With `stage_memory`: each stage's budget also holds one session's
+    /// KV cache of its attention layers for this many tokens (at the
+    /// device's default KV: int8 with its scales on CUDA, f32 on the CPU)
+    /// and its Gated DeltaNet layers' recurrent and conv states
+    /// (`layer_state_bytes`); 0 (default): the weights alone.
+    pub stage_memory_context: usize,
     /// Whether an idle stage helps with the expert rows of the active
     /// stage's MoE layers during prefill (needs several devices).
     pub prefill_help: Help,
@@ -202,6 +208,44 @@ pub fn stage_bytes(pack: &Pack) -> Result<(Vec<u64>, u64, u64)> {
         *b += pack.expert_layer_bytes(l)?.len() as u64;
     }
     Ok((layers, first, last))
+}
+
+/// Bytes of one session's state of `layer` at `context` tokens: an
+/// attention layer's K and V (`value_bytes` per value; below 2, int8, with
+/// one f32 scale per position and head), a Gated DeltaNet layer's recurrent
+/// state and conv state (f32, whatever the context). 0 at context 0.
+pub fn layer_state_bytes(c: &ModelConfig, layer: usize, context: usize, value_bytes: f64) -> u64 {
+    if context == 0 {
+        return 0;
+    }
+    if c.is_full_attention(layer) {
+        let scale = if value_bytes < 2.0 { 4.0 / c.head_dim as f64 } else { 0.0 };
+        (2.0 * (context * c.kv_dim()) as f64 * (value_bytes + scale)).ceil() as u64
+    } else if let Some(s) = c.linear_attn() {
+        let state = s.num_value_heads * s.key_head_dim * s.value_head_dim;
+        4 * (state + (s.conv_kernel - 1) * s.conv_dim()) as u64
+    } else {
+        0
+    }
+}
+
+/// Each stage's memory budget less its expert cache's device memory (the
+/// VRAM budget, or the slots and the ring), refusing a budget below it.
+fn cache_left(pack: &Pack, o: &crate::experts::ExpertCacheOptions, budgets: &[u64]) -> Result<Vec<u64>> {
+    let stride = pack.layout().stride;
+    let need = o.vram_budget.unwrap_or_else(|| (o.slots.unwrap_or(0) + o.ring_slots) as u64 * stride);
+    budgets
+        .iter()
+        .map(|&b| {
+            b.checked_sub(need).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "stage_memory: a budget of {:.1} MiB is below the expert cache's {:.1} MiB on each device",
+                    b as f64 / 1048576.0,
+                    need as f64 / 1048576.0
+                ))
+            })
+        })
+        .collect()
 }
 
 /// The layers of each stage from per-device memory budgets: contiguous
@@ -919,8 +963,20 @@ impl Engine {
                         devices.len()
                     )));
                 }
-                let (layers, first, last) = stage_bytes(&pack)?;
-                stage_layers_by_budget(&layers, first, last, budgets)?
+                let (mut layers, first, last) = stage_bytes(&pack)?;
+                let on_gpu = matches!(device, Device::Cuda(_));
+                // With a cache on CUDA stages, experts live in each device's
+                // slots (a fixed need per stage), not with their layers.
+                let cached = on_gpu && opts.expert_cache.enabled();
+                let value_bytes = if on_gpu { 1.0 } else { 4.0 };
+                for (l, b) in layers.iter_mut().enumerate() {
+                    if cached {
+                        *b -= pack.expert_layer_bytes(l)?.len() as u64;
+                    }
+                    *b += layer_state_bytes(c, l, opts.stage_memory_context, value_bytes);
+                }
+                let budgets = if cached { cache_left(&pack, &opts.expert_cache, budgets)? } else { budgets.clone() };
+                stage_layers_by_budget(&layers, first, last, &budgets)?
             }
             (split, None) => stage_layers(c.num_hidden_layers, devices.len(), split.as_deref())?,
         };
@@ -1900,6 +1956,50 @@ mod tests {
         ] {
             assert!(matches!(Engine::load(dir.path(), &bad), Err(Error::InvalidArgument(_))), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn stage_budgets_can_hold_a_sessions_kv() {
+        let c = tiny_config();
+        let a = (0..c.num_hidden_layers).find(|&l| c.is_full_attention(l)).unwrap();
+        // K and V of 100 positions: f32, and int8 with one f32 scale per head vector.
+        assert_eq!(layer_state_bytes(&c, a, 100, 4.0), (2 * 100 * c.kv_dim() * 4) as u64);
+        let int8 = 2 * 100 * (c.kv_dim() + 4 * c.kv_dim() / c.head_dim);
+        assert_eq!(layer_state_bytes(&c, a, 100, 1.0), int8 as u64);
+        assert_eq!(layer_state_bytes(&c, a, 0, 4.0), 0);
+        let dir = tempfile::tempdir().unwrap();
+        write_tiny_pack(dir.path(), &c, &TinyPack::default()).unwrap();
+        let pack = Pack::open(dir.path()).unwrap();
+        let (per_layer, first, last) = stage_bytes(&pack).unwrap();
+        let total: u64 = per_layer.iter().sum::<u64>() + first + last;
+        let context = 4096;
+        let kv: u64 = (0..c.num_hidden_layers).map(|l| layer_state_bytes(&c, l, context, 4.0)).sum();
+        assert!(kv > total, "the test wants the KV to outweigh the weights: {kv} vs {total}");
+        let opts = EngineOptions {
+            devices: vec!["cpu".into(), "cpu".into()],
+            stage_memory: Some(vec![total, total]),
+            stage_memory_context: context,
+            ..Default::default()
+        };
+        // Both stages' weights fit one budget, but not with the KV of 4096 tokens...
+        let err = Engine::load(dir.path(), &opts).err().expect("budgets without the KV").to_string();
+        assert!(err.contains("memory budgets"), "{err}");
+        // ...which budgets of the weights and the KV hold, split as the rule says.
+        let opts = EngineOptions { stage_memory: Some(vec![total + kv, total + kv]), ..opts };
+        let e = Engine::load(dir.path(), &opts).unwrap();
+        let with_kv: Vec<u64> =
+            per_layer.iter().enumerate().map(|(l, b)| b + layer_state_bytes(&c, l, context, 4.0)).collect();
+        let want = stage_layers_by_budget(&with_kv, first, last, &[total + kv, total + kv]).unwrap();
+        let got: Vec<_> = e.split_stats().unwrap().stages.iter().map(|s| s.layers.clone()).collect();
+        assert_eq!(got, want);
+        // CUDA stages with a cache: each budget less the slots and the ring (or the VRAM budget).
+        let stride = pack.layout().stride;
+        let slots = crate::experts::ExpertCacheOptions { slots: Some(4), ring_slots: 2, ..Default::default() };
+        assert_eq!(cache_left(&pack, &slots, &[100 * stride, 7 * stride]).unwrap(), vec![94 * stride, stride]);
+        let vram = crate::experts::ExpertCacheOptions { vram_budget: Some(10 * stride), ..Default::default() };
+        assert_eq!(cache_left(&pack, &vram, &[11 * stride]).unwrap(), vec![stride]);
+        let err = cache_left(&pack, &vram, &[9 * stride]).unwrap_err().to_string();
+        assert!(err.contains("below the expert cache"), "{err}");
     }
 
     #[test]

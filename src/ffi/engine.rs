@@ -97,6 +97,10 @@ pub struct strata_engine_params {
     pub stage_memory_bytes: *const u64,
     /// Entries of `stage_memory_bytes`. Default 0.
     pub n_stage_memory: u32,
+    /// With `stage_memory_bytes`: each stage's budget also holds one
+    /// session's KV cache for this many tokens (int8 on CUDA, f32 on the
+    /// CPU) and its recurrent states; 0 (default) = the weights alone.
+    pub stage_memory_context: u32,
 }
 
 /// When an idle stage of a layer split helps the active one with its
@@ -161,6 +165,7 @@ unsafe impl Versioned for strata_engine_params {
             prefill_help: strata_prefill_help::STRATA_PREFILL_HELP_AUTO,
             stage_memory_bytes: std::ptr::null(),
             n_stage_memory: 0,
+            stage_memory_context: 0,
         }
     }
     fn fields() -> Vec<Field> {
@@ -179,6 +184,7 @@ unsafe impl Versioned for strata_engine_params {
             field!(T, prefill_help, Kind::Enum { max: strata_prefill_help::STRATA_PREFILL_HELP_OFF as u32 }),
             field!(T, stage_memory_bytes, Kind::Plain),
             field!(T, n_stage_memory, Kind::Plain),
+            field!(T, stage_memory_context, Kind::Plain),
         ]
     }
 }
@@ -327,6 +333,7 @@ pub unsafe extern "C" fn strata_engine_load(
             },
             layer_split: layer_split.map(|s| s.iter().map(|&l| l as usize).collect()),
             stage_memory: stage_memory.map(<[u64]>::to_vec),
+            stage_memory_context: p.stage_memory_context as usize,
             prefill_help: match p.prefill_help {
                 strata_prefill_help::STRATA_PREFILL_HELP_AUTO => Help::Auto,
                 strata_prefill_help::STRATA_PREFILL_HELP_ON => Help::On,
