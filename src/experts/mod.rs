@@ -280,6 +280,7 @@ pub(crate) fn plan_cache(
 /// needs each further stage's staging more on a split.) A total below
 /// every stage's staging is divided by layers alone (each stage's load then
 /// names its shortfall).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // (CPU stages share one cache)
 pub(crate) fn stage_host_budgets(total: u64, ranges: &[Range<usize>], layers: usize, staging: u64) -> Vec<u64> {
     let n = ranges.len() as u64;
     let share = |amount: u64, r: &Range<usize>| (amount as u128 * r.len() as u128 / layers.max(1) as u128) as u64;
