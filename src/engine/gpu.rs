@@ -1547,17 +1547,8 @@ impl GpuStage {
             tiles
         };
         if let Some(help) = help.as_deref_mut() {
-            // The helper's copy of the grouping (its row tiles are its own).
-            let hstream = help.stage.gpu.stream();
             let hg = help.scratch.moe.grouping.as_mut().expect("grouped scratch for more than a few rows");
-            stress(gpu)?;
-            hstream.wait(&gpu.stream().record_event(None)?)?;
-            let n = t * k;
-            hstream.memcpy_dtod(&g.offsets, &mut hg.offsets)?;
-            hstream.memcpy_dtod(&g.rows.slice(..n), &mut hg.rows.slice_mut(..n))?;
-            hstream.memcpy_dtod(&g.slot_of.slice(..n), &mut hg.slot_of.slice_mut(..n))?;
-            hstream.memcpy_dtod(&g.slot_expert.slice(..n), &mut hg.slot_expert.slice_mut(..n))?;
-            (hg.tokens, hg.top_k) = (t, k);
+            share_grouping(gpu, &help.stage.gpu, g, hg, t, k)?;
         }
         let mut helper_rows = 0;
         for (w, experts) in std::iter::once(&waves.slots).chain(&ring_waves).enumerate() {
@@ -1673,14 +1664,7 @@ impl GpuStage {
         let hm = &mut help.scratch.moe;
         let hg = hm.grouping.as_mut().expect("grouped scratch for more than a few rows");
         let hy = hm.y.as_mut().expect("grouped scratch for more than a few rows");
-        stress(gpu)?;
-        hstream.wait(&gpu.stream().record_event(None)?)?;
-        let n = t * k;
-        hstream.memcpy_dtod(&g.offsets, &mut hg.offsets)?;
-        hstream.memcpy_dtod(&g.rows.slice(..n), &mut hg.rows.slice_mut(..n))?;
-        hstream.memcpy_dtod(&g.slot_of.slice(..n), &mut hg.slot_of.slice_mut(..n))?;
-        hstream.memcpy_dtod(&g.slot_expert.slice(..n), &mut hg.slot_expert.slice_mut(..n))?;
-        (hg.tokens, hg.top_k) = (t, k);
+        share_grouping(gpu, hgpu, g, hg, t, k)?;
         hstream.memcpy_htod(&tiles(split..e), &mut hg.tile_offsets)?;
         if let Some(c) = &clock {
             c.helper[0].record(hstream)?;
@@ -1715,6 +1699,29 @@ impl GpuStage {
         moe::moe_combine(gpu, y, g, &s.weights, h, &mut s.x, true)?;
         Ok((offsets[e] - offsets[split]) as usize)
     }
+}
+
+/// Prefill help: the helper's copy of the active stage's grouping `g` of
+/// `t x k` rows, on the helper's stream once the active stream has grouped
+/// them (the helper's row tiles are its own, written per use).
+fn share_grouping(
+    gpu: &Gpu,
+    hgpu: &Gpu,
+    g: &ExpertGrouping,
+    hg: &mut ExpertGrouping,
+    t: usize,
+    k: usize,
+) -> Result<()> {
+    let hstream = hgpu.stream();
+    stress(gpu)?;
+    hstream.wait(&gpu.stream().record_event(None)?)?;
+    let n = t * k;
+    hstream.memcpy_dtod(&g.offsets, &mut hg.offsets)?;
+    hstream.memcpy_dtod(&g.rows.slice(..n), &mut hg.rows.slice_mut(..n))?;
+    hstream.memcpy_dtod(&g.slot_of.slice(..n), &mut hg.slot_of.slice_mut(..n))?;
+    hstream.memcpy_dtod(&g.slot_expert.slice(..n), &mut hg.slot_expert.slice_mut(..n))?;
+    (hg.tokens, hg.top_k) = (t, k);
+    Ok(())
 }
 
 /// `out (+)= sum_j w[t, j] * expert_{ids[t, j]}(x[t])` with the experts found

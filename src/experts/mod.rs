@@ -430,6 +430,17 @@ mod tests {
     }
 
     #[test]
+    fn stage_statistics_add_up_but_not_their_tokens() {
+        let a = ExpertStats { steps: 3, tokens: 10, hits: 5, prefetched: 2, bytes_copied: 100, ..Default::default() };
+        let b = ExpertStats { steps: 4, tokens: 10, misses: 7, wait_ns: 9, bytes_copied: 50, ..Default::default() };
+        let mut s = a;
+        s.add_stage(&b);
+        let want =
+            ExpertStats { steps: 7, tokens: 10, hits: 5, misses: 7, prefetched: 2, bytes_copied: 150, wait_ns: 9, ..a };
+        assert_eq!(s, want);
+    }
+
+    #[test]
     fn stage_host_budgets_give_each_stage_its_staging_and_its_layers_share() {
         // 48 layers, a budget of every blob (48 x 128 of 10 bytes) + one device's staging (4 x 10).
         let total = 48 * 128 * 10 + 40;
