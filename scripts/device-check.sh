@@ -24,6 +24,11 @@
 #             8..128 tokens (routing to 39..100% of a layer's experts) at
 #             25% of the experts in slots, every miss streamed (threshold 0)
 #             against misses copied into slots (threshold 2); about 3 min
+#   two-gpu   (issue 8, a machine with 2 GPUs) the split tests, whose matrix
+#             then has cuda:0,cuda:1 paths; the spread 30b-a3b pack split
+#             over the two GPUs with 1536 slots each (25% of the experts per
+#             GPU) against one GPU with 3072, help off and on; the hand-off
+#             line gives each hand-off's time and rate over the peer link
 # Run from the repository root (the suite finds tests/data there).
 set -uo pipefail
 BIN="${BIN:-.dev/carry}"
@@ -88,7 +93,22 @@ for p in "$@"; do
         done
       done
       ;;
-    *) echo "unknown phase $p (suite, stress, memcheck, bench, split, cache, crossover)" >&2; status=2 ;;
+    two-gpu)
+      phase two-gpu-tests "$suite" split_ || status=1
+      phase two-gpu-stress env STRATA_SPLIT_STRESS=1 "$suite" split_ || status=1
+      spread="${PACK}-spread"
+      [ -d "$spread" ] || "$strata" synth --preset 30b-a3b --spread-routing --out "$spread" >/dev/null
+      common=(--resident-budget-gib 40 --ring-slots 64 --prompt-len 4096 --gen 32 --repeats 3)
+      phase two-gpu-one "$strata" bench --pack "$spread" --device cuda:0 --expert-cache 3072 "${common[@]}" || status=1
+      for help in off on; do
+        phase "two-gpu-split-$help" "$strata" bench --pack "$spread" --device cuda:0,cuda:1 --expert-cache 1536 \
+          --prefill-help "$help" "${common[@]}" || status=1
+      done
+      pack
+      phase two-gpu-resident "$strata" bench --pack "$PACK" --device cuda:0,cuda:1 --prompt-len 4096 --gen 64 \
+        --repeats 3 || status=1
+      ;;
+    *) echo "unknown phase $p (suite, stress, memcheck, bench, split, cache, crossover, two-gpu)" >&2; status=2 ;;
   esac
 done
 exit "$status"

@@ -58,7 +58,8 @@ impl SplitArgs {
 }
 
 /// "split: stage 0 layers 0..2 (threads 4) 1.234 s, ...; 12 hand-offs,
-/// 1.5 MB, 0.001 s; help: 48 layers, 9000 expert rows".
+/// 1.5 MB, 0.001 s (83 us and 1.5 GB/s a hand-off); help: 48 layers, 9000
+/// expert rows".
 pub fn split_line(s: &SplitStats) -> String {
     let stages: Vec<String> = s
         .stages
@@ -71,8 +72,19 @@ pub fn split_line(s: &SplitStats) -> String {
             format!("stage {i} layers {}..{}{threads} {:.3} s{rate}", st.layers.start, st.layers.end, st.seconds)
         })
         .collect();
+    // A hand-off's mean time and its bytes over that time (the peer link's
+    // rate between GPUs, the copy engine's on one).
+    let each = if s.handoffs > 0 && s.handoff_seconds > 0.0 {
+        format!(
+            " ({:.0} us and {:.1} GB/s a hand-off)",
+            1e6 * s.handoff_seconds / s.handoffs as f64,
+            s.handoff_bytes as f64 / s.handoff_seconds / 1e9
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "split: {}; {} hand-offs, {:.2} MB, {:.4} s; prefill help: {} layers, {} expert rows on the helper",
+        "split: {}; {} hand-offs, {:.2} MB, {:.4} s{each}; prefill help: {} layers, {} expert rows on the helper",
         stages.join(", "),
         s.handoffs,
         s.handoff_bytes as f64 / 1e6,
@@ -80,4 +92,19 @@ pub fn split_line(s: &SplitStats) -> String {
         s.helped_layers,
         s.helper_rows
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_line_gives_each_hand_off_its_time_and_rate() {
+        let s = SplitStats { handoffs: 4, handoff_bytes: 8_000_000, handoff_seconds: 0.002, ..Default::default() };
+        let line = split_line(&s);
+        assert!(line.contains("4 hand-offs, 8.00 MB, 0.0020 s (500 us and 4.0 GB/s a hand-off)"), "{line}");
+        // CPU stages hand off in no measured time: no rate.
+        let line = split_line(&SplitStats { handoffs: 4, ..Default::default() });
+        assert!(line.contains("0.0000 s; prefill help"), "{line}");
+    }
 }
