@@ -176,7 +176,7 @@ mod tests {
         check_layout::<strata_model_info>(offset_of!(strata_model_info, struct_size));
         check_layout::<strata_session_params>(offset_of!(strata_session_params, struct_size));
         check_layout::<strata_sampling_params>(offset_of!(strata_sampling_params, struct_size));
-        assert_eq!(strata_engine_params::fields().len(), 13);
+        assert_eq!(strata_engine_params::fields().len(), 14);
         assert_eq!(strata_model_info::fields().len(), 7);
         assert_eq!(strata_session_params::fields().len(), 6);
         assert_eq!(strata_sampling_params::fields().len(), 5);
