@@ -1538,14 +1538,7 @@ impl GpuStage {
             waves.ring.iter().map(|w| w.iter().map(|&n| plan.ring[n].expert).collect()).collect();
         let y = m.y.as_mut().expect("set above");
         // Row tiles over `mine` of the experts (none for the others).
-        let tiles = |mine: &[usize]| -> Vec<u32> {
-            let mut tiles = vec![0u32; e + 1];
-            for j in 0..e {
-                let rows = if mine.binary_search(&j).is_ok() { counts[j] } else { 0 };
-                tiles[j + 1] = tiles[j] + rows.div_ceil(moe::TILE_M) as u32;
-            }
-            tiles
-        };
+        let tiles = |mine: &[usize]| row_tiles(counts.iter().copied(), |j| mine.binary_search(&j).is_ok());
         if let Some(help) = help.as_deref_mut() {
             let hg = help.scratch.moe.grouping.as_mut().expect("grouped scratch for more than a few rows");
             share_grouping(gpu, &help.stage.gpu, g, hg, t, k)?;
@@ -1643,14 +1636,8 @@ impl GpuStage {
         gpu.sync()?;
         // The CPU's rule (`moe::help_cut_rows`): the helper takes experts split..E.
         let split = crate::moe::help_cut_rows(offsets.windows(2).map(|w| (w[1] - w[0]) as usize), help.share);
-        let tiles = |mine: Range<usize>| -> Vec<u32> {
-            let mut tiles = vec![0u32; e + 1];
-            for j in 0..e {
-                let rows = (offsets[j + 1] - offsets[j]) as usize;
-                tiles[j + 1] = tiles[j] + if mine.contains(&j) { rows.div_ceil(moe::TILE_M) as u32 } else { 0 };
-            }
-            tiles
-        };
+        let rows = || offsets.windows(2).map(|w| (w[1] - w[0]) as usize);
+        let tiles = |mine: Range<usize>| row_tiles(rows(), |j| mine.contains(&j));
 
         // The helper: a copy of the grouping with its own row tiles, the
         // kernels on its stream once this stream has grouped the rows.
@@ -1699,6 +1686,20 @@ impl GpuStage {
         moe::moe_combine(gpu, y, g, &s.weights, h, &mut s.x, true)?;
         Ok((offsets[e] - offsets[split]) as usize)
     }
+}
+
+/// Row-tile offsets (`ExpertGrouping::tile_offsets`) over the experts that
+/// `mine` picks, of `rows` rows each (in expert order): whole tiles of
+/// those experts' rows, none for the others. How a wave of streamed
+/// experts and each side of prefill help run the grouped kernels on part
+/// of a grouping.
+fn row_tiles(rows: impl Iterator<Item = usize>, mine: impl Fn(usize) -> bool) -> Vec<u32> {
+    let mut tiles = vec![0u32];
+    for (j, n) in rows.enumerate() {
+        let add = if mine(j) { n.div_ceil(moe::TILE_M) as u32 } else { 0 };
+        tiles.push(tiles[j] + add);
+    }
+    tiles
 }
 
 /// Prefill help: the helper's copy of the active stage's grouping `g` of
@@ -2420,5 +2421,20 @@ impl StageCache {
         } else {
             self.scratch = Some(s);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_tiles_cover_only_the_picked_experts() {
+        let t = moe::TILE_M;
+        // Rows of experts 0..4: one tile, none, two and a bit, one row.
+        let rows = [t, 0, 2 * t + 1, 1];
+        assert_eq!(row_tiles(rows.into_iter(), |_| true), vec![0, 1, 1, 4, 5]);
+        assert_eq!(row_tiles(rows.into_iter(), |j| j >= 2), vec![0, 0, 0, 3, 4]);
+        assert_eq!(row_tiles(rows.into_iter(), |j| j == 0), vec![0, 1, 1, 1, 1]);
     }
 }
