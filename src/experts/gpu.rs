@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use cudarc::driver::{result, sys};
 
-use super::tiers::{Fills, Place, Planner, Source, StepPlan};
+use super::tiers::{match_ring_holds, Fills, Place, Planner, Source, StepPlan};
 use super::{ExpertCacheOptions, ExpertKey, ExpertStats};
 use crate::backend::cuda::{CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtr, Gpu};
 use crate::error::{Error, Result};
@@ -125,6 +125,10 @@ pub struct GpuExpertCache {
     computed: [CudaEvent; 2],
     /// The ring half of the last `wave_computed`.
     last_half: usize,
+    /// The fraction of the layer's experts the last planned step routed
+    /// to: the next layer's ring is prefetched only after a step that
+    /// routed to most of them (`PREFETCH_MIN_ROUTED`).
+    last_routed: f64,
     /// What each ring slot holds, in copy-stream order: the expert the
     /// last copy queued into it writes (a step skips the copy of an entry
     /// its ring slot already holds: a prefetch).
@@ -208,6 +212,14 @@ fn prefetch_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("STRATA_RING_PREFETCH").map_or(true, |v| v != "0"))
 }
+
+/// The least fraction of a layer's experts a streamed step must route to
+/// for the next layer's ring to be prefetched. The prefetch guesses that
+/// the next step routes to every expert; after a step that routed to fewer
+/// (a prefill chunk of 16-32 tokens routes to 63-87% of 128 experts), many
+/// guesses are copies no step uses, and they hold the link ahead of the
+/// step's own copies.
+const PREFETCH_MIN_ROUTED: f64 = 0.75;
 
 fn trace_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -297,6 +309,7 @@ impl GpuExpertCache {
             copied: ctx.new_event(None)?,
             computed: [ctx.new_event(None)?, ctx.new_event(None)?],
             last_half: 0,
+            last_routed: 0.0,
             ring_holds: vec![None; cap.ring_slots],
             prefetch_ready: [ctx.new_event(None)?, ctx.new_event(None)?],
             tables,
@@ -724,7 +737,10 @@ impl GpuExpertCache {
     pub fn plan_step(&mut self, pack: &Pack, layer: usize, ids: &[u32]) -> Result<StepPlan> {
         self.check_usable()?;
         let layer = self.local(layer);
-        let plan = self.planner.plan_step(layer, &routed_experts(ids, self.experts));
+        let mut plan = self.planner.plan_step(layer, &routed_experts(ids, self.experts));
+        self.last_routed = plan.experts.len() as f64 / self.experts.max(1) as f64;
+        let holds: Vec<Option<ExpertKey>> = self.ring_holds.iter().map(|h| h.map(|h| h.key)).collect();
+        match_ring_holds(plan.layer, &mut plan.ring, &holds);
         if let Some(m) = self.mapped.as_mut() {
             m.tables_dirty = true;
         }
@@ -849,7 +865,12 @@ impl GpuExpertCache {
     fn prefetch_ring_copies(&mut self, pack: &Pack, layer: usize) -> Result<()> {
         let layer = self.local(layer);
         let rs = self.ring_slots();
-        if !prefetch_on() || rs < 2 || rs % 2 == 1 || layer >= self.tables.len() {
+        if !prefetch_on()
+            || rs < 2
+            || rs % 2 == 1
+            || layer >= self.tables.len()
+            || self.last_routed < PREFETCH_MIN_ROUTED
+        {
             return Ok(());
         }
         let per_wave = rs / 2;

@@ -62,7 +62,8 @@ pub enum Place {
 }
 
 /// One expert streamed through the ring: it occupies ring slot
-/// `ring_slot` (= its index modulo the ring size), so its copy may start
+/// `ring_slot` (= its index modulo the ring size; the GPU executor may
+/// move it within its ring half, `match_ring_holds`), so its copy may start
 /// once the entry `ring_slots` before it has been computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RingEntry {
@@ -444,6 +445,40 @@ impl Planner {
     }
 }
 
+/// Moves each ring entry of a step to a ring slot that already holds its
+/// expert (`holds[s]`: what ring slot `s` holds, or will once queued
+/// copies land) when one of the same ring half does, the others to the
+/// half's remaining slots in order. The planner puts entry `n` in ring slot
+/// `n mod ring` (wave `n / (ring / 2)`, which uses ring half `wave mod 2`);
+/// a prefetch guesses the next step's entries by position, and a step that
+/// skips an expert shifts every later one. Matching within the half keeps
+/// each wave's slots its own: the copy and compute ordering of the waves
+/// (`GpuExpertCache::stream_wave`) is unchanged. Only for an even ring of at least 2 (the
+/// waves are halves); `layer` in the planner's numbering.
+pub fn match_ring_holds(layer: usize, ring: &mut [RingEntry], holds: &[Option<ExpertKey>]) {
+    let rs = holds.len();
+    if rs < 2 || rs % 2 == 1 {
+        return;
+    }
+    let per_wave = rs / 2;
+    for (w, wave) in ring.chunks_mut(per_wave).enumerate() {
+        let base = (w % 2) * per_wave;
+        let mut taken = vec![false; per_wave];
+        let mut found = vec![None; wave.len()];
+        for (f, entry) in found.iter_mut().zip(wave.iter()) {
+            let key = ExpertKey::new(layer, entry.expert);
+            if let Some(j) = (0..per_wave).find(|&j| !taken[j] && holds[base + j] == Some(key)) {
+                taken[j] = true;
+                *f = Some(base + j);
+            }
+        }
+        let mut free = (0..per_wave).filter(|&j| !taken[j]).map(|j| base + j);
+        for (entry, f) in wave.iter_mut().zip(found) {
+            entry.ring_slot = f.or_else(|| free.next()).expect("a wave has at most half the ring's entries");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -698,5 +733,29 @@ mod tests {
         // Not every expert in host memory nor in a slot: not mappable.
         assert!(!planner(2, 4, cap(2, 1, 7), policy(0, 1.0), &rank).all_mapped());
         assert!(planner(1, 4, cap(4, 1, 0), policy(0, 1.0), &ranking(1, 4, None)).all_mapped());
+    }
+
+    #[test]
+    fn ring_entries_move_to_the_slot_of_their_half_that_holds_them() {
+        let entry = |expert| RingEntry { expert, ring_slot: 0, from: Source::Host(0) };
+        let at = |ring: &[RingEntry]| ring.iter().map(|r| r.ring_slot).collect::<Vec<_>>();
+        // A ring of 4: waves of 2, wave 0 in slots 0-1, wave 1 in 2-3, wave 2 in 0-1.
+        let key = |e| Some(ExpertKey::new(3, e));
+        // A prefetch guessed experts 1, 2 | 4, 5; the step skips expert 2.
+        let holds = [key(1), key(2), key(4), key(5)];
+        let mut ring: Vec<RingEntry> = [1, 4, 5, 7, 9].into_iter().map(entry).collect();
+        match_ring_holds(3, &mut ring, &holds);
+        // Wave 0 (1, 4): 1 stays in slot 0, 4 is held only by the other half, so takes slot 1.
+        // Wave 1 (5, 7): 5 goes to slot 3, which holds it; 7 to the free slot 2.
+        // Wave 2 (9): the first slot of half 0.
+        assert_eq!(at(&ring), vec![0, 1, 3, 2, 0]);
+        // Another layer's experts never match.
+        let mut other: Vec<RingEntry> = [2, 1].into_iter().map(entry).collect();
+        match_ring_holds(4, &mut other, &holds);
+        assert_eq!(at(&other), vec![0, 1]);
+        // An odd ring is left as planned.
+        let mut odd = vec![RingEntry { expert: 2, ring_slot: 1, from: Source::Host(0) }];
+        match_ring_holds(3, &mut odd, &[key(2), None, None]);
+        assert_eq!(at(&odd), vec![1]);
     }
 }
