@@ -83,14 +83,15 @@ impl ExpertCacheArgs {
 pub fn stats_line(s: &ExpertStats) -> String {
     let lookups = s.hits + s.misses;
     format!(
-        "expert cache: {} hits, {} misses ({:.1}% hits; {} streamed, {} of them prefetched, {} read in place from host memory: {:.1} MB), \
-         {} evictions, {} swaps, {:.1} MB copied ({:.1} from host buffers, {:.1} from the pack), {:.3} s waiting on \
+        "expert cache: {} hits, {} misses ({:.1}% hits; {} streamed, {} of them prefetched and {} promoted into slots, {} read in \
+         place from host memory: {:.1} MB), {} evictions, {} swaps, {:.1} MB copied ({:.1} from host buffers, {:.1} from the pack), {:.3} s waiting on \
          copies",
         s.hits,
         s.misses,
         100.0 * s.hits as f64 / lookups.max(1) as f64,
         s.streamed,
         s.prefetched,
+        s.promoted,
         s.mapped,
         s.bytes_mapped as f64 / 1e6,
         s.evictions,

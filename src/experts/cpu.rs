@@ -216,6 +216,16 @@ impl ExpertCompute for CacheCompute<'_> {
                     self.timing.add(timing);
                 }
             }
+            // Promoted experts move into their slots before a later wave
+            // reuses their ring slots.
+            for &(_, place) in &plan.experts[g..end] {
+                if let Place::Ring(n) = place {
+                    let entry = plan.ring[n];
+                    if let Some(s) = entry.promote {
+                        cache.slots[s].copy_from_slice(&cache.ring[entry.ring_slot]);
+                    }
+                }
+            }
             (g, row) = (end, row + rows);
         }
         cache.planner.record_wait(wait.as_nanos() as u64);

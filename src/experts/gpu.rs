@@ -899,6 +899,32 @@ impl GpuExpertCache {
         Ok(())
     }
 
+    /// Queues on the compute stream, after ring wave `w`'s kernels (and
+    /// before `wave_computed(w)`, so no later copy overwrites a ring slot
+    /// first), the copies of the wave's promoted entries from their ring
+    /// slots into their slots: device memory to device memory.
+    pub fn promote_wave(&mut self, plan: &StepPlan, waves: &Waves, w: usize) -> Result<()> {
+        let (ring_slots, stream) = (self.ring_slots(), self.gpu.stream().cu_stream());
+        for &n in &waves.ring[w] {
+            let entry = plan.ring[n];
+            if let Some(s) = entry.promote {
+                // SAFETY: both addresses are `used` bytes of this cache's allocations (a ring slot and a
+                // slot); the compute stream orders the copy after the wave's kernels and before every
+                // later reader of the slot and writer of the ring slot.
+                let r = unsafe {
+                    result::memcpy_dtod_async(
+                        self.slot_addr(s),
+                        self.ring_addr(entry.ring_slot % ring_slots),
+                        self.used,
+                        stream,
+                    )
+                };
+                self.poison_on(r.map_err(Into::into))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Ring wave `w`'s kernels are queued: its ring slots may be refilled
     /// once they complete.
     pub fn wave_computed(&mut self, w: usize) -> Result<()> {

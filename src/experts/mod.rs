@@ -61,9 +61,13 @@ pub struct ExpertCacheOptions {
     /// Slots of the prefill ring (at least 1), counted in the VRAM budget.
     pub ring_slots: usize,
     /// A step whose distinct experts exceed this fraction of the layer's
-    /// experts streams its misses through the ring (0 forces the ring for
-    /// every step with a miss; above 1 only overflow uses it). On a GPU
-    /// this is the measured crossover of copy-in-slot vs streamed.
+    /// experts streams its misses through the ring (0, the default: every
+    /// planned step with a miss streams; above 1 only overflow uses it);
+    /// otherwise its misses are copied into slots before it computes. The
+    /// default is the measured crossover: on the H200 streaming was faster
+    /// at every fraction a planned step reached (63-100% of 30b-a3b's
+    /// experts, and skewed steps below half), and hot streamed experts are
+    /// promoted into slots anyway (docs/expert-cache.md).
     pub ring_threshold: f64,
     /// Page-locked host RAM for experts (`--resident-budget`), in bytes,
     /// `pool_workers` staging blobs included; `None`: no host tier.
@@ -96,7 +100,7 @@ impl Default for ExpertCacheOptions {
             vram_budget: None,
             vram_reserve: 0,
             ring_slots: 4,
-            ring_threshold: 0.5,
+            ring_threshold: 0.0,
             host_budget: None,
             pool_workers: 4,
             adapt_every: 64,
@@ -317,7 +321,10 @@ pub struct ExpertStats {
     /// before computed (GPU ring prefetch). Every prefetch is in
     /// `bytes_copied` once, used or not.
     pub prefetched: u64,
-    /// Slot contents replaced by a miss.
+    /// Streamed misses copied from their ring slot into a slot after
+    /// computing (device to device; `Planner::plan_step`).
+    pub promoted: u64,
+    /// Slot contents replaced by a miss (copied in or promoted).
     pub evictions: u64,
     /// Slot swaps made by adaptive placement.
     pub swaps: u64,
@@ -350,6 +357,7 @@ impl ExpertStats {
         self.streamed += o.streamed;
         self.mapped += o.mapped;
         self.prefetched += o.prefetched;
+        self.promoted += o.promoted;
         self.evictions += o.evictions;
         self.swaps += o.swaps;
         self.host_swaps += o.host_swaps;

@@ -70,6 +70,11 @@ pub struct RingEntry {
     pub expert: usize,
     pub ring_slot: usize,
     pub from: Source,
+    /// The slot this expert takes after its wave computes (a promotion,
+    /// `Planner::plan_step`): the executor copies it there from its ring
+    /// slot, device memory to device memory, before a later wave reuses the
+    /// ring slot.
+    pub promote: Option<usize>,
 }
 
 /// The plan of one MoE step (one layer of one forward).
@@ -263,7 +268,7 @@ impl Planner {
                 let key = ExpertKey::new(layer, routed[m].0);
                 let from = self.source(key);
                 self.count_copy(from);
-                ring.push(RingEntry { expert: key.expert, ring_slot: n % self.cap.ring_slots, from });
+                ring.push(RingEntry { expert: key.expert, ring_slot: n % self.cap.ring_slots, from, promote: None });
                 places[m] = Some(Place::Ring(n));
             }
             self.stats.streamed += misses.len() as u64;
@@ -291,8 +296,57 @@ impl Planner {
             let i = self.index(key);
             self.routed[i] += rows as u64;
         }
+        if stream {
+            self.plan_promotions(layer, &mut ring, victims);
+        }
         let experts = routed.iter().zip(places).map(|(r, p)| (r.0, p.expect("every expert placed"))).collect();
         StepPlan { layer, experts, fills, ring }
+    }
+
+    /// Promotions of a streamed step (after its use counts are added): its
+    /// hottest streamed experts take the coldest `victims` (ready slots the
+    /// step does not need, empty ones first; of this layer or one before it)
+    /// while strictly hotter, at most `adapt_swaps` a step. The executor copies each from its ring slot
+    /// after its wave (device memory to device memory: no host link), so a
+    /// streamed prefill leaves its hot experts in slots, as copying its
+    /// misses into slots would, without waiting for those copies. The slot
+    /// counts as ready at once: nothing reads it before the copy in stream
+    /// order (the step does not need it; later steps come after).
+    fn plan_promotions(&mut self, layer: usize, ring: &mut [RingEntry], mut victims: Vec<usize>) {
+        // Only slots of this layer and the layers before it (or empty): a
+        // forward plans its layers in ascending order, and a later layer's
+        // count has not yet grown by this forward's tokens, so beside this
+        // step's fresh counts it would always look colder, and the forward
+        // would then stream the expert it just evicted.
+        victims.retain(|&s| self.slots[s].key.is_none_or(|k| k.layer <= layer));
+        let n = ring.len().min(victims.len()).min(self.policy.adapt_swaps);
+        if n == 0 {
+            return;
+        }
+        let key = |r: &RingEntry| ExpertKey::new(layer, r.expert);
+        let mut hot: Vec<usize> = (0..ring.len()).collect();
+        hot.sort_by(|&a, &b| self.counts.colder(key(&ring[b]), key(&ring[a])));
+        if n < victims.len() {
+            victims.select_nth_unstable_by(n - 1, |&a, &b| self.colder_slot(a, b));
+            victims.truncate(n);
+        }
+        victims.sort_by(|&a, &b| self.colder_slot(a, b));
+        for (&r, &s) in hot.iter().zip(&victims) {
+            let k = key(&ring[r]);
+            if let Some(old) = self.slots[s].key {
+                if self.counts.get(k) <= self.counts.get(old) {
+                    break;
+                }
+                let i = self.index(old);
+                self.slot_of[i] = None;
+                self.stats.evictions += 1;
+            }
+            let i = self.index(k);
+            self.slot_of[i] = Some(s);
+            self.slots[s] = Entry { key: Some(k), ready: true, last_use: self.step };
+            ring[r].promote = Some(s);
+            self.stats.promoted += 1;
+        }
     }
 
     /// Records a decode step of `layer` that read every routed expert where
@@ -593,16 +647,26 @@ mod tests {
         let ring: Vec<(usize, usize)> = p.ring.iter().map(|r| (r.expert, r.ring_slot)).collect();
         assert_eq!(ring, vec![(2, 0), (3, 1), (4, 2), (5, 0), (7, 1)]);
         assert_eq!(p.experts[5], (7, Place::Ring(4)));
-        // Streamed experts are not kept: the slots still hold 0 and 1.
-        assert_eq!(pl.slot_keys(), vec![Some(k(0, 0)), Some(k(0, 1))]);
-        // 4 experts (not above the threshold) but 3 misses and 1 evictable slot: streamed too.
+        // The hottest streamed expert (of equal counts the lowest, 2) is promoted into the one
+        // slot the step does not need (1, count 0); the others are not kept.
+        let promoted: Vec<Option<usize>> = p.ring.iter().map(|r| r.promote).collect();
+        assert_eq!(promoted, vec![Some(1), None, None, None, None]);
+        assert_eq!(pl.slot_keys(), vec![Some(k(0, 0)), Some(k(0, 2))]);
+        assert_eq!(pl.slot_of(k(0, 2)), Some((1, true)));
+        check_consistent(&pl);
+        // 4 experts (not above the threshold) but 3 misses and 1 evictable slot: streamed too;
+        // 3 (count 2) is hotter than 2 (count 1) and takes its slot.
         let p = pl.plan_step(0, &ones(&[0, 3, 5, 6]));
         assert_eq!(p.ring.len(), 3);
-        // 2 misses and 2 evictable slots: copied in.
+        assert_eq!(p.ring.iter().map(|r| r.promote).collect::<Vec<_>>(), vec![Some(1), None, None]);
+        // 1 miss and 1 evictable slot: copied in, nothing streamed.
         let p = pl.plan_step(0, &ones(&[3, 5]));
-        assert_eq!((p.fills.len(), p.ring.len()), (2, 0));
+        assert_eq!((p.fills.len(), p.ring.len()), (1, 0));
+        assert_eq!(p.experts[0], (3, Place::Slot { slot: 1, ready: true }));
         let s = pl.stats();
-        assert_eq!((s.hits, s.misses, s.streamed), (2, 10, 8));
+        assert_eq!((s.hits, s.misses, s.streamed, s.promoted, s.evictions), (3, 9, 8, 2, 3));
+        // No bytes for a promotion: only the fill crossed the host link.
+        assert_eq!(s.bytes_copied, (2 + 8 + 1) * pl.capacity().copy_bytes);
         // Threshold 0 forces the ring for any miss.
         let mut pl = planner(1, 8, cap(2, 3, 0), policy(0, 0.0), &rank);
         assert_eq!(pl.plan_step(0, &ones(&[5])).ring.len(), 1);
@@ -737,7 +801,7 @@ mod tests {
 
     #[test]
     fn ring_entries_move_to_the_slot_of_their_half_that_holds_them() {
-        let entry = |expert| RingEntry { expert, ring_slot: 0, from: Source::Host(0) };
+        let entry = |expert| RingEntry { expert, ring_slot: 0, from: Source::Host(0), promote: None };
         let at = |ring: &[RingEntry]| ring.iter().map(|r| r.ring_slot).collect::<Vec<_>>();
         // A ring of 4: waves of 2, wave 0 in slots 0-1, wave 1 in 2-3, wave 2 in 0-1.
         let key = |e| Some(ExpertKey::new(3, e));
@@ -754,8 +818,46 @@ mod tests {
         match_ring_holds(4, &mut other, &holds);
         assert_eq!(at(&other), vec![0, 1]);
         // An odd ring is left as planned.
-        let mut odd = vec![RingEntry { expert: 2, ring_slot: 1, from: Source::Host(0) }];
+        let mut odd = vec![RingEntry { expert: 2, ring_slot: 1, from: Source::Host(0), promote: None }];
         match_ring_holds(3, &mut odd, &[key(2), None, None]);
         assert_eq!(at(&odd), vec![1]);
+    }
+    #[test]
+    fn streamed_experts_are_promoted_only_when_hotter_and_at_most_adapt_swaps_a_step() {
+        // Two slots hold layer 0's experts 0 and 1; threshold 0: every miss streams.
+        let mut pl = planner(1, 6, cap(2, 4, 0), policy(0, 0.0), &ranking(1, 6, None));
+        for _ in 0..3 {
+            pl.plan_step(0, &ones(&[0, 1]));
+        }
+        // Counts 0: 3, 1: 3. Streamed experts of count 1 are not hotter: nothing moves.
+        let p = pl.plan_step(0, &[(2, 1), (3, 1)]);
+        assert!(p.ring.iter().all(|r| r.promote.is_none()));
+        assert_eq!(pl.slot_keys(), vec![Some(k(0, 0)), Some(k(0, 1))]);
+        // Three streamed experts hotter than both slots: adapt_swaps (2) of them, hottest first,
+        // into the colder slot first (equal counts: the one used longer ago, then the lower).
+        let p = pl.plan_step(0, &[(2, 4), (4, 9), (5, 6)]);
+        let promoted: Vec<(usize, Option<usize>)> = p.ring.iter().map(|r| (r.expert, r.promote)).collect();
+        assert_eq!(promoted, vec![(2, None), (4, Some(0)), (5, Some(1))]);
+        assert_eq!(pl.slot_keys(), vec![Some(k(0, 4)), Some(k(0, 5))]);
+        check_consistent(&pl);
+        // Promoted experts are hits from then on.
+        let p = pl.plan_step(0, &ones(&[4, 5]));
+        assert!(p.ring.is_empty() && p.fills.is_empty());
+        assert_eq!(pl.stats().promoted, 2);
+    }
+    #[test]
+    fn promotions_never_evict_a_later_layers_expert() {
+        // Slots hold layer 0's expert 0 and layer 1's expert 0 (ranking: every layer's 0 first).
+        let mut pl = planner(2, 4, cap(2, 2, 0), policy(0, 0.0), &ranking(2, 4, None));
+        assert_eq!(pl.slot_keys(), vec![Some(k(0, 0)), Some(k(1, 0))]);
+        // Layer 0 streams 1 and 2 (hotter than both slots' zero counts): only layer 0's slot
+        // (not needed by this step) is a victim, not layer 1's.
+        let p = pl.plan_step(0, &[(1, 3), (2, 1)]);
+        assert_eq!(p.ring.iter().map(|r| r.promote).collect::<Vec<_>>(), vec![Some(0), None]);
+        // Layer 1 may take layer 0's slot and its own.
+        let p = pl.plan_step(1, &[(2, 5), (3, 4)]);
+        assert_eq!(p.ring.iter().map(|r| r.promote).collect::<Vec<_>>(), vec![Some(1), Some(0)]);
+        assert_eq!(pl.slot_keys(), vec![Some(k(1, 3)), Some(k(1, 2))]);
+        check_consistent(&pl);
     }
 }

@@ -82,7 +82,8 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
             (
                 "a ring of one slot for every miss",
                 ExpertCacheOptions { slots: Some(k), ring_slots: 1, ring_threshold: 0.0, ..Default::default() },
-                |s| s.streamed > 0,
+                // Hot streamed experts move from the ring into slots (device to device).
+                |s| s.streamed > 0 && s.promoted > 0,
             ),
             (
                 "ring waves from page-locked host memory",
