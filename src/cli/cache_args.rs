@@ -31,7 +31,9 @@ pub struct ExpertCacheArgs {
     #[arg(long, default_value_t = 4)]
     ring_slots: usize,
     /// A step routing to more than this fraction of a layer's experts
-    /// streams its misses through the ring instead of evicting slots.
+    /// streams its misses through the ring instead of copying them into
+    /// slots before computing (0: every step with a miss streams, the
+    /// measured crossover; hot streamed experts are promoted into slots).
     #[arg(long, default_value_t = ExpertCacheOptions::default().ring_threshold)]
     ring_threshold: f64,
     /// Workers reading the mapped pack into staging.

@@ -312,7 +312,8 @@ pub struct ExpertStats {
     pub hits: u64,
     /// Lookups not in a slot: copied into one, or streamed.
     pub misses: u64,
-    /// Misses streamed through the prefill ring (not kept in a slot).
+    /// Misses streamed through the prefill ring (kept in a slot only when
+    /// promoted).
     pub streamed: u64,
     /// Misses a decode step's kernels read in place from page-locked host
     /// memory (mapped decode: no copy, no host round trip).
