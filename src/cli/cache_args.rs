@@ -51,8 +51,9 @@ pub struct ExpertCacheArgs {
     /// Initial placement from a profile written by `strata profile`.
     #[arg(long)]
     expert_profile: Option<PathBuf>,
-    /// Copy decode misses into slots even when every expert is in
-    /// page-locked RAM (by default decode reads them there in place).
+    /// Plan decode steps as prefill's (misses streamed or copied into
+    /// slots) even when every expert is in page-locked RAM (by default
+    /// decode reads them there in place).
     #[arg(long)]
     copy_decode_misses: bool,
 }

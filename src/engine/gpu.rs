@@ -1586,8 +1586,7 @@ impl GpuStage {
                 gpu.stream().wait(&hgpu.stream().record_event(None)?)?;
             }
             if let Some(rw) = ring_wave {
-                x.promote_wave(plan, &waves, rw)?;
-                x.wave_computed(rw)?;
+                x.wave_computed(plan, &waves, rw)?;
             }
         }
         if let Some(help) = help.as_deref() {

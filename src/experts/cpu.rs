@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use super::tiers::{Fills, Place, Planner, SlotFill, Source};
+use super::tiers::{Fills, Place, Planner, SlotFill, Source, StepPlan};
 use super::{ExpertCacheOptions, ExpertKey, ExpertStats};
 use crate::backend::{Backend, ExpertRows};
 use crate::error::Result;
@@ -139,14 +139,39 @@ impl ExpertCompute for CacheCompute<'_> {
         x: &[f32],
         y: &mut [f32],
     ) -> Result<()> {
+        let routed: Vec<(usize, usize)> = groups.iter().map(|g| (g.expert, g.tokens.len())).collect();
+        let plan = self.cache.planner.plan_step(layer, &routed);
+        // The slots the plan fills or promotes into whose copies have not
+        // run: a step that fails first leaves them empty, not holding what
+        // the planner believes they hold.
+        let mut pending: Vec<usize> =
+            plan.fills.iter().map(|f| f.slot).chain(plan.ring.iter().filter_map(|r| r.promote)).collect();
+        let r = self.compute_plan(backend, &plan, groups, x, y, &mut pending);
+        if r.is_err() {
+            pending.into_iter().for_each(|s| self.cache.planner.forget_slot(s));
+        }
+        r
+    }
+}
+
+impl CacheCompute<'_> {
+    /// `compute` after planning: fills, then the waves; removes each slot
+    /// from `pending` once its copy is done.
+    fn compute_plan(
+        &mut self,
+        backend: &dyn Backend,
+        plan: &StepPlan,
+        groups: &[ExpertGroup],
+        x: &[f32],
+        y: &mut [f32],
+        pending: &mut Vec<usize>,
+    ) -> Result<()> {
         let (cache, pack) = (&mut *self.cache, self.pack);
         let hidden = cache.layout.hidden as usize;
-        let routed: Vec<(usize, usize)> = groups.iter().map(|g| (g.expert, g.tokens.len())).collect();
-        let plan = cache.planner.plan_step(layer, &routed);
-
         let t = Instant::now();
         for f in &plan.fills {
             cache.fill_slot(pack, f)?;
+            pending.retain(|&s| s != f.slot);
         }
         let mut wait = t.elapsed();
         let (mut g, mut row) = (0, 0);
@@ -223,6 +248,7 @@ impl ExpertCompute for CacheCompute<'_> {
                     let entry = plan.ring[n];
                     if let Some(s) = entry.promote {
                         cache.slots[s].copy_from_slice(&cache.ring[entry.ring_slot]);
+                        pending.retain(|&p| p != s);
                     }
                 }
             }

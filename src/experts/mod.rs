@@ -75,9 +75,11 @@ pub struct ExpertCacheOptions {
     /// Workers that read the mapped pack into page-locked staging; each
     /// holds one staging blob in the host budget.
     pub pool_workers: usize,
-    /// Adaptive swaps every this many tokens (0: never).
+    /// Adaptive swaps every this many tokens (0: never; streamed steps
+    /// still promote, `adapt_swaps`).
     pub adapt_every: usize,
-    /// At most this many swaps per tier per interval.
+    /// At most this many swaps per tier per interval, and promotions of
+    /// streamed experts into slots per step (0: neither).
     pub adapt_swaps: usize,
     /// Per-token decay of the use counts that rank experts (0 < d <= 1).
     pub adapt_decay: f64,
@@ -89,7 +91,8 @@ pub struct ExpertCacheOptions {
     /// memory (the kernels reach it over the host link): no copy and no
     /// host round trip per layer, so the step is replayed from a CUDA
     /// graph; slots change only by adaptive swaps, off the critical path.
-    /// False: decode misses are copied into slots as prefill's are.
+    /// False: decode steps are planned as prefill's are (misses streamed
+    /// or copied into slots, `ring_threshold`).
     pub mapped_decode: bool,
 }
 

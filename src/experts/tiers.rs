@@ -6,7 +6,9 @@
 //! Protocol, per forward of `T` tokens:
 //! `begin_forward(T)`; per MoE layer `plan_step(layer, routed experts)`,
 //! whose `fills` the executor completes before computing the step and whose
-//! `ring` it streams; `end_forward(T)`, which may return adaptive swaps for
+//! `ring` it streams, copying each entry with a `promote` slot from its ring
+//! slot into that slot after computing it (a step that fails before a
+//! promotion's copy reports it with `forget_slot`); `end_forward(T)`, which may return adaptive swaps for
 //! the executor to carry out between steps, off the critical path, each
 //! reported with `slot_fill_done` / `host_fill_done`. A slot being filled
 //! by a swap is not evicted; a step that needs its expert gets
@@ -62,9 +64,10 @@ pub enum Place {
 }
 
 /// One expert streamed through the ring: it occupies ring slot
-/// `ring_slot` (= its index modulo the ring size; the GPU executor may
-/// move it within its ring half, `match_ring_holds`), so its copy may start
-/// once the entry `ring_slots` before it has been computed.
+/// `ring_slot` (= its index modulo the ring size), so its copy may start
+/// once the entry `ring_slots` before it has been computed. (The GPU
+/// executor may move it to another slot of its ring half,
+/// `match_ring_holds`: its copy then waits for the wave two before.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RingEntry {
     pub expert: usize,
@@ -210,6 +213,19 @@ impl Planner {
         self.host[h] = Entry { key: Some(key), ready: false, last_use: self.step };
         self.count_copy(Source::Pack);
         HostFill { key, host: h, evicted }
+    }
+
+    /// Slot `slot` does not hold what the plan put there (a promotion whose
+    /// copy never ran: its step failed first): it becomes empty. Its old
+    /// expert's eviction stands, so nothing else refers to it.
+    pub fn forget_slot(&mut self, slot: usize) {
+        if let Some(key) = self.slots[slot].key {
+            let i = self.index(key);
+            if self.slot_of[i] == Some(slot) {
+                self.slot_of[i] = None;
+            }
+        }
+        self.slots[slot] = Entry::EMPTY;
     }
 
     /// The copy into slot `slot` is complete.
@@ -858,6 +874,33 @@ mod tests {
         let p = pl.plan_step(1, &[(2, 5), (3, 4)]);
         assert_eq!(p.ring.iter().map(|r| r.promote).collect::<Vec<_>>(), vec![Some(1), Some(0)]);
         assert_eq!(pl.slot_keys(), vec![Some(k(1, 3)), Some(k(1, 2))]);
+        check_consistent(&pl);
+    }
+    #[test]
+    fn promotions_skip_pending_slots_stop_at_adapt_swaps_0_and_can_be_forgotten() {
+        let rank = ranking(1, 6, None);
+        // adapt_swaps 0: streamed experts are never promoted.
+        let none = Policy { adapt_every: 0, adapt_swaps: 0, decay: 1.0, ring_threshold: 0.0 };
+        let mut pl = planner(1, 6, cap(2, 4, 0), none, &rank);
+        let p = pl.plan_step(0, &[(3, 9)]);
+        assert!(p.ring[0].promote.is_none() && pl.stats().promoted == 0);
+        // One promotion a step and one swap an interval (every token).
+        let one = Policy { adapt_every: 1, adapt_swaps: 1, decay: 1.0, ring_threshold: 0.0 };
+        let mut pl = planner(1, 6, cap(2, 4, 0), one, &rank);
+        pl.begin_forward(1);
+        let p = pl.plan_step(0, &[(4, 5), (5, 3)]);
+        assert_eq!(p.ring.iter().map(|r| r.promote).collect::<Vec<_>>(), vec![Some(0), None]);
+        // The swap puts 5 in slot 1 (expert 1, count 0): pending until its copy is done.
+        let swaps = pl.end_forward(1);
+        assert_eq!(swaps.slots.iter().map(|f| (f.slot, f.key)).collect::<Vec<_>>(), vec![(1, k(0, 5))]);
+        // Only slot 0 (ready, not needed) may take a promotion; the pending slot keeps its swap.
+        let p = pl.plan_step(0, &[(2, 7), (3, 6)]);
+        assert_eq!(p.ring.iter().map(|r| r.promote).collect::<Vec<_>>(), vec![Some(0), None]);
+        assert_eq!(pl.slot_of(k(0, 5)), Some((1, false)));
+        // A promotion whose copy never ran is forgotten: the slot is empty, nothing maps to it.
+        pl.forget_slot(0);
+        assert_eq!(pl.slot_keys(), vec![None, Some(k(0, 5))]);
+        assert_eq!(pl.slot_of(k(0, 2)), None);
         check_consistent(&pl);
     }
 }
