@@ -651,6 +651,12 @@ impl GpuExpertCache {
 
     fn apply_fills(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
         self.apply_host_fills(pack, fills)?;
+        if !fills.slots.is_empty() {
+            // The slots' last readers and writers on the compute stream (a
+            // step's kernels, its promotions) come first, whether or not the
+            // caller waited for them.
+            self.copy.wait(&self.gpu.stream().record_event(None)?)?;
+        }
         let items: Vec<_> = fills.slots.iter().map(|f| (f.key, f.from, self.slot_addr(f.slot))).collect();
         self.copy_many(pack, &items)?;
         for f in &fills.slots {
