@@ -8,11 +8,12 @@
 //! whose `fills` the executor completes before computing the step and whose
 //! `ring` it streams, copying each entry with a `promote` slot from its ring
 //! slot into that slot after computing it (a step that fails before a
-//! promotion's copy reports it with `forget_slot`); `end_forward(T)`, which may return adaptive swaps for
-//! the executor to carry out between steps, off the critical path, each
-//! reported with `slot_fill_done` / `host_fill_done`. A slot being filled
-//! by a swap is not evicted; a step that needs its expert gets
-//! `Place::Slot { ready: false }` and must wait for that copy.
+//! promotion's copy reports it with `forget_slot`); `end_forward(T)`,
+//! which may return adaptive swaps for the executor to carry out between
+//! steps, off the critical path, each reported with `slot_fill_done` /
+//! `host_fill_done`. A slot being filled by a swap is not evicted; a step
+//! that needs its expert gets `Place::Slot { ready: false }` and must wait
+//! for that copy.
 
 use std::cmp::Ordering;
 
@@ -289,14 +290,7 @@ impl Planner {
             }
             self.stats.streamed += misses.len() as u64;
         } else {
-            // The misses.len() coldest, in eviction order (a total order:
-            // the same victims as a full sort, without sorting every slot).
-            let n = misses.len();
-            if n < victims.len() {
-                victims.select_nth_unstable_by(n - 1, |&a, &b| self.colder_slot(a, b));
-                victims.truncate(n);
-            }
-            victims.sort_by(|&a, &b| self.colder_slot(a, b));
+            self.keep_coldest(&mut victims, misses.len());
             for (&m, &s) in misses.iter().zip(&victims) {
                 let fill = self.place_slot(s, ExpertKey::new(layer, routed[m].0));
                 // The executor completes it before the step computes.
@@ -319,11 +313,26 @@ impl Planner {
         StepPlan { layer, experts, fills, ring }
     }
 
+    /// Keeps the `n` coldest of `slots`, in eviction order (a total order:
+    /// the same slots as a full sort, without sorting every slot).
+    fn keep_coldest(&self, slots: &mut Vec<usize>, n: usize) {
+        if n == 0 {
+            slots.clear();
+            return;
+        }
+        if n < slots.len() {
+            slots.select_nth_unstable_by(n - 1, |&a, &b| self.colder_slot(a, b));
+            slots.truncate(n);
+        }
+        slots.sort_by(|&a, &b| self.colder_slot(a, b));
+    }
+
     /// Promotions of a streamed step (after its use counts are added): its
     /// hottest streamed experts take the coldest `victims` (ready slots the
     /// step does not need, empty ones first; of this layer or one before it)
-    /// while strictly hotter, at most `adapt_swaps` a step. The executor copies each from its ring slot
-    /// after its wave (device memory to device memory: no host link), so a
+    /// while strictly hotter, at most `adapt_swaps` a step. The executor
+    /// copies each from its ring slot after its wave (device memory to
+    /// device memory: no host link), so a
     /// streamed prefill leaves its hot experts in slots, as copying its
     /// misses into slots would, without waiting for those copies. The slot
     /// counts as ready at once: nothing reads it before the copy in stream
@@ -342,11 +351,7 @@ impl Planner {
         let key = |r: &RingEntry| ExpertKey::new(layer, r.expert);
         let mut hot: Vec<usize> = (0..ring.len()).collect();
         hot.sort_by(|&a, &b| self.counts.colder(key(&ring[b]), key(&ring[a])));
-        if n < victims.len() {
-            victims.select_nth_unstable_by(n - 1, |&a, &b| self.colder_slot(a, b));
-            victims.truncate(n);
-        }
-        victims.sort_by(|&a, &b| self.colder_slot(a, b));
+        self.keep_coldest(&mut victims, n);
         for (&r, &s) in hot.iter().zip(&victims) {
             let k = key(&ring[r]);
             if let Some(old) = self.slots[s].key {
@@ -523,8 +528,8 @@ impl Planner {
 /// a prefetch guesses the next step's entries by position, and a step that
 /// skips an expert shifts every later one. Matching within the half keeps
 /// each wave's slots its own: the copy and compute ordering of the waves
-/// (`GpuExpertCache::stream_wave`) is unchanged. Only for an even ring of at least 2 (the
-/// waves are halves); `layer` in the planner's numbering.
+/// (`GpuExpertCache::stream_wave`) is unchanged. Only for an even ring of
+/// at least 2 (the waves are halves); `layer` in the planner's numbering.
 pub fn match_ring_holds(layer: usize, ring: &mut [RingEntry], holds: &[Option<ExpertKey>]) {
     let rs = holds.len();
     if rs < 2 || rs % 2 == 1 {
