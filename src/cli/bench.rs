@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use clap::Args;
 
-use strata::engine::{Engine, EngineOptions, GpuPrecision};
+use strata::engine::{layer_state_bytes, Engine, EngineOptions, GpuPrecision};
 use strata::experts::ExpertStats;
 use strata::model::weights::{model_tensor_name, Role};
 use strata::model::ModelConfig;
@@ -121,9 +121,8 @@ fn decode_bytes(pack: &Pack, ctx: usize, kv_value_bytes: f64) -> Result<DecodeBy
     let mut cache = 0.0;
     for layer in 0..c.num_hidden_layers {
         if c.is_full_attention(layer) {
-            // K and V of every position; int8 adds one f32 scale per head vector.
-            let scale = if kv_value_bytes < 2.0 { 4.0 / c.head_dim as f64 } else { 0.0 };
-            cache += 2.0 * (ctx * c.kv_dim()) as f64 * (kv_value_bytes + scale);
+            // K and V of every position, read once (int8 with its scales).
+            cache += layer_state_bytes(c, layer, ctx, kv_value_bytes) as f64;
         } else if let Some(s) = c.linear_attn() {
             // The recurrent state is read and written.
             cache += 2.0 * 4.0 * (s.num_value_heads * s.key_head_dim * s.value_head_dim) as f64;
