@@ -296,8 +296,9 @@ pub(crate) fn stage_host_budgets(total: u64, ranges: &[Range<usize>], layers: us
         None => (0, total),
     };
     let mut budgets: Vec<u64> = ranges.iter().map(|r| base + share(rest, r)).collect();
+    let given: u64 = budgets.iter().sum();
     if let Some(last) = budgets.last_mut() {
-        *last += total - ranges.iter().map(|r| base + share(rest, r)).sum::<u64>();
+        *last += total - given;
     }
     budgets
 }
