@@ -259,6 +259,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.prompt_len == 0 || a.repeats == 0 {
         return Err(Error::InvalidArgument("--prompt-len and --repeats must be at least 1".into()));
     }
+    #[cfg(feature = "test-hooks")]
+    if let Ok(skip) = std::env::var("STRATA_DECODE_SKIP") {
+        eprintln!("strata bench: STRATA_DECODE_SKIP={skip}: decode steps leave those kernels out (timing only)");
+    }
     let ceil = ceilings(a.device.first().map_or("cpu", String::as_str), a.cache.options().enabled())?;
     let t = Instant::now();
     let opts = EngineOptions {

@@ -65,6 +65,27 @@ fn trace_forward() -> bool {
     *ON.get_or_init(|| std::env::var("STRATA_TRACE_FORWARD").is_ok_and(|v| v == "1"))
 }
 
+/// `STRATA_DECODE_SKIP=name,...` (a `test-hooks` build; one-row steps
+/// only): every layer leaves out the named kernels (`qkv`, `prep`, `attn`,
+/// `oproj`, `router`, `gateup`, `down`), and `head` the LM head, so the
+/// bench can time a decode step without them: what a kernel adds to the
+/// step is the difference. The results are wrong (left-out kernels leave
+/// their outputs stale); nothing but timing may use it.
+#[cfg(feature = "test-hooks")]
+fn skipped(t: usize, name: &str) -> bool {
+    static SKIP: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let skip = SKIP.get_or_init(|| {
+        let v = std::env::var("STRATA_DECODE_SKIP").unwrap_or_default();
+        v.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect()
+    });
+    t == 1 && skip.iter().any(|s| s == name)
+}
+
+#[cfg(not(feature = "test-hooks"))]
+fn skipped(_t: usize, _name: &str) -> bool {
+    false
+}
+
 fn attention_shape(c: &ModelConfig) -> AttentionShape {
     AttentionShape { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim }
 }
@@ -1278,7 +1299,7 @@ impl GpuStage {
                 dense::first_nonfinite(gpu, &s.x, h, &mut cache.flags, l)?;
             }
         }
-        if let (Some(head), true) = (&self.head, rows > 0) {
+        if let (Some(head), true) = (&self.head, rows > 0 && !skipped(t, "head")) {
             let w = head.lm_head.as_ref().or(self.embed.as_ref()).expect("the last stage holds the head");
             let lg = LogitScratch::get(&mut s.head, gpu, rows, h, vocab)?;
             gpu.stream().memcpy_dtod(&s.x.slice((t - rows) * h..t * h), &mut lg.rows)?;
@@ -1309,7 +1330,9 @@ impl GpuStage {
         let qd = shape.q_dim();
         let width = c.q_proj_dim() + 2 * shape.kv_dim();
         let norm = NormIn { w: &lw.input_norm, eps, check: l.checked_sub(1).map(|prev| (&mut cache.flags, prev)) };
-        self.normed_proj(norm, &s.x, &mut s.h, false, qkv, t, width, h, &mut s.qkv, &mut s.bf)?;
+        if !skipped(t, "qkv") {
+            self.normed_proj(norm, &s.x, &mut s.h, false, qkv, t, width, h, &mut s.qkv, &mut s.bf)?;
+        }
         // The q/k norms, RoPE, the gate split and the KV append in one
         // launch; in a captured decode step the position comes from the device.
         let prep = QkvPrep { heads: shape.heads, gated: c.has_attention_gate(), q_norm, k_norm, eps, rope: &self.rope };
@@ -1331,12 +1354,20 @@ impl GpuStage {
                 )?;
             }
             Some(st) => {
-                attention::qkv_prepare_at(gpu, &prep, &s.qkv, t, kv, &st.pos, &mut s.qn, gate)?;
-                attention::attention_at(gpu, &s.qn, kv, shape, t, &mut s.attn, &st.plan, &st.pos, &mut s.attn_split)?;
+                if !skipped(t, "prep") {
+                    attention::qkv_prepare_at(gpu, &prep, &s.qkv, t, kv, &st.pos, &mut s.qn, gate)?;
+                }
+                if !skipped(t, "attn") {
+                    let (plan, pos, split) = (&st.plan, &st.pos, &mut s.attn_split);
+                    attention::attention_at(gpu, &s.qn, kv, shape, t, &mut s.attn, plan, pos, split)?;
+                }
             }
         }
         if c.has_attention_gate() {
             dense::output_gate(gpu, &mut s.attn, &s.gate)?;
+        }
+        if skipped(t, "oproj") {
+            return Ok(());
         }
         self.proj(Write::Add, &s.attn, o_proj, t, h, qd, &mut s.x, &mut s.bf)
     }
@@ -1388,7 +1419,9 @@ impl GpuStage {
         let gpu = &*self.gpu;
         let (t, h, e, k) = (s.t, c.hidden_size, c.num_experts, c.num_experts_per_tok);
         let norm = NormIn { w: &lw.post_attn_norm, eps: c.rms_norm_eps as f32, check: None };
-        self.normed_proj(norm, &s.x, &mut s.h, true, &lw.router, t, e, h, &mut s.router, &mut s.bf)?;
+        if !skipped(t, "router") {
+            self.normed_proj(norm, &s.x, &mut s.h, true, &lw.router, t, e, h, &mut s.router, &mut s.bf)?;
+        }
         let p = self.grouped_precision();
         if let Some(x) = experts.as_deref_mut().filter(|x| x.mapped_decode(t)) {
             // Mapped decode: the resident path through the cache's table
@@ -1423,8 +1456,12 @@ impl GpuStage {
                 ids: &mut s.ids,
                 weights: &mut s.weights,
             };
-            moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
-            moe::expert_down_gemv(gpu, &s.moe.act, &s.ids, &s.weights, table, layout, t, k, &mut s.x, true)?;
+            if !skipped(t, "gateup") {
+                moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
+            }
+            if !skipped(t, "down") {
+                moe::expert_down_gemv(gpu, &s.moe.act, &s.ids, &s.weights, table, layout, t, k, &mut s.x, true)?;
+            }
         } else if let Some(help) = help {
             moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
             let helper_rows = self.helped_experts(l, s, help, &mut cache.help_clock)?;
