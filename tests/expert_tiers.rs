@@ -76,7 +76,12 @@ fn path_equivalence_at_every_slot_count_and_through_the_ring() {
                 ),
                 (
                     "ring forced",
-                    ExpertCacheOptions { slots: Some(slots), ring_slots: 2, ring_threshold: 0.0, ..Default::default() },
+                    ExpertCacheOptions {
+                        slots: Some(slots),
+                        ring_slots: Some(2),
+                        ring_threshold: 0.0,
+                        ..Default::default()
+                    },
                 ),
             ] {
                 let (p, dec, stats) = run(d.path(), cache, 8, 5);
@@ -142,14 +147,24 @@ fn budgets_are_hard_and_a_small_one_names_budget_and_need() {
     let stride = Pack::open(d.path()).unwrap().layout().stride;
     let load = |cache| Engine::load(d.path(), &EngineOptions { expert_cache: cache, ..Default::default() });
     // top_k 2 + ring 4 = 6 blobs is the minimum; 5 fit after the reserve.
-    let cache = ExpertCacheOptions { vram_budget: Some(stride * 6), vram_reserve: stride, ..Default::default() };
-    let err = load(cache).err().unwrap();
+    let ring4 = Some(4);
+    let cache = ExpertCacheOptions {
+        vram_budget: Some(stride * 6),
+        vram_reserve: stride,
+        ring_slots: ring4,
+        ..Default::default()
+    };
+    let err = load(cache.clone()).err().unwrap();
     let msg = err.to_string();
     assert!(matches!(err, Error::InvalidArgument(_)), "{msg}");
     assert!(msg.contains("VRAM budget") && msg.contains(&format!("({} bytes)", stride * 6)), "{msg}");
     assert!(msg.contains("the minimum is 2 slots for one token's experts + the ring: "), "{msg}");
+    // The default ring shrinks to fit instead: 2 slots + a ring of 3.
+    let e = load(ExpertCacheOptions { ring_slots: None, ..cache }).unwrap();
+    e.new_session(&SessionOptions::default()).unwrap().prefill(&[4, 5, 6]).unwrap();
     // Explicit slots beyond the budget are refused too.
-    let cache = ExpertCacheOptions { slots: Some(8), vram_budget: Some(stride * 11), ..Default::default() };
+    let cache =
+        ExpertCacheOptions { slots: Some(8), vram_budget: Some(stride * 11), ring_slots: ring4, ..Default::default() };
     let msg = load(cache).err().unwrap().to_string();
     assert!(msg.contains("8 slots + 4 ring slots") && msg.contains(&format!("({} bytes)", stride * 12)), "{msg}");
     let cache = ExpertCacheOptions { slots: Some(1), ..Default::default() };

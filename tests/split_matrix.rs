@@ -68,7 +68,7 @@ fn engine(dir: &Path, path: &ExecPath) -> Engine {
         threads: Some(2),
         expert_cache: if path.cache {
             let top_k = strata::pack::Pack::open(dir).unwrap().config().num_experts_per_tok;
-            ExpertCacheOptions { slots: Some(top_k), ring_slots: 2, ring_threshold: 0.0, ..Default::default() }
+            ExpertCacheOptions { slots: Some(top_k), ring_slots: Some(2), ring_threshold: 0.0, ..Default::default() }
         } else {
             ExpertCacheOptions::default()
         },

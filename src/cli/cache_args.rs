@@ -27,9 +27,10 @@ pub struct ExpertCacheArgs {
     /// Page-locked host RAM for experts, in GiB (the host tier).
     #[arg(long)]
     resident_budget_gib: Option<f64>,
-    /// Slots of the prefill ring.
-    #[arg(long, default_value_t = 4)]
-    ring_slots: usize,
+    /// Slots of the prefill ring (default: an eighth of the cache's
+    /// slots, at least 4, at most one layer's experts, within the budget).
+    #[arg(long)]
+    ring_slots: Option<usize>,
     /// A step routing to more than this fraction of a layer's experts
     /// streams its misses through the ring instead of copying them into
     /// slots before computing (0: every step with a miss streams, the

@@ -233,7 +233,9 @@ pub fn layer_state_bytes(c: &ModelConfig, layer: usize, context: usize, value_by
 /// VRAM budget, or the slots and the ring), refusing a budget below it.
 fn cache_left(pack: &Pack, o: &crate::experts::ExpertCacheOptions, budgets: &[u64]) -> Result<Vec<u64>> {
     let stride = pack.layout().stride;
-    let need = o.vram_budget.unwrap_or_else(|| (o.slots.unwrap_or(0) + o.ring_slots) as u64 * stride);
+    let slots = o.slots.unwrap_or(0);
+    let need =
+        o.vram_budget.unwrap_or_else(|| (slots + o.ring_beside(pack.config().num_experts, slots)) as u64 * stride);
     budgets
         .iter()
         .map(|&b| {
@@ -1994,7 +1996,7 @@ mod tests {
         assert_eq!(got, want);
         // CUDA stages with a cache: each budget less the slots and the ring (or the VRAM budget).
         let stride = pack.layout().stride;
-        let slots = crate::experts::ExpertCacheOptions { slots: Some(4), ring_slots: 2, ..Default::default() };
+        let slots = crate::experts::ExpertCacheOptions { slots: Some(4), ring_slots: Some(2), ..Default::default() };
         assert_eq!(cache_left(&pack, &slots, &[100 * stride, 7 * stride]).unwrap(), vec![94 * stride, stride]);
         let vram = crate::experts::ExpertCacheOptions { vram_budget: Some(10 * stride), ..Default::default() };
         assert_eq!(cache_left(&pack, &vram, &[11 * stride]).unwrap(), vec![stride]);

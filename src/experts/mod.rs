@@ -58,8 +58,9 @@ pub struct ExpertCacheOptions {
     pub vram_budget: Option<u64>,
     /// Bytes of `vram_budget` kept free for everything else.
     pub vram_reserve: u64,
-    /// Slots of the prefill ring (at least 1), counted in the VRAM budget.
-    pub ring_slots: usize,
+    /// Slots of the prefill ring (at least 1), counted in the VRAM budget;
+    /// `None` (the default) sizes it from the cache (`auto_ring_slots`).
+    pub ring_slots: Option<usize>,
     /// A step whose distinct experts exceed this fraction of the layer's
     /// experts streams its misses through the ring (0, the default: every
     /// planned step with a miss streams; above 1 only overflow uses it);
@@ -102,7 +103,7 @@ impl Default for ExpertCacheOptions {
             slots: None,
             vram_budget: None,
             vram_reserve: 0,
-            ring_slots: 4,
+            ring_slots: None,
             ring_threshold: 0.0,
             host_budget: None,
             pool_workers: 4,
@@ -136,6 +137,31 @@ impl ExpertCacheOptions {
             decay: self.adapt_decay,
             ring_threshold: self.ring_threshold,
         })
+    }
+}
+
+/// The ring a cache of `slots` slots gets by default (`ring_slots` None;
+/// with a VRAM budget, `slots` is the blobs the budget holds): an eighth of
+/// them, at least AUTO_RING_MIN, at most one layer's experts. Measured on
+/// the H200 (docs/performance.md): with a quarter of 30b-a3b's experts in
+/// 1536 slots a 4096-token prefill took 0.313 s with a ring of 64, 0.296 s
+/// with 96 and 0.269 s with 128 (one layer's experts), where the ring holds
+/// every miss of a layer and the next layer's copies start under this
+/// one's compute; a ring of 4 streams two experts a wave.
+pub fn auto_ring_slots(num_experts: usize, slots: usize) -> usize {
+    num_experts.min((slots / AUTO_RING_SHARE).max(AUTO_RING_MIN)).max(1)
+}
+
+/// The default ring takes at most 1/AUTO_RING_SHARE of the cache...
+const AUTO_RING_SHARE: usize = 8;
+/// ... and at least this many slots (the fixed default before).
+const AUTO_RING_MIN: usize = 4;
+
+impl ExpertCacheOptions {
+    /// The ring beside `slots` explicit slots (no VRAM budget): `ring_slots`
+    /// or the default.
+    pub(crate) fn ring_beside(&self, num_experts: usize, slots: usize) -> usize {
+        self.ring_slots.unwrap_or_else(|| auto_ring_slots(num_experts, slots))
     }
 }
 
@@ -180,11 +206,21 @@ impl Capacity {
     ) -> Result<Capacity> {
         let bad = |m: String| Err(Error::InvalidArgument(format!("expert cache: {m}")));
         let pairs = layers * c.num_experts;
-        let (top_k, ring) = (c.num_experts_per_tok, opts.ring_slots);
-        if ring == 0 {
+        let top_k = c.num_experts_per_tok;
+        if opts.ring_slots == Some(0) {
             return bad("ring_slots 0: the prefill ring needs at least 1 slot".into());
         }
         let min_slots = top_k;
+        let ring = match (opts.vram_budget, opts.slots) {
+            // The default ring leaves the budget its explicit slots, or at
+            // least the minimum (a budget too small even so fails below).
+            (Some(budget), explicit) => opts.ring_slots.unwrap_or_else(|| {
+                let fit = (budget.saturating_sub(opts.vram_reserve) / blob_bytes) as usize;
+                let slots = explicit.unwrap_or(0).max(min_slots);
+                auto_ring_slots(c.num_experts, fit).min(fit.saturating_sub(slots)).max(1)
+            }),
+            (None, explicit) => opts.ring_beside(c.num_experts, explicit.unwrap_or(0)),
+        };
         let need = (min_slots + ring) as u64 * blob_bytes;
         let slots = match (opts.slots, opts.vram_budget) {
             (None, None) => return bad("neither slots nor vram_budget is set".into()),
@@ -389,7 +425,7 @@ mod tests {
         assert_eq!((cap.slots, cap.ring_slots, cap.host_blobs, cap.staging_blobs), (6, 4, 0, 0));
         assert!((cap.slots + cap.ring_slots) as u64 * blob <= 11 * blob + 100 - blob);
         // More than one slot per (layer, expert) is not allocated.
-        let o = ExpertCacheOptions { vram_budget: Some(100 * blob), ring_slots: 1, ..Default::default() };
+        let o = ExpertCacheOptions { vram_budget: Some(100 * blob), ring_slots: Some(1), ..Default::default() };
         assert_eq!(plan(o).unwrap().slots, 16);
         assert_eq!(plan(ExpertCacheOptions { slots: Some(40), ..Default::default() }).unwrap().slots, 16);
         // Host: staging first, then whole blobs.
@@ -401,14 +437,52 @@ mod tests {
         };
         assert_eq!((plan(o.clone()).unwrap().host_blobs, plan(o).unwrap().staging_blobs), (3, 2));
         for bad in [
-            ExpertCacheOptions { ring_slots: 0, slots: Some(4), ..Default::default() },
-            ExpertCacheOptions { vram_budget: Some(5 * blob), ..Default::default() },
+            ExpertCacheOptions { ring_slots: Some(0), slots: Some(4), ..Default::default() },
+            ExpertCacheOptions { vram_budget: Some(2 * blob), ..Default::default() },
+            ExpertCacheOptions { vram_budget: Some(5 * blob), ring_slots: Some(4), ..Default::default() },
             ExpertCacheOptions::default(),
         ] {
             assert!(matches!(plan(bad), Err(Error::InvalidArgument(_))));
         }
         let o = ExpertCacheOptions { slots: Some(2), adapt_decay: 0.0, ..Default::default() };
         assert!(o.policy().unwrap_err().to_string().contains("adapt_decay 0"));
+    }
+
+    #[test]
+    fn the_default_ring_is_an_eighth_of_the_cache_within_one_layer_and_the_budget() {
+        // 30b-a3b's 128 experts a layer: 25% and 10% of 6144 in slots, and a small cache.
+        assert_eq!(auto_ring_slots(128, 1536), 128);
+        assert_eq!(auto_ring_slots(128, 614), 76);
+        assert_eq!(auto_ring_slots(128, 16), 4);
+        assert_eq!(auto_ring_slots(2, 16), 2);
+        let c = crate::pack::synth::preset(crate::model::Arch::Qwen3Moe, "tiny").unwrap(); // 2 x 8, top 2
+        let blob = 8192;
+        let plan = |o: ExpertCacheOptions| Capacity::plan(&o, &c, blob, blob).unwrap();
+        let sizes = |cap: Capacity| (cap.slots, cap.ring_slots);
+        // Explicit slots: the ring comes beside them.
+        assert_eq!(sizes(plan(ExpertCacheOptions { slots: Some(12), ..Default::default() })), (12, 4));
+        // A budget: the ring leaves it the explicit slots, or the minimum (top_k = 2).
+        let budget = |n: u64, slots: Option<usize>| ExpertCacheOptions {
+            vram_budget: Some(n * blob),
+            slots,
+            ..Default::default()
+        };
+        assert_eq!(sizes(plan(budget(10, None))), (6, 4));
+        assert_eq!(sizes(plan(budget(10, Some(8)))), (8, 2));
+        assert_eq!(sizes(plan(budget(5, None))), (2, 3));
+        assert_eq!(sizes(plan(budget(3, None))), (2, 1));
+        // An explicit ring is kept.
+        let o = ExpertCacheOptions { ring_slots: Some(7), ..budget(10, None) };
+        assert_eq!(sizes(plan(o)), (3, 7));
+        // Below the minimum even with a ring of 1: the message of
+        // docs/expert-cache.md (30b-a3b, 12 MiB).
+        let c = crate::pack::synth::preset(crate::model::Arch::Qwen3Moe, "30b-a3b").unwrap();
+        let o = ExpertCacheOptions { vram_budget: Some(12 << 20), ..Default::default() };
+        let e = Capacity::plan(&o, &c, 2658304, 2658304).unwrap_err().to_string();
+        assert!(
+            e.contains("8 slots + 1 ring slots of 2.54 MiB (2658304 bytes) need 22.82 MiB (23924736 bytes)"),
+            "{e}"
+        );
     }
 
     #[test]

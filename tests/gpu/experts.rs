@@ -81,7 +81,7 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
             ),
             (
                 "a ring of one slot for every miss",
-                ExpertCacheOptions { slots: Some(k), ring_slots: 1, ring_threshold: 0.0, ..Default::default() },
+                ExpertCacheOptions { slots: Some(k), ring_slots: Some(1), ring_threshold: 0.0, ..Default::default() },
                 // Hot streamed experts move from the ring into slots (device to device).
                 |s| s.streamed > 0 && s.promoted > 0,
             ),
@@ -89,7 +89,7 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
                 "ring waves from page-locked host memory",
                 ExpertCacheOptions {
                     slots: Some(k + 1),
-                    ring_slots: 4,
+                    ring_slots: Some(4),
                     ring_threshold: 0.0,
                     host_budget: Some(blob * (pairs as u64 + 4)),
                     // Decode misses copied too (not read in place).

@@ -117,7 +117,7 @@ fn gpu_engine(dir: &Path, path: &GpuPath) -> Result<Engine, String> {
         let blob = p.layout().stride;
         ExpertCacheOptions {
             slots: Some(c.num_experts_per_tok),
-            ring_slots: 4,
+            ring_slots: Some(4),
             ring_threshold: 0.0,
             // Every expert of the model, and each stage's staging (4 blobs):
             // each stage gets its staging and its layers' share of the rest.
