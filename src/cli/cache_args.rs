@@ -27,7 +27,7 @@ pub struct ExpertCacheArgs {
     /// Page-locked host RAM for experts, in GiB (the host tier).
     #[arg(long)]
     resident_budget_gib: Option<f64>,
-    /// Slots of the prefill ring (default: an eighth of the cache's
+    /// Slots of the prefill ring (default: a quarter of the cache's
     /// slots, at least 4, at most one layer's experts, within the budget).
     #[arg(long)]
     ring_slots: Option<usize>,

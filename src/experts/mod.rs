@@ -141,19 +141,20 @@ impl ExpertCacheOptions {
 }
 
 /// The ring a cache of `slots` slots gets by default (`ring_slots` None;
-/// with a VRAM budget, `slots` is the blobs the budget holds): an eighth of
+/// with a VRAM budget, `slots` is the blobs the budget holds): a quarter of
 /// them, at least AUTO_RING_MIN, at most one layer's experts. Measured on
-/// the H200 (docs/performance.md): with a quarter of 30b-a3b's experts in
-/// 1536 slots a 4096-token prefill took 0.313 s with a ring of 64, 0.296 s
-/// with 96 and 0.269 s with 128 (one layer's experts), where the ring holds
-/// every miss of a layer and the next layer's copies start under this
-/// one's compute; a ring of 4 streams two experts a wave.
+/// the H200 with 30b-a3b (128 experts a layer; docs/performance.md), a
+/// 4096-token prefill with 614 slots (10% of the experts): 0.328 s with a
+/// ring of 64, 0.333 s with 76, 0.294 s with 128; with 1536 slots (25%):
+/// 0.695 s with 4, 0.313 s with 64, 0.296 s with 96, 0.274 s with 128. A
+/// ring of one layer's experts holds every miss of a layer, so the next
+/// layer's copies start under this one's compute.
 pub fn auto_ring_slots(num_experts: usize, slots: usize) -> usize {
     num_experts.min((slots / AUTO_RING_SHARE).max(AUTO_RING_MIN)).max(1)
 }
 
 /// The default ring takes at most 1/AUTO_RING_SHARE of the cache...
-const AUTO_RING_SHARE: usize = 8;
+const AUTO_RING_SHARE: usize = 4;
 /// ... and at least this many slots (the fixed default before).
 const AUTO_RING_MIN: usize = 4;
 
@@ -449,10 +450,11 @@ mod tests {
     }
 
     #[test]
-    fn the_default_ring_is_an_eighth_of_the_cache_within_one_layer_and_the_budget() {
-        // 30b-a3b's 128 experts a layer: 25% and 10% of 6144 in slots, and a small cache.
+    fn the_default_ring_is_a_quarter_of_the_cache_within_one_layer_and_the_budget() {
+        // 30b-a3b's 128 experts a layer: 25%, 10% and 5% of 6144 in slots, and a small cache.
         assert_eq!(auto_ring_slots(128, 1536), 128);
-        assert_eq!(auto_ring_slots(128, 614), 76);
+        assert_eq!(auto_ring_slots(128, 614), 128);
+        assert_eq!(auto_ring_slots(128, 307), 76);
         assert_eq!(auto_ring_slots(128, 16), 4);
         assert_eq!(auto_ring_slots(2, 16), 2);
         let c = crate::pack::synth::preset(crate::model::Arch::Qwen3Moe, "tiny").unwrap(); // 2 x 8, top 2
