@@ -58,9 +58,15 @@ fn synth_inspect_generate() {
         "1",
     ]);
     assert_eq!(rc, 0, "{err}");
-    let line = err.lines().find(|l| l.contains("expert cache:")).unwrap_or_else(|| panic!("no stats line: {err}"));
+    // The planned tiers first (a ring of 1 as asked), then the statistics.
+    assert!(err.contains("expert cache: 2 slots + 1 ring slots of "), "{err}");
+    let line = err.lines().find(|l| l.contains(" misses (")).unwrap_or_else(|| panic!("no stats line: {err}"));
     let misses: u64 = line.split(" misses").next().unwrap().rsplit(' ').next().unwrap().parse().unwrap();
     assert!(misses > 0 && line.contains("evictions"), "{line}");
+    // The default ring: a quarter of the slots, at least 4, at most one layer's 8 experts.
+    let (rc, _, err) = strata(&["generate", "--pack", p, "--tokens", "1,2", "-n", "1", "--expert-cache", "2"]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(err.contains("expert cache: 2 slots + 4 ring slots of "), "{err}");
     // A layer split over two CPU devices, with prefill help on, gives the
     // same tokens and reports its stages and hand-offs.
     let split = ["--device", "cpu,cpu", "--layer-split", "1", "--prefill-help", "on"];

@@ -29,7 +29,7 @@ use strata::sampling::Sampler;
 use strata::session::{KvType, SessionOptions};
 use strata::{Error, Result};
 
-use super::cache_args::{stats_line, ExpertCacheArgs};
+use super::cache_args::{stats_line, tiers_line, ExpertCacheArgs};
 use super::split_args::{split_line, SplitArgs};
 
 #[derive(Args)]
@@ -287,6 +287,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         engine.backend_name(),
         t.elapsed().as_secs_f64()
     );
+    if let Some(line) = tiers_line(&engine.expert_tiers()) {
+        eprintln!("strata bench: {line}");
+    }
     let (kv_type, kv_bytes) = match a.kv {
         KvArg::Int8 => (KvType::Int8, 1.0),
         KvArg::Bf16 => (KvType::Bf16, 2.0),

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use strata::experts::{ExpertCacheOptions, ExpertStats};
+use strata::experts::{Capacity, ExpertCacheOptions, ExpertStats};
 
 const MIB: f64 = 1024.0 * 1024.0;
 const GIB: f64 = 1024.0 * MIB;
@@ -81,6 +81,23 @@ impl ExpertCacheArgs {
             mapped_decode: !self.copy_decode_misses,
         }
     }
+}
+
+/// The planned tiers of each cache (stages in order), for the log after a
+/// load: `None` without a cache.
+pub fn tiers_line(caps: &[Capacity]) -> Option<String> {
+    let stage = |c: &Capacity| {
+        let host = match c.staging_blobs {
+            0 => String::new(),
+            s => format!(", {} host buffers (+{s} staging)", c.host_blobs),
+        };
+        let blob = match c.blob_bytes as f64 {
+            b if b < MIB => format!("{:.1} KiB", b / 1024.0),
+            b => format!("{:.2} MiB", b / MIB),
+        };
+        format!("{} slots + {} ring slots of {blob}{host}", c.slots, c.ring_slots)
+    };
+    (!caps.is_empty()).then(|| format!("expert cache: {}", caps.iter().map(stage).collect::<Vec<_>>().join("; ")))
 }
 
 /// One line of cache statistics for stderr.

@@ -9,7 +9,7 @@ use clap::Args;
 
 use strata::engine::{Engine, EngineOptions};
 
-use super::cache_args::{stats_line, ExpertCacheArgs};
+use super::cache_args::{stats_line, tiers_line, ExpertCacheArgs};
 use super::split_args::{split_line, SplitArgs};
 use strata::sampling::{Sampler, SamplingParams};
 use strata::session::SessionOptions;
@@ -107,6 +107,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         ..Default::default()
     })?;
     eprintln!("strata generate: loaded {} in {:.2} s", a.pack.display(), t_load.elapsed().as_secs_f64());
+    if let Some(line) = tiers_line(&engine.expert_tiers()) {
+        eprintln!("strata generate: {line}");
+    }
 
     let t = Instant::now();
     session.prefill(&prompt)?;

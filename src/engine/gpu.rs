@@ -299,6 +299,11 @@ impl GpuModel {
         self.expert_routed().map(|(s, _)| s)
     }
 
+    /// Each stage cache's planned tiers, in stage order.
+    pub(crate) fn expert_tiers(&self) -> Vec<crate::experts::Capacity> {
+        self.stages.iter().filter_map(|s| s.experts.as_ref()).map(|x| x.lock().planner().capacity()).collect()
+    }
+
     /// The statistics of the expert caches and the tokens routed to each
     /// (layer, expert), every stage's layers in order.
     pub(crate) fn expert_routed(&self) -> Option<(ExpertStats, Vec<Vec<u64>>)> {

@@ -1130,6 +1130,17 @@ impl Engine {
         &self.inner.pack
     }
 
+    /// The tiers each expert cache was planned with (one per stage on a
+    /// split over CUDA devices; empty without a cache): slots, ring slots
+    /// (sized from the cache unless `ring_slots` was given), host buffers.
+    pub fn expert_tiers(&self) -> Vec<crate::experts::Capacity> {
+        #[cfg(feature = "cuda")]
+        if let Exec::Cuda(m) = &self.inner.exec {
+            return m.expert_tiers();
+        }
+        self.inner.experts.iter().map(|c| c.lock().planner().capacity()).collect()
+    }
+
     /// What the expert cache did since load (`None` without a cache).
     pub fn expert_stats(&self) -> Option<ExpertStats> {
         #[cfg(feature = "cuda")]
