@@ -63,10 +63,12 @@ fn synth_inspect_generate() {
     let line = err.lines().find(|l| l.contains(" misses (")).unwrap_or_else(|| panic!("no stats line: {err}"));
     let misses: u64 = line.split(" misses").next().unwrap().rsplit(' ').next().unwrap().parse().unwrap();
     assert!(misses > 0 && line.contains("evictions"), "{line}");
-    // The default ring: a quarter of the slots, at least 4, at most one layer's 8 experts.
-    let (rc, _, err) = strata(&["generate", "--pack", p, "--tokens", "1,2", "-n", "1", "--expert-cache", "2"]);
+    // The default ring under a VRAM budget of 5 blobs of 4 KiB: what the
+    // budget leaves beside the 2 slots one token needs.
+    let budget = ["--expert-vram-budget-mib", "0.01953125"];
+    let (rc, _, err) = strata(&[&["generate", "--pack", p, "--tokens", "1,2", "-n", "1"][..], &budget].concat());
     assert_eq!(rc, 0, "{err}");
-    assert!(err.contains("expert cache: 2 slots + 4 ring slots of "), "{err}");
+    assert!(err.contains("expert cache: 2 slots + 3 ring slots of 4.0 KiB"), "{err}");
     // A layer split over two CPU devices, with prefill help on, gives the
     // same tokens and reports its stages and hand-offs.
     let split = ["--device", "cpu,cpu", "--layer-split", "1", "--prefill-help", "on"];

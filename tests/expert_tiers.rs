@@ -147,11 +147,10 @@ fn budgets_are_hard_and_a_small_one_names_budget_and_need() {
     let stride = Pack::open(d.path()).unwrap().layout().stride;
     let load = |cache| Engine::load(d.path(), &EngineOptions { expert_cache: cache, ..Default::default() });
     // top_k 2 + ring 4 = 6 blobs is the minimum; 5 fit after the reserve.
-    let ring4 = Some(4);
     let cache = ExpertCacheOptions {
         vram_budget: Some(stride * 6),
         vram_reserve: stride,
-        ring_slots: ring4,
+        ring_slots: Some(4),
         ..Default::default()
     };
     let err = load(cache.clone()).err().unwrap();
@@ -161,10 +160,16 @@ fn budgets_are_hard_and_a_small_one_names_budget_and_need() {
     assert!(msg.contains("the minimum is 2 slots for one token's experts + the ring: "), "{msg}");
     // The default ring shrinks to fit instead: 2 slots + a ring of 3.
     let e = load(ExpertCacheOptions { ring_slots: None, ..cache }).unwrap();
+    let tiers = e.expert_tiers();
+    assert_eq!((tiers.len(), tiers[0].slots, tiers[0].ring_slots), (1, 2, 3));
     e.new_session(&SessionOptions::default()).unwrap().prefill(&[4, 5, 6]).unwrap();
     // Explicit slots beyond the budget are refused too.
-    let cache =
-        ExpertCacheOptions { slots: Some(8), vram_budget: Some(stride * 11), ring_slots: ring4, ..Default::default() };
+    let cache = ExpertCacheOptions {
+        slots: Some(8),
+        vram_budget: Some(stride * 11),
+        ring_slots: Some(4),
+        ..Default::default()
+    };
     let msg = load(cache).err().unwrap().to_string();
     assert!(msg.contains("8 slots + 4 ring slots") && msg.contains(&format!("({} bytes)", stride * 12)), "{msg}");
     let cache = ExpertCacheOptions { slots: Some(1), ..Default::default() };
@@ -175,7 +180,7 @@ fn budgets_are_hard_and_a_small_one_names_budget_and_need() {
         msg.contains("host budget") && msg.contains(&format!("({} bytes) for 4 staging blobs", stride * 4)),
         "{msg}"
     );
-    // Exactly the minimum loads and runs with 2 slots.
+    // 6 blobs after the reserve load and run with 2 slots (and the default ring of 4).
     let cache = ExpertCacheOptions { vram_budget: Some(stride * 7), vram_reserve: stride, ..Default::default() };
     let e = load(cache).unwrap();
     e.new_session(&SessionOptions::default()).unwrap().prefill(&[4, 5, 6]).unwrap();

@@ -259,8 +259,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.prompt_len == 0 || a.repeats == 0 {
         return Err(Error::InvalidArgument("--prompt-len and --repeats must be at least 1".into()));
     }
-    #[cfg(feature = "test-hooks")]
+    #[cfg(all(feature = "test-hooks", feature = "cuda"))]
     if let Ok(skip) = std::env::var("STRATA_DECODE_SKIP") {
+        let known = strata::engine::DECODE_SKIP_NAMES;
+        if let Some(bad) = skip.split(',').find(|n| !n.is_empty() && !known.contains(n)) {
+            return Err(Error::InvalidArgument(format!("STRATA_DECODE_SKIP: no kernel {bad:?} (one of {known:?})")));
+        }
         eprintln!("strata bench: STRATA_DECODE_SKIP={skip}: decode steps leave those kernels out (timing only)");
     }
     let ceil = ceilings(a.device.first().map_or("cpu", String::as_str), a.cache.options().enabled())?;

@@ -28,7 +28,8 @@ pub struct ExpertCacheArgs {
     #[arg(long)]
     resident_budget_gib: Option<f64>,
     /// Slots of the prefill ring (default: a quarter of the cache's
-    /// slots, at least 4, at most one layer's experts, within the budget).
+    /// slots, at least 4, at most one layer's experts and the experts the
+    /// slots leave out, within the budget).
     #[arg(long)]
     ring_slots: Option<usize>,
     /// A step routing to more than this fraction of a layer's experts
@@ -87,9 +88,9 @@ impl ExpertCacheArgs {
 /// load: `None` without a cache.
 pub fn tiers_line(caps: &[Capacity]) -> Option<String> {
     let stage = |c: &Capacity| {
-        let host = match c.staging_blobs {
-            0 => String::new(),
-            s => format!(", {} host buffers (+{s} staging)", c.host_blobs),
+        let host = match (c.host_blobs, c.staging_blobs) {
+            (0, 0) => String::new(),
+            (h, s) => format!(", {h} host buffers (+{s} staging)"),
         };
         let blob = match c.blob_bytes as f64 {
             b if b < MIB => format!("{:.1} KiB", b / 1024.0),

@@ -66,11 +66,13 @@ fn trace_forward() -> bool {
 }
 
 /// `STRATA_DECODE_SKIP=name,...` (a `test-hooks` build; one-row steps
-/// only): every layer leaves out the named kernels (`qkv`, `prep`, `attn`,
-/// `oproj`, `router`, `gateup`, `down`), and `head` the LM head, so the
-/// bench can time a decode step without them: what a kernel adds to the
-/// step is the difference. The results are wrong (left-out kernels leave
-/// their outputs stale); nothing but timing may use it.
+/// only): every attention layer leaves out the named kernels (`qkv`,
+/// `prep`, `attn`, `oproj`, `router`, and on the GEMV paths, resident or
+/// mapped, `gateup` and `down`), and `head` the LM head, so the bench can
+/// time a decode step without them: what a kernel adds to the step is the
+/// difference. The results are wrong (left-out kernels leave their outputs
+/// stale); nothing but timing may use it. `strata bench` refuses names
+/// not in DECODE_SKIP_NAMES.
 #[cfg(feature = "test-hooks")]
 fn skipped(t: usize, name: &str) -> bool {
     static SKIP: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
@@ -85,6 +87,9 @@ fn skipped(t: usize, name: &str) -> bool {
 fn skipped(_t: usize, _name: &str) -> bool {
     false
 }
+
+/// The kernels `STRATA_DECODE_SKIP` can name.
+pub const DECODE_SKIP_NAMES: [&str; 8] = ["qkv", "prep", "attn", "oproj", "router", "gateup", "down", "head"];
 
 fn attention_shape(c: &ModelConfig) -> AttentionShape {
     AttentionShape { heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim }
@@ -1345,18 +1350,13 @@ impl GpuStage {
         let kv = cache.kv[l].as_mut().expect("an attention layer has KV");
         match step {
             None => {
-                attention::qkv_prepare(gpu, &prep, &s.qkv, t, kv, start, &mut s.qn, gate)?;
-                attention::attention_with_scratch(
-                    gpu,
-                    &s.qn,
-                    kv,
-                    shape,
-                    start,
-                    t,
-                    &mut s.attn,
-                    self.attn_config(),
-                    &mut s.attn_split,
-                )?;
+                if !skipped(t, "prep") {
+                    attention::qkv_prepare(gpu, &prep, &s.qkv, t, kv, start, &mut s.qn, gate)?;
+                }
+                if !skipped(t, "attn") {
+                    let (config, split) = (self.attn_config(), &mut s.attn_split);
+                    attention::attention_with_scratch(gpu, &s.qn, kv, shape, start, t, &mut s.attn, config, split)?;
+                }
             }
             Some(st) => {
                 if !skipped(t, "prep") {
@@ -1440,8 +1440,12 @@ impl GpuStage {
                 weights: &mut s.weights,
             };
             let layout = &self.layout;
-            moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
-            moe::expert_down_gemv(gpu, &s.moe.act, &ids, &s.weights, table, layout, t, k, &mut s.x, true)?;
+            if !skipped(t, "gateup") {
+                moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
+            }
+            if !skipped(t, "down") {
+                moe::expert_down_gemv(gpu, &s.moe.act, &ids, &s.weights, table, layout, t, k, &mut s.x, true)?;
+            }
         } else if let Some(x) = experts {
             // (A helper only for grouped rows: decode-size steps run the GEMVs.)
             let help = help.filter(|_| t > MOE_GEMV_MAX_ROWS);

@@ -23,6 +23,8 @@
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
 mod host_logits;
+#[cfg(feature = "cuda")]
+pub use gpu::DECODE_SKIP_NAMES;
 #[cfg(test)]
 pub(crate) mod test_pack;
 
@@ -233,9 +235,14 @@ pub fn layer_state_bytes(c: &ModelConfig, layer: usize, context: usize, value_by
 /// VRAM budget, or the slots and the ring), refusing a budget below it.
 fn cache_left(pack: &Pack, o: &crate::experts::ExpertCacheOptions, budgets: &[u64]) -> Result<Vec<u64>> {
     let stride = pack.layout().stride;
+    let c = pack.config();
     let slots = o.slots.unwrap_or(0);
-    let need =
-        o.vram_budget.unwrap_or_else(|| (slots + o.ring_beside(pack.config().num_experts, slots)) as u64 * stride);
+    // The ring of the whole model's cache: no stage's (fewer pairs) is larger.
+    let ring = o.ring_slots.unwrap_or_else(|| {
+        let pairs = c.num_hidden_layers * c.num_experts;
+        crate::experts::default_ring(c.num_experts, pairs, c.num_experts_per_tok, Some(slots), None)
+    });
+    let need = o.vram_budget.unwrap_or((slots + ring) as u64 * stride);
     budgets
         .iter()
         .map(|&b| {
@@ -2009,6 +2016,10 @@ mod tests {
         let stride = pack.layout().stride;
         let slots = crate::experts::ExpertCacheOptions { slots: Some(4), ring_slots: Some(2), ..Default::default() };
         assert_eq!(cache_left(&pack, &slots, &[100 * stride, 7 * stride]).unwrap(), vec![94 * stride, stride]);
+        // The default ring beside a slot for every (layer, expert): 1, nothing streams.
+        let pairs = c.num_hidden_layers * c.num_experts;
+        let all = crate::experts::ExpertCacheOptions { slots: Some(pairs), ..Default::default() };
+        assert_eq!(cache_left(&pack, &all, &[100 * stride]).unwrap(), vec![(100 - pairs as u64 - 1) * stride]);
         let vram = crate::experts::ExpertCacheOptions { vram_budget: Some(10 * stride), ..Default::default() };
         assert_eq!(cache_left(&pack, &vram, &[11 * stride]).unwrap(), vec![stride]);
         let err = cache_left(&pack, &vram, &[9 * stride]).unwrap_err().to_string();

@@ -59,7 +59,7 @@ pub struct ExpertCacheOptions {
     /// Bytes of `vram_budget` kept free for everything else.
     pub vram_reserve: u64,
     /// Slots of the prefill ring (at least 1), counted in the VRAM budget;
-    /// `None` (the default) sizes it from the cache (`auto_ring_slots`).
+    /// `None` (the default) sizes it from the cache (`default_ring`).
     pub ring_slots: Option<usize>,
     /// A step whose distinct experts exceed this fraction of the layer's
     /// experts streams its misses through the ring (0, the default: every
@@ -140,30 +140,45 @@ impl ExpertCacheOptions {
     }
 }
 
-/// The ring a cache of `slots` slots gets by default (`ring_slots` None;
-/// with a VRAM budget, `slots` is the blobs the budget holds): a quarter of
-/// them, at least AUTO_RING_MIN, at most one layer's experts. Measured on
-/// the H200 with 30b-a3b (128 experts a layer; docs/performance.md), a
-/// 4096-token prefill with 614 slots (10% of the experts): 0.328 s with a
-/// ring of 64, 0.333 s with 76, 0.294 s with 128; with 1536 slots (25%):
-/// 0.695 s with 4, 0.313 s with 64, 0.296 s with 96, 0.274 s with 128. A
-/// ring of one layer's experts holds every miss of a layer, so the next
-/// layer's copies start under this one's compute.
+/// A ring of a quarter of `slots`, at least AUTO_RING_MIN, at most one
+/// layer's experts: the default's share of a cache (`default_ring`).
+/// Measured on the H200 with 30b-a3b (128 experts a layer;
+/// docs/performance.md), a 4096-token prefill with 614 slots (10% of the
+/// experts): 0.328 s with a ring of 64, 0.333 s with 76, 0.294 s with 128;
+/// with 1536 slots (25%): 0.695 s with 4, 0.313 s with 64, 0.296 s with 96,
+/// 0.274 s with 128. A ring of one layer's experts holds every miss of a
+/// layer, so the next layer's copies start under this one's compute.
 pub fn auto_ring_slots(num_experts: usize, slots: usize) -> usize {
     num_experts.min((slots / AUTO_RING_SHARE).max(AUTO_RING_MIN)).max(1)
 }
 
-/// The default ring takes at most 1/AUTO_RING_SHARE of the cache...
+/// The share of the slots `auto_ring_slots` gives the ring (1 / this)...
 const AUTO_RING_SHARE: usize = 4;
-/// ... and at least this many slots (the fixed default before).
+/// ... and its least size (the fixed default before).
 const AUTO_RING_MIN: usize = 4;
 
-impl ExpertCacheOptions {
-    /// The ring beside `slots` explicit slots (no VRAM budget): `ring_slots`
-    /// or the default.
-    pub(crate) fn ring_beside(&self, num_experts: usize, slots: usize) -> usize {
-        self.ring_slots.unwrap_or_else(|| auto_ring_slots(num_experts, slots))
-    }
+/// The ring a cache gets when `ring_slots` is None, for `pairs` (layer,
+/// expert) pairs, `explicit` slots and/or `fit` blobs of VRAM budget:
+/// `auto_ring_slots` of the slots (of the budget's blobs), never more than
+/// the experts the slots leave out (1 when every expert has a slot: nothing
+/// streams), and within a budget never more than it leaves beside the slots
+/// (the explicit ones, or at least `min_slots`). At least 1.
+pub(crate) fn default_ring(
+    num_experts: usize,
+    pairs: usize,
+    min_slots: usize,
+    explicit: Option<usize>,
+    fit: Option<usize>,
+) -> usize {
+    let ring = match (explicit.map(|n| n.min(pairs)), fit) {
+        (Some(s), _) if s >= pairs => 1,
+        (None, Some(f)) if f > pairs => 1,
+        (Some(s), Some(f)) => auto_ring_slots(num_experts, f).min(f.saturating_sub(s.max(min_slots))).min(pairs - s),
+        (None, Some(f)) => auto_ring_slots(num_experts, f).min(f.saturating_sub(min_slots)),
+        (Some(s), None) => auto_ring_slots(num_experts, s).min(pairs - s),
+        (None, None) => AUTO_RING_MIN, // no cache (refused by the caller)
+    };
+    ring.max(1)
 }
 
 /// The sizes of the tiers, in blobs, after the budgets.
@@ -212,22 +227,14 @@ impl Capacity {
             return bad("ring_slots 0: the prefill ring needs at least 1 slot".into());
         }
         let min_slots = top_k;
-        let ring = match (opts.vram_budget, opts.slots) {
-            // The default ring leaves the budget its explicit slots, or at
-            // least the minimum (a budget too small even so fails below).
-            (Some(budget), explicit) => opts.ring_slots.unwrap_or_else(|| {
-                let fit = (budget.saturating_sub(opts.vram_reserve) / blob_bytes) as usize;
-                let slots = explicit.unwrap_or(0).max(min_slots);
-                auto_ring_slots(c.num_experts, fit).min(fit.saturating_sub(slots)).max(1)
-            }),
-            (None, explicit) => opts.ring_beside(c.num_experts, explicit.unwrap_or(0)),
-        };
+        let avail = opts.vram_budget.map(|b| b.saturating_sub(opts.vram_reserve));
+        let fit = avail.map(|a| (a / blob_bytes) as usize);
+        let ring = opts.ring_slots.unwrap_or_else(|| default_ring(c.num_experts, pairs, min_slots, opts.slots, fit));
         let need = (min_slots + ring) as u64 * blob_bytes;
         let slots = match (opts.slots, opts.vram_budget) {
             (None, None) => return bad("neither slots nor vram_budget is set".into()),
             (explicit, Some(budget)) => {
-                let avail = budget.saturating_sub(opts.vram_reserve);
-                let fit = (avail / blob_bytes) as usize;
+                let (avail, fit) = (avail.unwrap_or(0), fit.unwrap_or(0));
                 let wanted = explicit.unwrap_or(fit.saturating_sub(ring)).min(pairs);
                 let used = (wanted + ring) as u64 * blob_bytes;
                 if avail < need || used > avail {
@@ -461,8 +468,12 @@ mod tests {
         let blob = 8192;
         let plan = |o: ExpertCacheOptions| Capacity::plan(&o, &c, blob, blob).unwrap();
         let sizes = |cap: Capacity| (cap.slots, cap.ring_slots);
-        // Explicit slots: the ring comes beside them.
-        assert_eq!(sizes(plan(ExpertCacheOptions { slots: Some(12), ..Default::default() })), (12, 4));
+        // Explicit slots: the ring comes beside them, no larger than the
+        // experts they leave out (16 pairs), 1 when they leave none.
+        let slots = |n: usize| ExpertCacheOptions { slots: Some(n), ..Default::default() };
+        assert_eq!(sizes(plan(slots(12))), (12, 4));
+        assert_eq!(sizes(plan(slots(14))), (14, 2));
+        assert_eq!(sizes(plan(slots(40))), (16, 1));
         // A budget: the ring leaves it the explicit slots, or the minimum (top_k = 2).
         let budget = |n: u64, slots: Option<usize>| ExpertCacheOptions {
             vram_budget: Some(n * blob),
@@ -473,6 +484,10 @@ mod tests {
         assert_eq!(sizes(plan(budget(10, Some(8)))), (8, 2));
         assert_eq!(sizes(plan(budget(5, None))), (2, 3));
         assert_eq!(sizes(plan(budget(3, None))), (2, 1));
+        // A budget that holds every expert and more: a ring of 1.
+        assert_eq!(sizes(plan(budget(100, None))), (16, 1));
+        assert_eq!(sizes(plan(budget(17, None))), (16, 1));
+        assert_eq!(sizes(plan(budget(16, None))), (12, 4));
         // An explicit ring is kept.
         let o = ExpertCacheOptions { ring_slots: Some(7), ..budget(10, None) };
         assert_eq!(sizes(plan(o)), (3, 7));
