@@ -19,7 +19,11 @@
 #   cache     the expert-cache matrix: 100/50/25/10% of the 6144 experts of
 #             30b-a3b in VRAM slots, the rest in page-locked RAM, uniform
 #             routing (a `--spread-routing` pack: routing stays uniform at
-#             every depth), a ring of 64
+#             every depth) and skewed (`--zipf 1.2`), the default ring; its
+#             two packs take 39 GB of disk (each 30b-a3b pack 19.4 GB: run
+#             it apart from bench and split on a 64 GB disk)
+#   breakdown the all-resident decode step with each kernel left out in turn
+#             (STRATA_DECODE_SKIP): each kernel's share of the step
 #   crossover the ring threshold's crossover: a 512-token prompt in chunks of
 #             8..128 tokens (routing to 39..100% of a layer's experts) at
 #             25% of the experts in slots, every miss streamed (threshold 0)
@@ -76,10 +80,22 @@ for p in "$@"; do
       ;;
     cache)
       spread="${PACK}-spread"
+      skewed="${PACK}-zipf"
       [ -d "$spread" ] || "$strata" synth --preset 30b-a3b --spread-routing --out "$spread" >/dev/null
-      for pct in 100 50 25 10; do
-        phase "cache-$pct" "$strata" bench --pack "$spread" --expert-cache $((6144 * pct / 100)) \
-          --resident-budget-gib 20 --ring-slots 64 --prompt-len 4096 --gen 32 --repeats 3 || status=1
+      [ -d "$skewed" ] || "$strata" synth --preset 30b-a3b --spread-routing --zipf 1.2 --out "$skewed" >/dev/null
+      for p in "$spread" "$skewed"; do
+        for pct in 100 50 25 10; do
+          phase "cache-$(basename "$p")-$pct" "$strata" bench --pack "$p" --expert-cache $((6144 * pct / 100)) \
+            --resident-budget-gib 20 --prompt-len 4096 --gen 16 --repeats 3 || status=1
+        done
+      done
+      ;;
+    breakdown)
+      pack
+      phase breakdown-all "$strata" bench --pack "$PACK" --prompt-len 4096 --gen 64 --repeats 2 || status=1
+      for k in qkv prep attn oproj router gateup down head; do
+        phase "breakdown-$k" env STRATA_DECODE_SKIP="$k" "$strata" bench --pack "$PACK" --prompt-len 4096 --gen 64 \
+          --repeats 2 || status=1
       done
       ;;
     crossover)
@@ -98,7 +114,7 @@ for p in "$@"; do
       phase two-gpu-stress env STRATA_SPLIT_STRESS=1 "$suite" split_ || status=1
       spread="${PACK}-spread"
       [ -d "$spread" ] || "$strata" synth --preset 30b-a3b --spread-routing --out "$spread" >/dev/null
-      common=(--resident-budget-gib 40 --ring-slots 64 --prompt-len 4096 --gen 32 --repeats 3)
+      common=(--resident-budget-gib 40 --prompt-len 4096 --gen 32 --repeats 3)
       phase two-gpu-one "$strata" bench --pack "$spread" --device cuda:0 --expert-cache 3072 "${common[@]}" || status=1
       for help in off on; do
         phase "two-gpu-split-$help" "$strata" bench --pack "$spread" --device cuda:0,cuda:1 --expert-cache 1536 \
@@ -108,7 +124,7 @@ for p in "$@"; do
       phase two-gpu-resident "$strata" bench --pack "$PACK" --device cuda:0,cuda:1 --prompt-len 4096 --gen 64 \
         --repeats 3 || status=1
       ;;
-    *) echo "unknown phase $p (suite, stress, memcheck, bench, split, cache, crossover, two-gpu)" >&2; status=2 ;;
+    *) echo "unknown phase $p (suite, stress, memcheck, bench, split, cache, breakdown, crossover, two-gpu)" >&2; status=2 ;;
   esac
 done
 exit "$status"
