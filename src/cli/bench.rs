@@ -118,16 +118,14 @@ fn decode_bytes(pack: &Pack, ctx: usize, kv_value_bytes: f64) -> Result<DecodeBy
     let l = pack.layout();
     let per_expert = 3.0 * (l.codes_len() + l.scales_len()) as f64;
     let experts = (c.num_hidden_layers * c.num_experts_per_tok) as f64 * per_expert;
-    let mut cache = 0.0;
-    for layer in 0..c.num_hidden_layers {
-        if c.is_full_attention(layer) {
-            // K and V of every position, read once (int8 with its scales).
-            cache += layer_state_bytes(c, layer, ctx, kv_value_bytes) as f64;
-        } else if let Some(s) = c.linear_attn() {
-            // The recurrent state is read and written.
-            cache += 2.0 * 4.0 * (s.num_value_heads * s.key_head_dim * s.value_head_dim) as f64;
-        }
-    }
+    // K and V of every position are read once (int8 with its scales); a
+    // Gated DeltaNet layer's recurrent and conv state is read and written.
+    let cache = (0..c.num_hidden_layers)
+        .map(|l| {
+            let passes = if c.is_full_attention(l) { 1.0 } else { 2.0 };
+            passes * layer_state_bytes(c, l, ctx, kv_value_bytes) as f64
+        })
+        .sum();
     Ok(DecodeBytes { dense: dense_bytes(pack)?, experts, cache })
 }
 

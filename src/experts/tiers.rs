@@ -843,6 +843,7 @@ mod tests {
         match_ring_holds(3, &mut odd, &[key(2), None, None]);
         assert_eq!(at(&odd), vec![1]);
     }
+
     #[test]
     fn streamed_experts_are_promoted_only_when_hotter_and_at_most_adapt_swaps_a_step() {
         // Two slots hold layer 0's experts 0 and 1; threshold 0: every miss streams.
@@ -866,6 +867,7 @@ mod tests {
         assert!(p.ring.is_empty() && p.fills.is_empty());
         assert_eq!(pl.stats().promoted, 2);
     }
+
     #[test]
     fn promotions_never_evict_a_later_layers_expert() {
         // Slots hold layer 0's expert 0 and layer 1's expert 0 (ranking: every layer's 0 first).
@@ -881,6 +883,7 @@ mod tests {
         assert_eq!(pl.slot_keys(), vec![Some(k(1, 3)), Some(k(1, 2))]);
         check_consistent(&pl);
     }
+
     #[test]
     fn promotions_skip_pending_slots_stop_at_adapt_swaps_0_and_can_be_forgotten() {
         let rank = ranking(1, 6, None);
