@@ -74,11 +74,21 @@ static __device__ __forceinline__ float2 moe_e2m1x2_scaled(uint32_t t) {
 // low byte is 0 is its high byte: sign at bit 7, magnitude bits at 1..3. So
 // E holds that byte for the low nibble of each byte of w (elements 0, 2, 4,
 // 6), O for the high nibble (1, 3, 5, 7), and each pair is two bytes of E or
-// O moved to bytes 1 and 3: 11 integer ops for 8 codes.
-static __device__ __forceinline__ void moe_e2m1x8(uint32_t w, float2 (&p)[4]) {
+// O moved to bytes 1 and 3: 11 integer ops for 8 codes. moe_e2m1x8_h gives
+// the f16x2 bits (pair k in h[k]), moe_e2m1x8 the pairs as f32.
+static __device__ __forceinline__ void moe_e2m1x8_h(uint32_t w, uint32_t (&h)[4]) {
     const uint32_t E = ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u);
     const uint32_t O = ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);
-    const uint32_t h[4] = {__byte_perm(E, 0u, 0x2404), __byte_perm(O, 0u, 0x2404), E & 0xFF00FF00u, O & 0xFF00FF00u};
+    h[0] = __byte_perm(E, 0u, 0x2404);
+    h[1] = __byte_perm(O, 0u, 0x2404);
+    h[2] = E & 0xFF00FF00u;
+    h[3] = O & 0xFF00FF00u;
+}
+
+// moe_e2m1x8_h converted to f32 pairs.
+static __device__ __forceinline__ void moe_e2m1x8(uint32_t w, float2 (&p)[4]) {
+    uint32_t h[4];
+    moe_e2m1x8_h(w, h);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         __half2 v;
@@ -355,6 +365,49 @@ static __device__ __forceinline__ void moe_gate_up_rows(const float4* xs, const 
     }
 }
 
+// The expert blob of assignment a = t * k + j of a decode gate/up GEMV
+// block, nullptr for an expert id past the table. With logits (decode: no
+// moe_route_topk launch) every block of token t routes it in its warp 0 (the
+// same operations, so the same result, as moe_route_topk) while the other
+// warps load the table into shared memory (the blob address is then a
+// shared-memory read, not an L2 round trip), and the blocks of y = 0 publish
+// their choice j for the down kernel; without, the expert is ids[a]. Every
+// thread of the block calls it (a barrier on the routed path).
+// E <= MOE_FUSED_ROUTE_MAX (the wrappers' check): no 32-register path here.
+static __device__ __forceinline__ const uint8_t* moe_gemv_blob(const uint32_t* __restrict__ ids,
+                                                               const uint64_t* __restrict__ table, int table_len,
+                                                               int a, int top_k, const float* __restrict__ logits,
+                                                               int num_experts, int norm_topk_prob,
+                                                               uint32_t* __restrict__ ids_out,
+                                                               float* __restrict__ weights_out) {
+    __shared__ uint32_t routed_ids[MOE_MAX_TOP_K];
+    __shared__ float routed_w[MOE_MAX_TOP_K];
+    __shared__ uint64_t table_s[MOE_FUSED_ROUTE_MAX];
+    if (logits == nullptr) {
+        const uint32_t e = __ldg(ids + a);
+        return e < (uint32_t)table_len ? reinterpret_cast<const uint8_t*>(__ldg(table + e)) : nullptr;
+    }
+    const int t = a / top_k, j = a - t * top_k;
+    const int table_s_len = min(table_len, MOE_FUSED_ROUTE_MAX);
+    if (threadIdx.x < 32) {
+        const float* row = logits + (size_t)t * num_experts;
+        if (num_experts <= 128)
+            moe_topk_warp_n<4>(row, num_experts, top_k, norm_topk_prob, routed_ids, routed_w);
+        else
+            moe_topk_warp_n<MOE_FUSED_ROUTE_MAX / 32>(row, num_experts, top_k, norm_topk_prob, routed_ids, routed_w);
+    } else {
+        for (int i = threadIdx.x - 32; i < table_s_len; i += blockDim.x - 32) table_s[i] = __ldg(table + i);
+    }
+    __syncthreads();
+    const uint32_t e = routed_ids[j];
+    if (blockIdx.y == 0 && threadIdx.x == 0) {
+        ids_out[a] = e;
+        weights_out[a] = routed_w[j];
+    }
+    if (e >= (uint32_t)table_len) return nullptr;
+    return reinterpret_cast<const uint8_t*>(e < (uint32_t)table_s_len ? table_s[e] : __ldg(table + e));
+}
+
 // grid (T * k, ceil(I / (8 warps * 2 rows))), block 256, dynamic smem H * 4.
 // act[a] for assignment a = t * k + j, expert ids[a], blob table[ids[a]].
 // Latency first: the expert's first step of code and scale loads (8 x 16
@@ -369,48 +422,16 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 3)
     extern __shared__ float4 moe_gu_xs[];
     strata_pdl_trigger();  // programmatic dependent launch: wait before any access
     strata_pdl_wait();
-    __shared__ uint32_t routed_ids[MOE_MAX_TOP_K];
-    __shared__ float routed_w[MOE_MAX_TOP_K];
-    // The routed path's table, loaded by warps 1.. while warp 0 routes (the
-    // blob address is then a shared-memory read, not an L2 round trip).
-    __shared__ uint64_t table_s[MOE_FUSED_ROUTE_MAX];
-    const int a = blockIdx.x, t = a / top_k, j = a - t * top_k;
+    const int a = blockIdx.x, t = a / top_k;
     const int H = (int)L.hidden, I = (int)L.intermediate, nchunk = H >> 5, lane = threadIdx.x & 31;
-    const int table_s_len = min(table_len, MOE_FUSED_ROUTE_MAX);
-    uint32_t e;
-    if (logits != nullptr) {
-        // Routed here (decode: no moe_route_topk launch): every block of
-        // token t routes it in its warp 0 (the same operations, so the same
-        // result, as moe_route_topk); the blocks of y = 0 publish their
-        // choice j for the down kernel.
-        // E <= MOE_FUSED_ROUTE_MAX (the wrapper's check): no 32-register path here.
-        if (threadIdx.x < 32) {
-            const float* row = logits + (size_t)t * num_experts;
-            if (num_experts <= 128)
-                moe_topk_warp_n<4>(row, num_experts, top_k, norm_topk_prob, routed_ids, routed_w);
-            else
-                moe_topk_warp_n<MOE_FUSED_ROUTE_MAX / 32>(row, num_experts, top_k, norm_topk_prob, routed_ids,
-                                                          routed_w);
-        } else {
-            for (int i = threadIdx.x - 32; i < table_s_len; i += blockDim.x - 32) table_s[i] = __ldg(table + i);
-        }
-        __syncthreads();
-        e = routed_ids[j];
-        if (blockIdx.y == 0 && threadIdx.x == 0) {
-            ids_out[a] = e;
-            weights_out[a] = routed_w[j];
-        }
-    } else {
-        e = __ldg(ids + a);
-    }
+    const uint8_t* blob =
+        moe_gemv_blob(ids, table, table_len, a, top_k, logits, num_experts, norm_topk_prob, ids_out, weights_out);
     float* act_row = act + (size_t)a * I;
     const int row0 = (blockIdx.y * MOE_GU_WARPS + (threadIdx.x >> 5)) * MOE_GEMV_ROWS;
-    if (e >= (uint32_t)table_len) {  // a bad expert id: a visible NaN, never a wild read
+    if (blob == nullptr) {  // a bad expert id: a visible NaN, never a wild read
         if (lane < MOE_GEMV_ROWS && row0 + lane < I) act_row[row0 + lane] = __int_as_float(0x7fc00000);
         return;
     }
-    const uint8_t* blob = reinterpret_cast<const uint8_t*>(
-        logits != nullptr && e < (uint32_t)table_s_len ? table_s[e] : __ldg(table + e));
     const size_t code_row = (size_t)H >> 1, scale_row = (size_t)H >> 4;
     // The warp's rows are row0, row0 + 1 (I is even); a row0 past I (none in
     // the wrapper's grid: I % 16 == 0) reads rows I - 2, I - 1 and writes
@@ -670,6 +691,296 @@ extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
             float* o = out + (size_t)t * H + orow;
             *o = accumulate ? *o + v : v;
         }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 2b. The decode GEMVs on tensor cores (sm_80+): moe_gate_up_gemv_tc and
+// moe_down_gemv_tc, the same results as moe_gate_up_gemv / moe_down_gemv
+// (up to f32 rounding) with about half the instructions per weight.
+//
+// The CUDA-core GEMVs spend ~3.4 instructions per NVFP4 weight (integer
+// decode, a conversion and an FMA per code) and are bound by that chain, not
+// by memory. Here a warp multiplies a 16-row tile of weights by x with
+// mma.sync m16n8k16 (f16 in, f32 accumulate):
+// - A holds e2m1(code) * e4m3(block scale) * 2^-7 as an f16, which is EXACT:
+//   the product has at most 6 significant bits (2 and 4) and lies in
+//   [2^-17, 21] (2^-17 as an f16 subnormal, all its bits above 2^-24); it is
+//   one HMUL2 of moe_e2m1x8_h's pairs (value * 2^-14) by the scale * 2^7
+//   (moe_e4m3x2_x128). With the scale inside A, the order of k inside a tile
+//   is free: thread (g, t) of the mma puts into its k slots the pairs
+//   (element i, element i + 4) of its own 8-code words, and B takes x in
+//   the same order, so every load is a plain 16-byte code load.
+// - B column 0 holds f16(x'), column 1 f16(x' - column 0), columns 2..7 are
+//   zero (x' = x * 2^-E per 256-element slice, E such that max |x'| is in
+//   [2^13, 2^14): no f16 overflow, and the pair keeps 22 bits of every x).
+//   Row r's result is D[r][0] + D[r][1], times 2^E * 2^7 * the global scale.
+// Code map: a warp slice is 256 elements of K (128 bytes of a code row);
+// thread (g, t) loads the 16 bytes at 16 t and 64 + 16 t of rows g and g + 8
+// (a group's 4 threads read each row's 64-byte halves), i.e. words
+// 16 u + 4 t + j (u, j < 4: uint4 u, word j) of the slice, and their two
+// block scales (u16 at 8 u + 2 t: word j's scale is byte j / 2).
+// x is staged per warp (no block barrier): lane L converts word L of the
+// slice into the hi and lo pairs (moe_tc_stage).
+#define MOE_TC_GU_WARPS 8
+#define MOE_TC_SLICE 256
+#define MOE_TC_DN_MAX_PARTS 64  // (expert, K slice) partials of a down block (top_k * I / 256)
+
+// f16x2 (s0 * 2^7, s1 * 2^7) of the two E4M3 scales in the low 16 bits of v,
+// exact: the bytes shifted into f16s give s * 2^-8 (as moe_e4m3_to_f32), and
+// s * 2^7 <= 57344 fits an f16.
+static __device__ __forceinline__ __half2 moe_e4m3x2_x128(uint32_t v) {
+    const uint32_t b = __byte_perm(v, 0u, 0x4140);  // bytes s0, 0, s1, 0
+    const uint32_t h = ((b & 0x00800080u) << 8) | ((b & 0x007F007Fu) << 7);
+    __half2 r, k;
+    const uint32_t k15 = 0x78007800u;  // (2^15, 2^15)
+    memcpy(&r, &h, 4);
+    memcpy(&k, &k15, 4);
+    return __hmul2(r, k);
+}
+
+// The four A pairs of an 8-code word, each times the word's scale pair sc
+// (e2m1 * 2^-14 * s * 2^7: exact, see the section comment).
+static __device__ __forceinline__ void moe_tc_word(uint32_t w, __half2 sc, uint32_t (&a)[4]) {
+    uint32_t h[4];
+    moe_e2m1x8_h(w, h);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        __half2 v;
+        memcpy(&v, &h[k], 4);
+        v = __hmul2(v, sc);
+        memcpy(&a[k], &v, 4);
+    }
+}
+
+static __device__ __forceinline__ void moe_mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                   uint32_t b0, uint32_t b1) {
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// Stages the slice x[0, 256) for one warp: lane L writes word L's pairs
+// (x[8L + i], x[8L + i + 4]), i < 4, as f16 hi (xs[L]) and lo (xs[32 + L])
+// of x * 2^-E, and returns 2^E (see the section comment; E = 0 for a zero or
+// non-finite slice: NaN and infinity stay as they are).
+static __device__ __forceinline__ float moe_tc_stage(const float* __restrict__ x, uint4* xs, int lane) {
+    const float4 p = __ldg(reinterpret_cast<const float4*>(x) + 2 * lane);
+    const float4 q = __ldg(reinterpret_cast<const float4*>(x) + 2 * lane + 1);
+    float m = fmaxf(fmaxf(fmaxf(fabsf(p.x), fabsf(p.y)), fmaxf(fabsf(p.z), fabsf(p.w))),
+                    fmaxf(fmaxf(fabsf(q.x), fabsf(q.y)), fmaxf(fabsf(q.z), fabsf(q.w))));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    // E = floor(log2 m) - 13, within [-110, 110] (2^±E normal floats).
+    const int E = (m > 0.0f && m <= 3.402823466e38f) ? min(max(((__float_as_int(m) >> 23) & 0xFF) - 127 - 13, -110), 110) : 0;
+    const float down = __int_as_float((127 - E) << 23);
+    const float xa[4] = {p.x * down, p.y * down, p.z * down, p.w * down};
+    const float xb[4] = {q.x * down, q.y * down, q.z * down, q.w * down};
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __half2 h = __floats2half2_rn(xa[i], xb[i]);
+        const __half2 l = __floats2half2_rn(xa[i] - __low2float(h), xb[i] - __high2float(h));
+        memcpy(&hi[i], &h, 4);
+        memcpy(&lo[i], &l, 4);
+    }
+    xs[lane] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    xs[32 + lane] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    return __int_as_float((127 + E) << 23);
+}
+
+// One warp slice of a 16-row tile of NM matrices: matrix m's codes c[m][r][u]
+// (r: rows g and g + 8) and scale pairs s[m][r][u] times the staged x (xs:
+// hi, then lo), accumulated into d[m][word parity % NACC]. Lanes g >= 2 give
+// the zero B columns.
+template <int NM, int NACC>
+static __device__ __forceinline__ void moe_tc_slice(const uint4 (&c)[NM][2][2], const uint32_t (&s)[NM][2][2],
+                                                    const uint4* xs, int g, int t4, float (&d)[NM][NACC][4]) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        __half2 sc[NM][2];
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            sc[m][0] = moe_e4m3x2_x128(s[m][0][u]);
+            sc[m][1] = moe_e4m3x2_x128(s[m][1][u]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint4 b = g < 2 ? xs[32 * g + 16 * u + 4 * t4 + j] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int m = 0; m < NM; ++m) {
+                uint32_t a0[4], a1[4];
+                moe_tc_word(moe_u4_word(c[m][0][u], j), j < 2 ? __low2half2(sc[m][0]) : __high2half2(sc[m][0]), a0);
+                moe_tc_word(moe_u4_word(c[m][1][u], j), j < 2 ? __low2half2(sc[m][1]) : __high2half2(sc[m][1]), a1);
+                moe_mma_f16(d[m][j % NACC], a0[0], a1[0], a0[1], a1[1], b.x, b.y);
+                moe_mma_f16(d[m][j % NACC], a0[2], a1[2], a0[3], a1[3], b.z, b.w);
+            }
+        }
+    }
+}
+
+// Row g's and row g + 8's sums of a slice's accumulators (lanes t4 == 0:
+// columns 0 and 1, hi and lo), times pe.
+template <int NACC>
+static __device__ __forceinline__ float2 moe_tc_rows(const float (&d)[NACC][4], float pe) {
+    float r0 = 0.0f, r1 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NACC; ++k) {
+        r0 += d[k][0] + d[k][1];
+        r1 += d[k][2] + d[k][3];
+    }
+    return make_float2(r0 * pe, r1 * pe);
+}
+
+// Rows g and g + 8 of a 16-row tile for one slice: codes at code_row_g (row
+// g's slice start; row g + 8 is 8 code rows on), scales likewise.
+static __device__ __forceinline__ void moe_tc_load(const uint8_t* codes, const uint8_t* scales, size_t code_row,
+                                                   size_t scale_row, int t4, uint4 (&c)[2][2], uint32_t (&s)[2][2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            c[r][u] = moe_ld_codes(codes + r * 8 * code_row + 64 * u + 16 * t4);
+            s[r][u] = moe_ld_scales2(scales + r * 8 * scale_row + 8 * u + 2 * t4);
+        }
+    }
+}
+
+// grid (T * k, I / 16), block 256 (8 warps), no dynamic smem; H % 256 == 0,
+// I % 16 == 0 (the wrapper's checks). Arguments and results as
+// moe_gate_up_gemv. Block (a, y): rows 16 y .. 16 y + 15 of gate and up of
+// assignment a's expert; warp w takes the K slices w, w + 8, ... and leaves
+// its partial sums of the 32 rows in red; 32 threads add the 8 warps' in warp
+// order (deterministic). For T = 1, I = 768 the grid is 384 blocks of 8
+// warps, one wave at 3 blocks per SM (<= 85 registers), each warp with its
+// 8 code loads (128 bytes a lane) issued before it stages its x slice.
+extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 3)
+    moe_gate_up_gemv_tc(const float* __restrict__ x, const uint32_t* __restrict__ ids,
+                        const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k,
+                        float* __restrict__ act, const float* __restrict__ logits, int num_experts,
+                        int norm_topk_prob, uint32_t* __restrict__ ids_out, float* __restrict__ weights_out) {
+    __shared__ uint4 xs[MOE_TC_GU_WARPS][64];
+    __shared__ float red[MOE_TC_GU_WARPS][2][16];
+    strata_pdl_trigger();  // programmatic dependent launch: wait before any access
+    strata_pdl_wait();
+    const int a = blockIdx.x, t = a / top_k;
+    const int H = (int)L.hidden, I = (int)L.intermediate;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const uint8_t* blob =
+        moe_gemv_blob(ids, table, table_len, a, top_k, logits, num_experts, norm_topk_prob, ids_out, weights_out);
+    float* act_row = act + (size_t)a * I + 16 * blockIdx.y;
+    if (blob == nullptr) {  // a bad expert id: a visible NaN, never a wild read
+        if (threadIdx.x < 16) act_row[threadIdx.x] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const size_t code_row = (size_t)H >> 1, scale_row = (size_t)H >> 4;
+    const size_t row = (size_t)16 * blockIdx.y + g;
+    float acc[2][2] = {};  // [gate, up][row g, g + 8], lanes t4 == 0
+    for (int sl = warp; sl < H / MOE_TC_SLICE; sl += MOE_TC_GU_WARPS) {
+        uint4 c[2][2][2];  // [gate, up][row g, g + 8][u]
+        uint32_t sc[2][2][2];
+        const size_t co = row * code_row + 128 * sl, so = row * scale_row + 16 * sl;
+        moe_tc_load(blob + L.gate_codes + co, blob + L.gate_scales + so, code_row, scale_row, t4, c[0], sc[0]);
+        moe_tc_load(blob + L.up_codes + co, blob + L.up_scales + so, code_row, scale_row, t4, c[1], sc[1]);
+        const float pe = moe_tc_stage(x + (size_t)t * H + MOE_TC_SLICE * sl, xs[warp], lane);
+        __syncwarp();
+        float d[2][1][4] = {};
+        moe_tc_slice<2, 1>(c, sc, xs[warp], g, t4, d);
+        __syncwarp();  // xs is rewritten by the next slice
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            const float2 r = moe_tc_rows(d[m], pe);
+            acc[m][0] += r.x;
+            acc[m][1] += r.y;
+        }
+    }
+    if (t4 == 0) {
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            red[warp][m][g] = acc[m][0];
+            red[warp][m][g + 8] = acc[m][1];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+        float sg = 0.0f, su = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MOE_TC_GU_WARPS; ++w) {
+            sg += red[w][0][threadIdx.x];
+            su += red[w][1][threadIdx.x];
+        }
+        const float gate = sg * (moe_tail(blob, L, 0) * 128.0f), up = su * (moe_tail(blob, L, 1) * 128.0f);
+        act_row[threadIdx.x] = moe_silu(gate) * up;
+    }
+}
+
+// grid (T, H / 16), block 32 * min(top_k * I / 256, 32) threads, dynamic
+// smem 1 KB a warp; I % 256 == 0, H % 16 == 0, top_k * I / 256 <=
+// MOE_TC_DN_MAX_PARTS (the wrapper's checks). Arguments and results as
+// moe_down_gemv. Block (t, y): output rows 16 y .. 16 y + 15 of token t; its
+// warps take the (expert j, K slice p) parts q = j * (I / 256) + p in turn,
+// each leaving the part's 16 sums (times 2^E) in red[q]; then 16 threads add
+// sum_j coef_j sum_p red[j, p] in (j, p) order (deterministic), coef_j =
+// w_j * g_down_j * 2^7 (NaN for a bad expert id: a visible NaN row, never a
+// wild read).
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_down_gemv_tc(const float* __restrict__ act, const uint32_t* __restrict__ ids, const float* __restrict__ weights,
+                     const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k,
+                     float* __restrict__ out, int accumulate) {
+    extern __shared__ uint4 moe_dn_tc_xs[];
+    __shared__ float red[MOE_TC_DN_MAX_PARTS][16];
+    __shared__ float coefs[MOE_MAX_TOP_K];
+    __shared__ uint64_t blobs[MOE_MAX_TOP_K];
+    strata_pdl_trigger();  // programmatic dependent launch: wait before any access
+    strata_pdl_wait();
+    const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate, parts = I / MOE_TC_SLICE;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int nwarps = blockDim.x >> 5;
+    if (threadIdx.x < top_k) {
+        const int j = threadIdx.x;
+        const uint32_t e = __ldg(ids + t * top_k + j);
+        const bool ok = e < (uint32_t)table_len;
+        const uint64_t b = ok ? __ldg(table + e) : 0;
+        blobs[j] = b;
+        coefs[j] = ok ? __ldg(weights + t * top_k + j) * moe_tail(reinterpret_cast<const uint8_t*>(b), L, 2) * 128.0f
+                      : __int_as_float(0x7fc00000);
+    }
+    __syncthreads();
+    const size_t code_row = (size_t)I >> 1, scale_row = (size_t)I >> 4;
+    const size_t row = (size_t)16 * blockIdx.y + g;
+    uint4* xs = moe_dn_tc_xs + 64 * warp;
+    for (int q = warp; q < top_k * parts; q += nwarps) {
+        const int j = q / parts, p = q - j * parts;
+        const uint8_t* blob = reinterpret_cast<const uint8_t*>(blobs[j]);
+        if (blob == nullptr) continue;  // coefs[j] is NaN
+        uint4 c[1][2][2];
+        uint32_t s[1][2][2];
+        moe_tc_load(blob + L.down_codes + row * code_row + 128 * p, blob + L.down_scales + row * scale_row + 16 * p,
+                    code_row, scale_row, t4, c[0], s[0]);
+        const float pe = moe_tc_stage(act + ((size_t)t * top_k + j) * I + MOE_TC_SLICE * p, xs, lane);
+        __syncwarp();
+        float d[1][2][4] = {};
+        moe_tc_slice<1, 2>(c, s, xs, g, t4, d);
+        __syncwarp();  // xs is rewritten by the next part
+        if (t4 == 0) {
+            const float2 r = moe_tc_rows(d[0], pe);
+            red[q][g] = r.x;
+            red[q][g + 8] = r.y;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+        float v = 0.0f;
+        for (int j = 0; j < top_k; ++j) {
+            float sj = 0.0f;
+            for (int p = 0; p < parts; ++p) sj += red[j * parts + p][threadIdx.x];
+            v = fmaf(coefs[j], sj, v);
+        }
+        float* o = out + (size_t)t * H + 16 * blockIdx.y + threadIdx.x;
+        *o = accumulate ? *o + v : v;
     }
 }
 

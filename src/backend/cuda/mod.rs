@@ -161,6 +161,9 @@ pub struct Gpu {
     /// Whether `launch` asks for programmatic dependent launch (sm_90+,
     /// unless `STRATA_PDL=0`).
     pdl: bool,
+    /// Whether the batch-1 expert GEMVs may run on tensor cores (sm_80+,
+    /// unless `STRATA_TC_GEMV=0`).
+    tc_gemv: bool,
 }
 
 // The engine shares one Gpu between threads.
@@ -213,6 +216,7 @@ impl Gpu {
             compute_capability: (major as u32, minor as u32),
             sm_count: sm_count as u32,
             pdl: major >= 9 && std::env::var("STRATA_PDL").map_or(true, |v| v != "0"),
+            tc_gemv: major >= 8 && std::env::var("STRATA_TC_GEMV").map_or(true, |v| v != "0"),
         }))
     }
 
@@ -228,6 +232,12 @@ impl Gpu {
     /// (major, minor), e.g. (9, 0) for Hopper.
     pub fn compute_capability(&self) -> (u32, u32) {
         self.compute_capability
+    }
+
+    /// Whether the decode expert GEMVs may use their tensor-core kernels
+    /// (sm_80+; `STRATA_TC_GEMV=0` keeps the CUDA-core ones, for comparison).
+    pub fn tc_gemv(&self) -> bool {
+        self.tc_gemv
     }
 
     /// Number of streaming multiprocessors (sizes persistent grids).

@@ -139,6 +139,34 @@ fn fast_cols(cols: usize) -> bool {
     cols % 32 == 0
 }
 
+/// Output rows of a tensor-core decode GEMV block (`moe_*_gemv_tc`: one
+/// mma.sync tile), the K elements of one warp slice, the gate/up block's
+/// warps and the shared memory of a down block's warp (its staged x slice).
+const TC_ROWS: usize = 16;
+const TC_SLICE: usize = 256;
+const TC_GU_WARPS: usize = 8;
+const TC_WARP_SMEM: usize = 1024;
+/// `MOE_TC_DN_MAX_PARTS`: the (expert, K slice) partials a down block holds.
+const TC_DN_MAX_PARTS: usize = 64;
+
+/// Whether the decode gate/up GEMV runs on tensor cores (`moe_gate_up_gemv_tc`):
+/// the device allows it (`Gpu::tc_gemv`), H a multiple of 256, I of 16.
+fn tc_gate_up(gpu: &Gpu, h: usize, i: usize) -> bool {
+    gpu.tc_gemv() && h % TC_SLICE == 0 && i % TC_ROWS == 0
+}
+
+/// Whether the decode down GEMV runs on tensor cores (`moe_down_gemv_tc`):
+/// the device allows it, I a multiple of 256, H of 16, and the block's
+/// (expert, slice) partials within `TC_DN_MAX_PARTS`.
+fn tc_down(gpu: &Gpu, h: usize, i: usize, top_k: usize) -> bool {
+    gpu.tc_gemv() && i % TC_SLICE == 0 && h % TC_ROWS == 0 && top_k * (i / TC_SLICE) <= TC_DN_MAX_PARTS
+}
+
+/// Warps of a `moe_down_gemv_tc` block: one per (expert, slice) part, at most 32.
+fn tc_down_warps(i: usize, top_k: usize) -> usize {
+    (top_k * (i / TC_SLICE)).clamp(1, 32)
+}
+
 fn invalid(msg: String) -> Error {
     Error::InvalidArgument(msg)
 }
@@ -318,14 +346,30 @@ fn gate_up_gemv_launch<G: DevicePtr<u32>, R: DevicePtrMut<u32>>(
     if tokens == 0 {
         return Ok(());
     }
-    let fast = fast_cols(h);
-    let f = gpu.function(if fast { "moe_gate_up_gemv" } else { "moe_gate_up_gemv16" })?;
-    let smem = h * 4;
-    allow_smem(&f, smem)?;
-    let cfg = LaunchConfig {
-        grid_dim: ((tokens * top_k) as u32, i.div_ceil(GU_WARPS * GEMV_ROWS) as u32, 1),
-        block_dim: ((GU_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: smem as u32,
+    let tc = tc_gate_up(gpu, h, i);
+    let fast = tc || fast_cols(h);
+    let f = gpu.function(if tc {
+        "moe_gate_up_gemv_tc"
+    } else if fast {
+        "moe_gate_up_gemv"
+    } else {
+        "moe_gate_up_gemv16"
+    })?;
+    let cfg = if tc {
+        // 16 rows of gate and up a block, its 8 warps over K in 256-element slices.
+        LaunchConfig {
+            grid_dim: ((tokens * top_k) as u32, (i / TC_ROWS) as u32, 1),
+            block_dim: ((TC_GU_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    } else {
+        let smem = h * 4;
+        allow_smem(&f, smem)?;
+        LaunchConfig {
+            grid_dim: ((tokens * top_k) as u32, i.div_ceil(GU_WARPS * GEMV_ROWS) as u32, 1),
+            block_dim: ((GU_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        }
     };
     let k = top_k as i32;
     let (e, norm) = match &ids {
@@ -348,7 +392,7 @@ fn gate_up_gemv_launch<G: DevicePtr<u32>, R: DevicePtrMut<u32>>(
                 a.null().val(e).val(norm).null().null();
             }
         }
-        // SAFETY: moe_gate_up_gemv(const float* x [T, H], const unsigned* ids [T*k] or null, const u64* table
+        // SAFETY: moe_gate_up_gemv[_tc](const float* x [T, H], const unsigned* ids [T*k] or null, const u64* table
         // [table_len], int table_len, MoeBlobLayout, int k, float* act [T*k, I], const float* logits [T, E] or
         // null, int E, int norm, unsigned* ids_out [T*k], float* weights_out [T*k]) (null ids exactly when logits
         // are given); lengths checked above and by the callers; ids past the table give NaN rows; the kernel waits
@@ -395,15 +439,29 @@ pub fn expert_down_gemv(
     if tokens == 0 {
         return Ok(());
     }
-    let fast = fast_cols(i);
-    if fast && (h * i / 2) as u64 > u32::MAX as u64 {
+    let tc = tc_down(gpu, h, i, top_k);
+    let fast = tc || fast_cols(i);
+    if fast && !tc && (h * i / 2) as u64 > u32::MAX as u64 {
         // moe_down_gemv keeps row offsets in 32 bits.
         return Err(invalid(format!("expert_down_gemv: hidden {h} x intermediate {i} is too large")));
     }
-    let f = gpu.function(if fast { "moe_down_gemv" } else { "moe_down_gemv16" })?;
-    let smem = top_k * i * 4;
+    let f = gpu.function(if tc {
+        "moe_down_gemv_tc"
+    } else if fast {
+        "moe_down_gemv"
+    } else {
+        "moe_down_gemv16"
+    })?;
+    let smem = if tc { tc_down_warps(i, top_k) * TC_WARP_SMEM } else { top_k * i * 4 };
     allow_smem(&f, smem)?;
-    let cfg = if fast {
+    let cfg = if tc {
+        // 16 output rows a block; its warps over the (expert, 256-element K slice) parts.
+        LaunchConfig {
+            grid_dim: (tokens as u32, (h / TC_ROWS) as u32, 1),
+            block_dim: ((tc_down_warps(i, top_k) * 32) as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        }
+    } else if fast {
         // 8 output rows per block; 16 warps: 2 row groups x 8 expert warps
         // (experts j and j + 8), per-expert partials added in j order.
         LaunchConfig {
@@ -424,7 +482,8 @@ pub fn expert_down_gemv(
         let mut a = KernelArgs::new();
         a.buf(gpu, act).buf(gpu, ids).buf(gpu, weights).buf(gpu, table).val(table_len).val(*layout).val(k);
         a.buf_mut(gpu, out).val(acc);
-        // SAFETY: as below; moe_down_gemv waits for its predecessor (strata_pdl_wait) before touching memory.
+        // SAFETY: as below (moe_down_gemv_tc: the same arguments); both wait for their predecessor
+        // (strata_pdl_wait) before touching memory.
         unsafe { gpu.launch(&f, cfg, &mut a) }?;
         return Ok(());
     }
