@@ -4,6 +4,8 @@
 //   route:    moe_route_topk            logits [T, E] -> ids, weights [T, k]
 //   decode:   moe_gate_up_gemv          act[t*k+j] = silu(gate_e x_t) * (up_e x_t)
 //             moe_down_gemv             out[t] (+)= sum_j w[t,j] down_e act[t*k+j]
+//             moe_gate_up_gemv_tc / moe_down_gemv_tc: the same on tensor cores
+//             (sm_80+, H and I multiples of 256 where they are reduced over)
 //   prefill:  moe_group_by_expert       counting sort of the (token, j) assignments by expert
 //             moe_gate_up_grouped_simple / moe_down_grouped_simple   (one slot per block row, SIMT)
 //             moe_gate_up_grouped_mma   / moe_down_grouped_mma       (tensor cores, sm_80+)
