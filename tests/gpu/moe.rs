@@ -40,6 +40,7 @@ pub const TESTS: &[GpuTest] = &[
     ("moe_gemv_matches_expert_ffn_row", gemv_matches_expert_ffn_row),
     ("moe_gemv_shared_expert_accumulates", gemv_shared_expert_accumulates),
     ("moe_gemv_bad_expert_id_gives_nan_rows", gemv_bad_expert_id_gives_nan_rows),
+    ("moe_gemv_wide_range_and_slices", gemv_wide_range_and_slices),
     ("moe_decode_pipeline_matches_moe_forward", decode_pipeline_matches_moe_forward),
     ("moe_group_by_expert_matches_cpu", group_by_expert_matches_cpu),
     ("moe_grouped_matches_cpu_forward", grouped_matches_cpu_forward),
@@ -239,6 +240,25 @@ fn gemv_matches_expert_ffn_row(gpu: &Arc<Gpu>) -> Result<(), String> {
     Ok(())
 }
 
+/// The tensor-core GEMVs' two edges. H = 2304 is 9 slices of 256, so a
+/// gate/up warp takes two (I = 256: the down GEMV's one slice per expert).
+/// x far outside f16's range (3e5: f16 overflows at 65504; 1e-7: below its
+/// normal range, where f16 keeps a bit or two) must come out as accurate
+/// as at 1, which only the per-slice power-of-two prescale gives (the down
+/// GEMV's act rows follow x's magnitude); and a row whose slices differ by
+/// 1e12, one all zero, checked per magnitude: the huge slices alone, the
+/// tiny ones alone (the others zeroed).
+fn gemv_wide_range_and_slices(gpu: &Arc<Gpu>) -> Result<(), String> {
+    check_gemv(gpu, 2304, 256, 9, 4, &[1, 2])?;
+    check_gemv_x(gpu, 2048, 768, 10, 8, &[1], " x*3e5", &|_, v| v * 3.0e5)?;
+    check_gemv_x(gpu, 2048, 768, 10, 8, &[1], " x*1e-7", &|_, v| v * 1.0e-7)?;
+    // Slice s of 256: huge (s % 3 == 0), tiny (1) or zero (2).
+    let mag = |c: usize| [3.0e5f32, 3.0e-7, 0.0][(c / 256) % 3];
+    check_gemv_x(gpu, 2304, 256, 9, 4, &[1], " huge slices", &|c, v| if mag(c) > 1.0 { v * mag(c) } else { 0.0 })?;
+    check_gemv_x(gpu, 2304, 256, 9, 4, &[1], " tiny slices", &|c, v| if mag(c) < 1.0 { v * mag(c) } else { 0.0 })?;
+    Ok(())
+}
+
 /// An expert id at or past the table's length (a corrupt routing) makes the
 /// act rows of that assignment and the out row of its token NaN, and leaves
 /// the other tokens right: never a wild read, never a silent zero. T = 3,
@@ -310,12 +330,27 @@ fn gemv_any_multiple_of_16(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// F32_TOL (and not what g_gate = 1 gives), out overwritten (poisoned first;
 /// not what g_down = 1 gives) and accumulated onto a prior.
 fn check_gemv(gpu: &Gpu, h: usize, i: usize, n_exp: usize, k: usize, token_counts: &[usize]) -> Result<(), String> {
+    check_gemv_x(gpu, h, i, n_exp, k, token_counts, "", &|_, v| v)
+}
+
+/// check_gemv with x[t][c] replaced by `x_of(c, x[t][c])` (`label` names it).
+#[allow(clippy::too_many_arguments)]
+fn check_gemv_x(
+    gpu: &Gpu,
+    h: usize,
+    i: usize,
+    n_exp: usize,
+    k: usize,
+    token_counts: &[usize],
+    label: &str,
+    x_of: &dyn Fn(usize, f32) -> f32,
+) -> Result<(), String> {
     let host = HostExperts::random(h as u64 + i as u64, h, i, n_exp);
     let dev = upload_experts(gpu, &host)?;
     for &tokens in token_counts {
-        let what = format!("H={h} I={i} E={n_exp} k={k} T={tokens}");
+        let what = format!("H={h} I={i} E={n_exp} k={k} T={tokens}{label}");
         let seed = (h * 7 + i * 3 + tokens) as u64;
-        let x = rand_f32(seed, tokens * h, 1.0);
+        let x: Vec<f32> = rand_f32(seed, tokens * h, 1.0).iter().enumerate().map(|(n, &v)| x_of(n % h, v)).collect();
         let ids = random_ids(seed + 1, tokens, k, n_exp);
         let weights: Vec<f32> = rand_f32(seed + 2, tokens * k, 1.0).iter().map(|v| 0.05 + v.abs()).collect();
         let prior = rand_f32(seed + 3, tokens * h, 1.0);
