@@ -226,28 +226,54 @@ fn route_topk_matches_moe_route(gpu: &Arc<Gpu>) -> Result<(), String> {
     Ok(())
 }
 
-/// The decode GEMVs against expert_ffn_row for T in {1, 3} and three shapes,
-/// with overwrite and accumulate, and a check that the down scale matters.
-/// The model sizes (k = 8 of I = 768, k = 10 of I = 512) at T = 1 and 3, and
-/// the largest k (16: the fast down GEMV's second expert slot in every warp,
-/// 48 KB of staged act rows) at T = 1 and 8.
-fn gemv_matches_expert_ffn_row(gpu: &Arc<Gpu>) -> Result<(), String> {
-    for &(h, i, n_exp, k) in &[(64usize, 32usize, 12usize, 10usize), (2048, 768, 10, 8), (2048, 512, 12, 10)] {
-        check_gemv(gpu, h, i, n_exp, k, &[1, 3])?;
+/// Runs `check` with the expert GEMVs on tensor cores and, where the device
+/// has them, again on CUDA cores (`Gpu::set_tc_gemv`, test-hooks builds;
+/// others run the device's default once), then restores the setting. A
+/// failure names the kernels.
+fn each_gemv_kernel(gpu: &Gpu, check: impl Fn() -> Result<(), String>) -> Result<(), String> {
+    #[cfg(feature = "test-hooks")]
+    {
+        let prev = gpu.set_tc_gemv(true);
+        let tc = gpu.tc_gemv();
+        let mut r = check().map_err(|m| format!("{}: {m}", if tc { "tensor cores" } else { "CUDA cores" }));
+        if r.is_ok() && tc {
+            gpu.set_tc_gemv(false);
+            r = check().map_err(|m| format!("CUDA cores: {m}"));
+        }
+        gpu.set_tc_gemv(prev);
+        r
     }
-    check_gemv(gpu, 2048, 768, 20, 16, &[1, 8])?;
-    check_gemv(gpu, 256, 64, 17, 16, &[2, 5])?;
-    Ok(())
+    #[cfg(not(feature = "test-hooks"))]
+    {
+        let _ = gpu;
+        check()
+    }
 }
 
-/// The tensor-core GEMVs' two edges. H = 2304 is 9 slices of 256, so a
-/// gate/up warp takes two (I = 256: the down GEMV's one slice per expert).
-/// x far outside f16's range (3e5: f16 overflows at 65504; 1e-7: below its
-/// normal range, where f16 keeps a bit or two) must come out as accurate
-/// as at 1, which only the per-slice power-of-two prescale gives (the down
-/// GEMV's act rows follow x's magnitude); and a row whose slices differ by
-/// 1e12, one all zero, checked per magnitude: the huge slices alone, the
-/// tiny ones alone (the others zeroed).
+/// The decode GEMVs against expert_ffn_row for T in {1, 3} and three shapes,
+/// with overwrite and accumulate, and a check that the down scale matters,
+/// on tensor cores and on CUDA cores (each_gemv_kernel). The model sizes
+/// (k = 8 of I = 768, k = 10 of I = 512) at T = 1 and 3, and the largest k
+/// (16: 48 parts of the tensor-core down GEMV, more than its 32 warps; the
+/// CUDA-core one's second expert slot in every warp, 48 KB of staged act
+/// rows) at T = 1 and 8.
+fn gemv_matches_expert_ffn_row(gpu: &Arc<Gpu>) -> Result<(), String> {
+    each_gemv_kernel(gpu, || {
+        for &(h, i, n_exp, k) in &[(64usize, 32usize, 12usize, 10usize), (2048, 768, 10, 8), (2048, 512, 12, 10)] {
+            check_gemv(gpu, h, i, n_exp, k, &[1, 3])?;
+        }
+        check_gemv(gpu, 2048, 768, 20, 16, &[1, 8])?;
+        check_gemv(gpu, 256, 64, 17, 16, &[2, 5])
+    })
+}
+
+/// The tensor-core GEMVs' edges. H = 2304 is 9 slices of 256, so a gate/up
+/// warp takes two (I = 256: the down GEMV's one slice per expert). x far
+/// from f16's normal range (3e5: f16 overflows at 65504; 1e-7: f16
+/// subnormals, a bit or two of precision) must come out as accurate as at
+/// 1, which the power-of-two prescale gives (the down GEMV's act rows
+/// follow x's magnitude); slices of 3e5 or 3e-7 beside all-zero slices
+/// (a zero slice's prescale), one magnitude a row.
 fn gemv_wide_range_and_slices(gpu: &Arc<Gpu>) -> Result<(), String> {
     check_gemv(gpu, 2304, 256, 9, 4, &[1, 2])?;
     check_gemv_x(gpu, 2048, 768, 10, 8, &[1], " x*3e5", &|_, v| v * 3.0e5)?;
@@ -263,50 +289,53 @@ fn gemv_wide_range_and_slices(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// act rows of that assignment and the out row of its token NaN, and leaves
 /// the other tokens right: never a wild read, never a silent zero. T = 3,
 /// k = 10 (the bad ids at j = 2 of token 0 and j = 9 of token 2: both expert
-/// slots of the fast down GEMV's warps), fast and generic kernels.
+/// slots of the fast CUDA-core down GEMV's warps), the tensor-core, fast and
+/// generic kernels (each_gemv_kernel).
 fn gemv_bad_expert_id_gives_nan_rows(gpu: &Arc<Gpu>) -> Result<(), String> {
-    for &(h, i) in &[(2048usize, 512usize), (64, 32), (48, 16)] {
-        let (n_exp, k, tokens) = (12usize, 10usize, 3usize);
-        let host = HostExperts::random(70 + i as u64, h, i, n_exp);
-        let dev = upload_experts(gpu, &host)?;
-        let x = rand_f32(71, tokens * h, 1.0);
-        let mut ids = random_ids(72, tokens, k, n_exp);
-        ids[2] = n_exp as u32 + 5;
-        ids[2 * k + 9] = u32::MAX;
-        let weights: Vec<f32> = rand_f32(73, tokens * k, 1.0).iter().map(|v| 0.05 + v.abs()).collect();
-        let d_x = gpu.upload(&x).map_err(e)?;
-        let d_ids = gpu.upload(&ids).map_err(e)?;
-        let d_w = gpu.upload(&weights).map_err(e)?;
-        let mut act = poisoned(gpu, tokens * k * i)?;
-        gm::expert_gate_up_gemv(gpu, &d_x, &d_ids, &dev.table, &dev.layout, tokens, k, &mut act).map_err(e)?;
-        let mut out = gpu.upload(&rand_f32(74, tokens * h, 1.0)).map_err(e)?;
-        gm::expert_down_gemv(gpu, &act, &d_ids, &d_w, &dev.table, &dev.layout, tokens, k, &mut out, false)
-            .map_err(e)?;
-        let got_act = download(gpu, &act)?;
-        let got = download(gpu, &out)?;
-        let what = format!("H={h} I={i} bad ids");
-        for a in [2usize, 2 * k + 9] {
-            if let Some(p) = got_act[a * i..(a + 1) * i].iter().position(|v| !v.is_nan()) {
-                return Err(format!("{what}: act[{a}][{p}] = {} is not NaN", got_act[a * i + p]));
+    each_gemv_kernel(gpu, || {
+        for &(h, i) in &[(2048usize, 512usize), (64, 32), (48, 16)] {
+            let (n_exp, k, tokens) = (12usize, 10usize, 3usize);
+            let host = HostExperts::random(70 + i as u64, h, i, n_exp);
+            let dev = upload_experts(gpu, &host)?;
+            let x = rand_f32(71, tokens * h, 1.0);
+            let mut ids = random_ids(72, tokens, k, n_exp);
+            ids[2] = n_exp as u32 + 5;
+            ids[2 * k + 9] = u32::MAX;
+            let weights: Vec<f32> = rand_f32(73, tokens * k, 1.0).iter().map(|v| 0.05 + v.abs()).collect();
+            let d_x = gpu.upload(&x).map_err(e)?;
+            let d_ids = gpu.upload(&ids).map_err(e)?;
+            let d_w = gpu.upload(&weights).map_err(e)?;
+            let mut act = poisoned(gpu, tokens * k * i)?;
+            gm::expert_gate_up_gemv(gpu, &d_x, &d_ids, &dev.table, &dev.layout, tokens, k, &mut act).map_err(e)?;
+            let mut out = gpu.upload(&rand_f32(74, tokens * h, 1.0)).map_err(e)?;
+            gm::expert_down_gemv(gpu, &act, &d_ids, &d_w, &dev.table, &dev.layout, tokens, k, &mut out, false)
+                .map_err(e)?;
+            let got_act = download(gpu, &act)?;
+            let got = download(gpu, &out)?;
+            let what = format!("H={h} I={i} bad ids");
+            for a in [2usize, 2 * k + 9] {
+                if let Some(p) = got_act[a * i..(a + 1) * i].iter().position(|v| !v.is_nan()) {
+                    return Err(format!("{what}: act[{a}][{p}] = {} is not NaN", got_act[a * i + p]));
+                }
             }
-        }
-        for t in [0usize, 2] {
-            if let Some(p) = got[t * h..(t + 1) * h].iter().position(|v| !v.is_nan()) {
-                return Err(format!("{what}: out[{t}][{p}] = {} is not NaN", got[t * h + p]));
+            for t in [0usize, 2] {
+                if let Some(p) = got[t * h..(t + 1) * h].iter().position(|v| !v.is_nan()) {
+                    return Err(format!("{what}: out[{t}][{p}] = {} is not NaN", got[t * h + p]));
+                }
             }
-        }
-        // Token 1 is untouched by the bad ids.
-        let mut want = vec![0.0f32; h];
-        let mut y = vec![0.0f32; h];
-        for j in 0..k {
-            expert_ffn_row(&host.view(ids[k + j] as usize), &x[h..2 * h], &mut y);
-            for (o, v) in want.iter_mut().zip(&y) {
-                *o += weights[k + j] * v;
+            // Token 1 is untouched by the bad ids.
+            let mut want = vec![0.0f32; h];
+            let mut y = vec![0.0f32; h];
+            for j in 0..k {
+                expert_ffn_row(&host.view(ids[k + j] as usize), &x[h..2 * h], &mut y);
+                for (o, v) in want.iter_mut().zip(&y) {
+                    *o += weights[k + j] * v;
+                }
             }
+            check_close(&format!("{what}: out[1]"), &got[h..2 * h], &want, F32_TOL)?;
         }
-        check_close(&format!("{what}: out[1]"), &got[h..2 * h], &want, F32_TOL)?;
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// The (hidden, intermediate) sizes of the fixture models' routed and shared

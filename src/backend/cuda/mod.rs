@@ -13,6 +13,7 @@ pub mod dense;
 pub mod moe;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{sys, CudaModule, DriverError};
@@ -162,8 +163,8 @@ pub struct Gpu {
     /// unless `STRATA_PDL=0`).
     pdl: bool,
     /// Whether the batch-1 expert GEMVs may run on tensor cores (sm_80+,
-    /// unless `STRATA_TC_GEMV=0`).
-    tc_gemv: bool,
+    /// unless `STRATA_TC_GEMV=0`; tests may switch it: `set_tc_gemv`).
+    tc_gemv: AtomicBool,
 }
 
 // The engine shares one Gpu between threads.
@@ -216,7 +217,7 @@ impl Gpu {
             compute_capability: (major as u32, minor as u32),
             sm_count: sm_count as u32,
             pdl: major >= 9 && std::env::var("STRATA_PDL").map_or(true, |v| v != "0"),
-            tc_gemv: major >= 8 && std::env::var("STRATA_TC_GEMV").map_or(true, |v| v != "0"),
+            tc_gemv: AtomicBool::new(major >= 8 && std::env::var("STRATA_TC_GEMV").map_or(true, |v| v != "0")),
         }))
     }
 
@@ -237,7 +238,16 @@ impl Gpu {
     /// Whether the decode expert GEMVs may use their tensor-core kernels
     /// (sm_80+; `STRATA_TC_GEMV=0` keeps the CUDA-core ones, for comparison).
     pub fn tc_gemv(&self) -> bool {
-        self.tc_gemv
+        self.tc_gemv.load(Ordering::Relaxed)
+    }
+
+    /// Tests (`test-hooks`): lets the expert GEMV wrappers take the
+    /// tensor-core kernels (`on`, where the device has them) or the CUDA-core
+    /// ones from the next launch on (a decode step's CUDA graph keeps what it
+    /// captured); returns the previous setting.
+    #[cfg(feature = "test-hooks")]
+    pub fn set_tc_gemv(&self, on: bool) -> bool {
+        self.tc_gemv.swap(on && self.compute_capability.0 >= 8, Ordering::Relaxed)
     }
 
     /// Number of streaming multiprocessors (sizes persistent grids).

@@ -250,12 +250,13 @@ pub fn route_topk(
 // Decode.
 
 /// `act[t*k + j] = silu(gate_e . x_t) * (up_e . x_t)` for `e = ids[t*k + j]`,
-/// each matrix with its own global scale from the blob tail; f32 throughout.
+/// each matrix with its own global scale from the blob tail.
 /// `x [T, H]`, `ids [T * k]`, `table [E]` blob addresses, `act [T * k, I]`.
 /// Meant for T <= 8 (decode); correct for any T. The shared expert is a
 /// table of one entry, ids all 0, k = 1. On tensor cores where
-/// `tc_gate_up` allows (x as f16 hi + lo: ~22 significant bits), else on
-/// CUDA cores in f32; `expert_down_gemv` likewise (`tc_down`).
+/// `tc_gate_up` allows (x as f16 hi + lo after a power-of-two prescale,
+/// f32 accumulation), else on CUDA cores in f32; `expert_down_gemv`
+/// likewise (`tc_down`).
 #[allow(clippy::too_many_arguments)]
 pub fn expert_gate_up_gemv(
     gpu: &Gpu,
