@@ -1431,7 +1431,7 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
                                                 float* __restrict__ part_acc, float* __restrict__ part_ml,
                                                 unsigned int* __restrict__ counters, int heads, int kv_heads,
                                                 int start_pos, int chunk, float scale, const int* __restrict__ step,
-                                                int one_level) {
+                                                int one_level, int prewait) {
     using S = AttnRowShape<HD, KV, GB>;
     constexpr int NT = ATTN_ROW_THREADS, NW = ATTN_ROW_WARPS;
     constexpr int TK = S::TK, DSQ = S::DSQ, DPT = S::DPT, SEGB = S::SEGB, CPS = S::CPS, KRS = S::KRS;
@@ -1449,14 +1449,7 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     if (qn <= 0) return;
     const int hb = kvh * group + part * qpb;  // its first query head
 
-    // The queries first (independent of the step values): in flight with the rest.
-    float4 qr[QPT];
-#pragma unroll
-    for (int i = 0; i < QPT; ++i) {
-        const int idx = tid + NT * i;
-        qr[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (idx < QV && idx / (HD / 4) < qn) qr[i] = reinterpret_cast<const float4*>(q + (size_t)hb * HD)[idx];
-    }
+    if (!prewait) strata_pdl_wait();
     if (step != nullptr) {
         start_pos = step[0];
         chunk = step[1];
@@ -1488,32 +1481,36 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     // Raw K/V vectors (and int8 scales) of one tile, loaded ahead of their use.
     uint4 kr[NLD], vr[NLD];
     float ksr = 1.0f, vsr = 1.0f;
-    auto load_tile = [&](int k0) {
+    // The keys [max(k0, lo), min(k0 + TK, hi)) of the tile at k0 (zeros
+    // elsewhere when lo == k0), read through L2 (__ldcg: also before the
+    // wait, see below).
+    auto load_keys = [&](int k0, int lo, int hi) {
 #pragma unroll
         for (int j = 0; j < NLD; ++j) {  // K first: the scores need it first
             const int i = tid + NT * j;
             const int r = i / ROWV, c = i % ROWV;
-            kr[j] = make_uint4(0u, 0u, 0u, 0u);
-            if (k0 + r < kstop)
-                kr[j] = reinterpret_cast<const uint4*>(kc + ((size_t)(k0 + r) * (size_t)kv_heads + kvh) * HD)[c];
+            if (lo == k0) kr[j] = make_uint4(0u, 0u, 0u, 0u);
+            if (k0 + r >= lo && k0 + r < hi)
+                kr[j] = __ldcg(reinterpret_cast<const uint4*>(kc + ((size_t)(k0 + r) * (size_t)kv_heads + kvh) * HD) + c);
         }
         if (I8 && tid < TK) {
-            ksr = 0.0f;
-            if (k0 + tid < kstop) ksr = ks[(size_t)(k0 + tid) * (size_t)kv_heads + kvh];
+            if (lo == k0) ksr = 0.0f;
+            if (k0 + tid >= lo && k0 + tid < hi) ksr = __ldcg(ks + (size_t)(k0 + tid) * (size_t)kv_heads + kvh);
         }
 #pragma unroll
         for (int j = 0; j < NLD; ++j) {
             const int i = tid + NT * j;
             const int r = i / ROWV, c = i % ROWV;
-            vr[j] = make_uint4(0u, 0u, 0u, 0u);
-            if (k0 + r < kstop)
-                vr[j] = reinterpret_cast<const uint4*>(vc + ((size_t)(k0 + r) * (size_t)kv_heads + kvh) * HD)[c];
+            if (lo == k0) vr[j] = make_uint4(0u, 0u, 0u, 0u);
+            if (k0 + r >= lo && k0 + r < hi)
+                vr[j] = __ldcg(reinterpret_cast<const uint4*>(vc + ((size_t)(k0 + r) * (size_t)kv_heads + kvh) * HD) + c);
         }
         if (I8 && tid < TK) {
-            vsr = 0.0f;
-            if (k0 + tid < kstop) vsr = vs[(size_t)(k0 + tid) * (size_t)kv_heads + kvh];
+            if (lo == k0) vsr = 0.0f;
+            if (k0 + tid >= lo && k0 + tid < hi) vsr = __ldcg(vs + (size_t)(k0 + tid) * (size_t)kv_heads + kvh);
         }
     };
+    auto load_tile = [&](int k0) { load_keys(k0, k0, kstop); };
     // K registers -> k_s (rows cut into DSQ padded segments), its scales -> ksc_s.
     auto store_k = [&]() {
 #pragma unroll
@@ -1524,7 +1521,25 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
         }
         if (tid < TK) ksc_s[tid] = ksr;
     };
-    load_tile(kbeg);
+    // Programmatic dependent launch (prewait): the first tile's keys before
+    // start_pos are in the cache before the kernel before this one
+    // (attn_qkv_prep, which triggers only after its own wait) starts, so
+    // they are read before the wait; the key at start_pos (appended by that
+    // kernel) and the queries after it.
+    if (prewait) {
+        load_keys(kbeg, kbeg, min(kstop, start_pos));
+        strata_pdl_wait();
+        if (start_pos < kbeg + TK) load_keys(kbeg, start_pos, kstop);  // (a no-op when kstop <= start_pos)
+    } else {
+        load_tile(kbeg);
+    }
+    float4 qr[QPT];
+#pragma unroll
+    for (int i = 0; i < QPT; ++i) {
+        const int idx = tid + NT * i;
+        qr[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (idx < QV && idx / (HD / 4) < qn) qr[i] = reinterpret_cast<const float4*>(q + (size_t)hb * HD)[idx];
+    }
 
     // Queries -> q_s [GB][DSQ][DPT + 4] (the padding makes the DSQ segments' reads conflict-free).
 #pragma unroll
@@ -1732,11 +1747,10 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
             const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                  \
             float* __restrict__ part_acc, float* __restrict__ part_ml, unsigned int* __restrict__ counters,       \
             int heads, int kv_heads, int start_pos, int chunk, float scale, const int* __restrict__ step,         \
-            int one_level) {                                                                                      \
-        strata_pdl_trigger();                                                                                     \
-        strata_pdl_wait();                                                                                        \
+            int one_level, int prewait) {                                                                         \
+        strata_pdl_trigger(); /* attn_row waits (strata_pdl_wait) */                                              \
         attn_row<HD, KV, GB>(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads, start_pos,     \
-                             chunk, scale, step, one_level);                                                      \
+                             chunk, scale, step, one_level, prewait);                                             \
     }
 
 #define ATTN_ROW_INSTANCES(HD)                    \
@@ -1816,9 +1830,12 @@ static __device__ __forceinline__ void attn_qkv_prep(const float* __restrict__ q
         float eps, const float* __restrict__ inv_freq, int half, float attention_factor, float* __restrict__ qn,  \
         float* __restrict__ gate, KV* __restrict__ kc, KV* __restrict__ vc, float* __restrict__ ks,               \
         float* __restrict__ vs, int rows, int heads, int kv_heads, int head_dim, int gated,                       \
-        unsigned long long start_pos, const int* __restrict__ step) {                                             \
-        strata_pdl_trigger();                                                                                     \
+        unsigned long long start_pos, const int* __restrict__ step, int late_trigger) {                           \
+        /* late_trigger: the attention after it reads the cache before its wait, so it starts only after */       \
+        /* this one's wait (every kernel before this one has finished then). */                                   \
+        if (!late_trigger) strata_pdl_trigger();                                                                  \
         strata_pdl_wait();                                                                                        \
+        if (late_trigger) strata_pdl_trigger();                                                                   \
         attn_qkv_prep<KV>(qkv, q_norm, k_norm, eps, inv_freq, half, attention_factor, qn, gate, kc, vc, ks, vs,   \
                           rows, heads, kv_heads, head_dim, gated, start_pos, step);                               \
     }

@@ -211,7 +211,7 @@ static __device__ __forceinline__ void moe_topk_warp_n(const float* __restrict__
 #pragma unroll
     for (int u = 0; u < MOE_ROUTE_PER_LANE; ++u) {
         const int i = lane + 32 * u;
-        p[u] = i < num_experts ? row[i] : -INFINITY;
+        p[u] = i < num_experts ? __ldcg(row + i) : -INFINITY;  // through L2: see moe_down_route
         m = fmaxf(m, p[u]);
     }
 #pragma unroll
@@ -367,6 +367,14 @@ static __device__ __forceinline__ void moe_gate_up_rows(const float4* xs, const 
     }
 }
 
+// The blob of expert id e (table_s: the first MOE_FUSED_ROUTE_MAX entries
+// of the table), nullptr for an id past the table.
+static __device__ __forceinline__ const uint8_t* moe_table_blob(uint32_t e, const uint64_t* __restrict__ table,
+                                                                int table_len, const uint64_t* table_s) {
+    if (e >= (uint32_t)table_len) return nullptr;
+    return reinterpret_cast<const uint8_t*>(e < (uint32_t)MOE_FUSED_ROUTE_MAX ? table_s[e] : __ldg(table + e));
+}
+
 // The expert blob of assignment a = t * k + j of a decode gate/up GEMV
 // block, nullptr for an expert id past the table. With logits (decode: no
 // moe_route_topk launch) every block of token t routes it in its warp 0 (the
@@ -406,8 +414,7 @@ static __device__ __forceinline__ const uint8_t* moe_gemv_blob(const uint32_t* _
         ids_out[a] = e;
         weights_out[a] = routed_w[j];
     }
-    if (e >= (uint32_t)table_len) return nullptr;
-    return reinterpret_cast<const uint8_t*>(e < (uint32_t)table_s_len ? table_s[e] : __ldg(table + e));
+    return moe_table_blob(e, table, table_len, table_s);
 }
 
 // grid (T * k, ceil(I / (8 warps * 2 rows))), block 256, dynamic smem H * 4.
@@ -420,10 +427,14 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 3)
     moe_gate_up_gemv(const float* __restrict__ x, const uint32_t* __restrict__ ids, const uint64_t* __restrict__ table,
                      int table_len, MoeBlobLayout L, int top_k, float* __restrict__ act,
                      const float* __restrict__ logits, int num_experts, int norm_topk_prob,
-                     uint32_t* __restrict__ ids_out, float* __restrict__ weights_out) {
+                     uint32_t* __restrict__ ids_out, float* __restrict__ weights_out, int late_trigger) {
     extern __shared__ float4 moe_gu_xs[];
-    strata_pdl_trigger();  // programmatic dependent launch: wait before any access
+    // Programmatic dependent launch: wait before any access. late_trigger:
+    // the down GEMV after it routes from the logits before its own wait, so
+    // it starts only after this one's (the router GEMV has finished then).
+    if (!late_trigger) strata_pdl_trigger();
     strata_pdl_wait();
+    if (late_trigger) strata_pdl_trigger();
     const int a = blockIdx.x, t = a / top_k;
     const int H = (int)L.hidden, I = (int)L.intermediate, nchunk = H >> 5, lane = threadIdx.x & 31;
     const uint8_t* blob =
@@ -569,6 +580,43 @@ static __device__ __forceinline__ float moe_down_row(const float4* acts, const u
     return acc;
 }
 
+// The routing of a decode down GEMV, before its programmatic wait
+// (logits non-null): warp 0 routes token t from the router logits (the
+// operations of moe_route_topk, so the ids and weights the gate/up GEMV
+// chose) into ids_s / w_s while the other warps load the table (its first
+// MOE_FUSED_ROUTE_MAX entries) into table_s; then a barrier. Reading the
+// logits here is safe because the gate/up GEMV before this kernel triggers
+// only after its own wait: when this kernel starts, the router GEMV has
+// finished. They are read through L2 (__ldcg in moe_topk_warp_n), never an
+// L1 line of an earlier layer's. Without logits: the ids and weights the
+// gate/up GEMV wrote, after the wait. Every thread calls it.
+static __device__ __forceinline__ void moe_down_route(const float* __restrict__ logits, int num_experts,
+                                                      int norm_topk_prob, const uint32_t* __restrict__ ids,
+                                                      const float* __restrict__ weights,
+                                                      const uint64_t* __restrict__ table, int table_len, int t,
+                                                      int top_k, uint32_t* ids_s, float* w_s, uint64_t* table_s) {
+    const int table_s_len = min(table_len, MOE_FUSED_ROUTE_MAX);
+    if (logits != nullptr) {
+        if (threadIdx.x < 32) {
+            const float* row = logits + (size_t)t * num_experts;
+            if (num_experts <= 128)
+                moe_topk_warp_n<4>(row, num_experts, top_k, norm_topk_prob, ids_s, w_s);
+            else
+                moe_topk_warp_n<MOE_FUSED_ROUTE_MAX / 32>(row, num_experts, top_k, norm_topk_prob, ids_s, w_s);
+        } else {
+            for (int i = threadIdx.x - 32; i < table_s_len; i += blockDim.x - 32) table_s[i] = __ldg(table + i);
+        }
+    } else {
+        strata_pdl_wait();
+        for (int i = threadIdx.x; i < table_s_len; i += blockDim.x) table_s[i] = __ldg(table + i);
+        if (threadIdx.x < top_k) {
+            ids_s[threadIdx.x] = __ldg(ids + t * top_k + threadIdx.x);
+            w_s[threadIdx.x] = __ldg(weights + t * top_k + threadIdx.x);
+        }
+    }
+    __syncthreads();
+}
+
 // Down GEMV of the decode path (I % 32 == 0). grid (T, ceil(H / 8)), block
 // 512 (16 warps), dynamic smem k * I * 4 (the token's k act rows, chunk
 // transposed). out[t] (+)= sum_j weights[t*k+j] * down_{ids[t*k+j]} act[t*k+j].
@@ -588,7 +636,7 @@ static __device__ __forceinline__ float moe_down_row(const float4* acts, const u
 extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
     moe_down_gemv(const float* __restrict__ act, const uint32_t* __restrict__ ids, const float* __restrict__ weights,
                   const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k, float* __restrict__ out,
-                  int accumulate) {
+                  int accumulate, const float* __restrict__ logits, int num_experts, int norm_topk_prob) {
     extern __shared__ float4 moe_down_acts[];
     __shared__ float red[MOE_MAX_TOP_K][MOE_DN_ROWS];
     __shared__ float coefs[MOE_MAX_TOP_K];
@@ -597,8 +645,11 @@ extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
     // after the wait, not two dependent ones.
     __shared__ uint64_t table_s[MOE_FUSED_ROUTE_MAX];
     __shared__ uint32_t ids_s[MOE_MAX_TOP_K];
-    strata_pdl_trigger();  // programmatic dependent launch: wait before any access
-    strata_pdl_wait();
+    __shared__ float w_s[MOE_MAX_TOP_K];
+    // Programmatic dependent launch: the routing, the blob addresses and the
+    // first round of code loads (constant weights) come before the wait when
+    // the kernel routes itself (logits non-null, see moe_down_route).
+    strata_pdl_trigger();
     const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate, nchunk = I >> 5;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane & (MOE_DOWN_LANES - 1);
     const int rw = warp % MOE_DN_RW, jw = warp / MOE_DN_RW;
@@ -610,20 +661,13 @@ extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
 
     // This warp's experts: j = jw + q * MOE_DN_JW (q < MOE_DN_EXP), the same
     // in all lanes; blob nullptr: no expert (j >= k) or a bad expert id.
-    const int table_s_len = min(table_len, MOE_FUSED_ROUTE_MAX);
-    for (int i = threadIdx.x; i < table_s_len; i += blockDim.x) table_s[i] = __ldg(table + i);
-    if (threadIdx.x < top_k) ids_s[threadIdx.x] = __ldg(ids + t * top_k + threadIdx.x);
-    __syncthreads();
+    moe_down_route(logits, num_experts, norm_topk_prob, ids, weights, table, table_len, t, top_k, ids_s, w_s,
+                   table_s);
     const uint8_t* bq[MOE_DN_EXP];
 #pragma unroll
     for (int q = 0; q < MOE_DN_EXP; ++q) {
         const int j = jw + q * MOE_DN_JW;
-        bq[q] = nullptr;
-        if (j < top_k) {
-            const uint32_t e = ids_s[j];
-            if (e < (uint32_t)table_len)
-                bq[q] = reinterpret_cast<const uint8_t*>(e < (uint32_t)table_s_len ? table_s[e] : __ldg(table + e));
-        }
+        bq[q] = j < top_k ? moe_table_blob(ids_s[j], table, table_len, table_s) : nullptr;
     }
     uint4 cd[MOE_DN_EXP][MOE_DOWN_CHUNKS];
     uint32_t sd[MOE_DN_EXP][MOE_DOWN_CHUNKS];
@@ -652,10 +696,10 @@ extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
         for (int q = 0; q < MOE_DN_EXP; ++q) {
             const int j = jw + q * MOE_DN_JW;
             if (j < top_k)
-                coefs[j] = bq[q] != nullptr ? __ldg(weights + t * top_k + j) * moe_tail(bq[q], L, 2) * 16384.0f
-                                            : __int_as_float(0x7fc00000);
+                coefs[j] = bq[q] != nullptr ? w_s[j] * moe_tail(bq[q], L, 2) * 16384.0f : __int_as_float(0x7fc00000);
         }
     }
+    if (logits != nullptr) strata_pdl_wait();  // the act rows are the gate/up GEMV's
     moe_stage_rows<3>(moe_down_acts, act + (size_t)t * top_k * I, I, top_k);
     __syncthreads();
 
@@ -867,11 +911,13 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 3)
     moe_gate_up_gemv_tc(const float* __restrict__ x, const uint32_t* __restrict__ ids,
                         const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k,
                         float* __restrict__ act, const float* __restrict__ logits, int num_experts,
-                        int norm_topk_prob, uint32_t* __restrict__ ids_out, float* __restrict__ weights_out) {
+                        int norm_topk_prob, uint32_t* __restrict__ ids_out, float* __restrict__ weights_out,
+                        int late_trigger) {
     __shared__ uint4 xs[MOE_TC_GU_WARPS][64];
     __shared__ float red[MOE_TC_GU_WARPS][2][16];
-    strata_pdl_trigger();  // programmatic dependent launch: wait before any access
+    if (!late_trigger) strata_pdl_trigger();  // as moe_gate_up_gemv
     strata_pdl_wait();
+    if (late_trigger) strata_pdl_trigger();
     const int a = blockIdx.x, t = a / top_k;
     const int H = (int)L.hidden, I = (int)L.intermediate;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -935,37 +981,53 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 3)
 extern "C" __global__ void __launch_bounds__(1024)
     moe_down_gemv_tc(const float* __restrict__ act, const uint32_t* __restrict__ ids, const float* __restrict__ weights,
                      const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k,
-                     float* __restrict__ out, int accumulate) {
+                     float* __restrict__ out, int accumulate, const float* __restrict__ logits, int num_experts,
+                     int norm_topk_prob) {
     extern __shared__ uint4 moe_dn_tc_xs[];
     __shared__ float red[MOE_TC_DN_MAX_PARTS][16];
     __shared__ float coefs[MOE_MAX_TOP_K];
     __shared__ uint64_t blobs[MOE_MAX_TOP_K];
-    strata_pdl_trigger();  // programmatic dependent launch: wait before any access
-    strata_pdl_wait();
+    __shared__ uint64_t table_s[MOE_FUSED_ROUTE_MAX];
+    __shared__ uint32_t ids_s[MOE_MAX_TOP_K];
+    __shared__ float w_s[MOE_MAX_TOP_K];
+    // Programmatic dependent launch: as moe_down_gemv, the routing and each
+    // warp's first part of code loads come before the wait when the kernel
+    // routes itself (logits non-null).
+    strata_pdl_trigger();
     const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate, parts = I / MOE_TC_SLICE;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int nwarps = blockDim.x >> 5;
+    moe_down_route(logits, num_experts, norm_topk_prob, ids, weights, table, table_len, t, top_k, ids_s, w_s,
+                   table_s);
     if (threadIdx.x < top_k) {
         const int j = threadIdx.x;
-        const uint32_t e = __ldg(ids + t * top_k + j);
-        const bool ok = e < (uint32_t)table_len;
-        const uint64_t b = ok ? __ldg(table + e) : 0;
-        blobs[j] = b;
-        coefs[j] = ok ? __ldg(weights + t * top_k + j) * moe_tail(reinterpret_cast<const uint8_t*>(b), L, 2) * 128.0f
-                      : __int_as_float(0x7fc00000);
+        const uint8_t* b = moe_table_blob(ids_s[j], table, table_len, table_s);
+        blobs[j] = reinterpret_cast<uint64_t>(b);
+        coefs[j] = b != nullptr ? w_s[j] * moe_tail(b, L, 2) * 128.0f : __int_as_float(0x7fc00000);
     }
     __syncthreads();
     const size_t code_row = (size_t)I >> 1, scale_row = (size_t)I >> 4;
     const size_t row = (size_t)16 * blockIdx.y + g;
     uint4* xs = moe_dn_tc_xs + 64 * warp;
-    for (int q = warp; q < top_k * parts; q += nwarps) {
+    uint4 c[1][2][2];
+    uint32_t s[1][2][2];
+    // Part q's codes and scales (none for a bad expert id: coefs[j] is NaN).
+    auto load_part = [&](int q) {
         const int j = q / parts, p = q - j * parts;
         const uint8_t* blob = reinterpret_cast<const uint8_t*>(blobs[j]);
-        if (blob == nullptr) continue;  // coefs[j] is NaN
-        uint4 c[1][2][2];
-        uint32_t s[1][2][2];
-        moe_tc_load(blob + L.down_codes + row * code_row + 128 * p, blob + L.down_scales + row * scale_row + 16 * p,
-                    code_row, scale_row, t4, c[0], s[0]);
+        if (blob != nullptr)
+            moe_tc_load(blob + L.down_codes + row * code_row + 128 * p, blob + L.down_scales + row * scale_row + 16 * p,
+                        code_row, scale_row, t4, c[0], s[0]);
+    };
+    if (warp < top_k * parts) load_part(warp);
+    if (logits != nullptr) strata_pdl_wait();  // the act rows are the gate/up GEMV's
+    for (int q = warp; q < top_k * parts; q += nwarps) {
+        const int j = q / parts, p = q - j * parts;
+        if (blobs[j] == 0) {  // coefs[j] is NaN; red[q] is still read (0 * NaN: NaN)
+            if (t4 == 0) red[q][g] = red[q][g + 8] = 0.0f;
+            continue;
+        }
+        if (q != warp) load_part(q);  // the first part was loaded before the wait
         const float pe = moe_tc_stage(act + ((size_t)t * top_k + j) * I + MOE_TC_SLICE * p, xs, lane);
         __syncwarp();
         float d[1][2][4] = {};

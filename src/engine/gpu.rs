@@ -88,6 +88,16 @@ fn skipped(_t: usize, _name: &str) -> bool {
     false
 }
 
+/// The logits the decode down GEMV routes from itself (`expert_down_gemv_routed`): none when the gate/up GEMV is
+/// left out (`STRATA_DECODE_SKIP`), since the kernel before it must be that GEMV.
+fn route_logits<'a>(c: &ModelConfig, router: &'a CudaSlice<f32>, t: usize) -> Option<moe::Logits<'a>> {
+    (!skipped(t, "gateup")).then_some(moe::Logits {
+        logits: router,
+        num_experts: c.num_experts,
+        norm_topk_prob: c.norm_topk_prob,
+    })
+}
+
 /// The kernels `STRATA_DECODE_SKIP` can name.
 pub const DECODE_SKIP_NAMES: [&str; 8] = ["qkv", "prep", "attn", "oproj", "router", "gateup", "down", "head"];
 
@@ -1444,7 +1454,10 @@ impl GpuStage {
                 moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
             }
             if !skipped(t, "down") {
-                moe::expert_down_gemv(gpu, &s.moe.act, &ids, &s.weights, table, layout, t, k, &mut s.x, true)?;
+                let logits = route_logits(c, &s.router, t);
+                moe::expert_down_gemv_routed(
+                    gpu, &s.moe.act, &ids, &s.weights, logits, table, layout, t, k, &mut s.x, true,
+                )?;
             }
         } else if let Some(x) = experts {
             // (A helper only for grouped rows: decode-size steps run the GEMVs.)
@@ -1469,7 +1482,9 @@ impl GpuStage {
                 moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
             }
             if !skipped(t, "down") {
-                moe::expert_down_gemv(gpu, &s.moe.act, &s.ids, &s.weights, table, layout, t, k, &mut s.x, true)?;
+                let logits = route_logits(c, &s.router, t);
+                let (ids, w) = (&s.ids, &s.weights);
+                moe::expert_down_gemv_routed(gpu, &s.moe.act, ids, w, logits, table, layout, t, k, &mut s.x, true)?;
             }
         } else if let Some(help) = help {
             moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;

@@ -48,6 +48,7 @@ pub const TESTS: &[GpuTest] = &[
     ("attention_row_int8", row_int8),
     ("attention_row_bf16", row_bf16),
     ("attention_row_auto_picks_row", row_auto_picks_row),
+    ("attention_row_prewait_same_bits", row_prewait_same_bits),
     ("attention_row_scratch_counters_reset", row_counters_reset),
     ("attention_row_step_pointer_int8", row_step_pointer_int8),
     ("attention_row_step_pointer_bf16", row_step_pointer_bf16),
@@ -823,6 +824,41 @@ fn row_auto_picks_row(gpu: &Arc<Gpu>) -> Result<(), String> {
                 }
                 let what = format!("{dtype:?} {sh:?} keys {kend}: Auto vs Row");
                 all_finite(&what, &outs[1])?;
+                exact(&what, &outs[0], &outs[1])?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The one-row kernel reading its first key tile before its programmatic wait (`Gpu::prewait`, the default: the
+/// keys before the row's position there, the row's own key after) gives the same bits as reading it all after
+/// (a `test-hooks` build switches it; without, the default path against itself). The contexts put the row's key
+/// alone in a split (1, 65), inside a split's first tile (17, 1025, 4128) and past it (8195: one split of 256
+/// keys, two tiles of 128 for 4 kv heads x 2 parts); row_int8 / row_bf16 check the default against the CPU.
+fn row_prewait_same_bits(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for dtype in [KvDtype::Int8, KvDtype::Bf16] {
+        for (si, &sh) in [(32usize, 4usize, 128usize), (16, 2, 256), (16, 1, 128)].iter().enumerate() {
+            let shape = shape_of(sh);
+            let len = 8195;
+            let (kv, ..) = filled_cache(gpu, dtype, shape, len, len, 7900 + si as u64)?;
+            for kend in [1usize, 17, 65, 1025, 4128, 8195] {
+                let qd = gpu.upload(&rand_f32(7950 + kend as u64, shape.q_dim(), 2.0)).map_err(e)?;
+                let mut outs = Vec::new();
+                for on in [true, false] {
+                    #[cfg(feature = "test-hooks")]
+                    let prev = gpu.set_prewait(if on { strata::backend::cuda::PREWAIT_ATTN } else { 0 });
+                    let mut out = poisoned(gpu, shape.q_dim())?;
+                    let r = attention_with(gpu, &qd, &kv, shape, kend - 1, 1, &mut out, ROW).map_err(e);
+                    #[cfg(feature = "test-hooks")]
+                    gpu.set_prewait(prev);
+                    #[cfg(not(feature = "test-hooks"))]
+                    let _ = on;
+                    r?;
+                    outs.push(gpu.download(&out).map_err(e)?);
+                }
+                let what = format!("{dtype:?} {sh:?} keys {kend}: keys read before the wait vs after");
+                all_finite(&what, &outs[0])?;
                 exact(&what, &outs[0], &outs[1])?;
             }
         }

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use strata::backend::cpu::ops::{expert_ffn, expert_ffn_row, silu};
 use strata::backend::cuda::moe::{self as gm, BlobLayout, GroupedPrecision};
-use strata::backend::cuda::{CudaSlice, DevicePtr, Gpu};
+use strata::backend::cuda::{CudaSlice, DevicePtr, Gpu, PREWAIT_DOWN};
 use strata::backend::{Backend, CpuBackend, ExpertRows, Matrix};
 use strata::moe::{self, ExpertSource, MoeLayer, Routing};
 use strata::pack::format::ExpertLayout;
@@ -620,6 +620,65 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
             0.0,
         )?;
         check_close(&format!("routed act T={tokens}"), &download(gpu, &r_act)?, &download(gpu, &act)?, 0.0)?;
+
+        // The down GEMV routing itself before its wait (after the routed gate/up GEMV, as in a decode step):
+        // the same bits as from route_topk's ids and weights, on both kernel families. The ids and weights it
+        // is given are wrong (all expert 0, NaN weights), so a kernel that read them fails.
+        let zeros = gpu.alloc_zeros::<u32>(tokens * k).map_err(e)?;
+        let nan_w = poisoned(gpu, tokens * k)?;
+        let want_out = download(gpu, &out)?;
+        let logits = gm::Logits { logits: &d_logits, num_experts: n_exp, norm_topk_prob: true };
+        each_gemv_kernel(gpu, || {
+            let mut r_ids = gpu.alloc_zeros::<u32>(tokens * k).map_err(e)?;
+            let mut r_weights = poisoned(gpu, tokens * k)?;
+            let mut r_act = poisoned(gpu, tokens * k * i)?;
+            let mut r_out = poisoned(gpu, tokens * h)?;
+            let route = gm::Route {
+                logits: &d_logits,
+                num_experts: n_exp,
+                norm_topk_prob: true,
+                ids: &mut r_ids,
+                weights: &mut r_weights,
+            };
+            let (table, layout) = (&dev.table, &dev.layout);
+            // Both launches under one setting: the gate/up GEMV triggers the down late when it routes itself.
+            #[cfg(feature = "test-hooks")]
+            let prev = gpu.set_prewait(PREWAIT_DOWN);
+            let r = gm::expert_gate_up_gemv_routed(gpu, &d_x, route, table, layout, tokens, k, &mut r_act);
+            if let Err(err) = r {
+                #[cfg(feature = "test-hooks")]
+                gpu.set_prewait(prev);
+                return Err(e(err));
+            }
+            let routes_itself = gpu.prewait(PREWAIT_DOWN);
+            // (Without test-hooks and with STRATA_PREWAIT off it reads the ids and weights: give it the right ones.)
+            let (gi, gw) = if routes_itself { (&zeros, &nan_w) } else { (&r_ids, &r_weights) };
+            let r = gm::expert_down_gemv_routed(
+                gpu,
+                &r_act,
+                gi,
+                gw,
+                Some(logits),
+                table,
+                layout,
+                tokens,
+                k,
+                &mut r_out,
+                false,
+            );
+            #[cfg(feature = "test-hooks")]
+            gpu.set_prewait(prev);
+            r.map_err(e)?;
+            let got = download(gpu, &r_out)?;
+            if routes_itself {
+                // The default kernels (tensor cores or CUDA cores) routed from the logits.
+                let mut plain = poisoned(gpu, tokens * h)?;
+                let (ids, w) = (&r_ids, &r_weights);
+                gm::expert_down_gemv(gpu, &r_act, ids, w, table, layout, tokens, k, &mut plain, false).map_err(e)?;
+                check_close(&format!("down routed itself T={tokens}"), &got, &download(gpu, &plain)?, 0.0)?;
+            }
+            check_close(&format!("down routed itself vs the CPU T={tokens}"), &got, &want_out, F32_TOL)
+        })?;
     }
     // E = 128, k = 8 (qwen3_moe) with norm_topk_prob off, and E = 512, k = 10: routed ids and weights
     // against moe::route.

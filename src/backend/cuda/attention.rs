@@ -5,7 +5,7 @@
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute_enum};
 
-use super::{CudaFunction, CudaSlice, Gpu, KernelArgs, LaunchConfig, PushKernelArg};
+use super::{CudaFunction, CudaSlice, Gpu, KernelArgs, LaunchConfig, PushKernelArg, PREWAIT_ATTN};
 use crate::backend::AttentionShape;
 use crate::error::{Error, Result};
 
@@ -379,9 +379,12 @@ fn qkv_prep_launch(
         Some(s) => a.buf(gpu, s),
         None => a.null(),
     };
+    // Triggers the attention after it only after its own wait when that one reads keys before its wait.
+    a.val(gpu.prewait(PREWAIT_ATTN) as i32);
     // SAFETY: attn_qkv_prep_{i8,bf16}(const float* qkv, const float* q_norm, const float* k_norm, float eps,
     // const float* inv_freq, int half, float attention_factor, float* qn, float* gate, KV* kc, KV* vc, float* ks,
-    // float* vs, int rows, int heads, int kv_heads, int head_dim, int gated, u64 start_pos, const int* step): one
+    // float* vs, int rows, int heads, int kv_heads, int head_dim, int gated, u64 start_pos, const int* step,
+    // int late_trigger): one
     // warp per (row, head) reads rows*W floats of qkv, head_dim of each norm, half (<= head_dim / 2) frequencies,
     // and writes rows*heads*head_dim of qn and (gated, else null and untouched) gate (all checked by
     // check_qkv_prep), and positions start_pos..start_pos+rows (<= capacity: checked by qkv_prepare, kept by
@@ -1077,9 +1080,9 @@ fn launch_row(
         Some(s) => a.buf(gpu, s),
         None => a.null(),
     };
-    a.val(row_one_level() as i32);
+    a.val(row_one_level() as i32).val(gpu.prewait(PREWAIT_ATTN) as i32);
     // SAFETY: attn_row_hd{HD}_{tag}_g{GB}(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads,
-    // start_pos, chunk, scale, step, one_level): reads q[0..heads*HD] (checked), cache positions 0..=start_pos (< capacity:
+    // start_pos, chunk, scale, step, one_level, prewait): reads q[0..heads*HD] (checked), cache positions 0..=start_pos (< capacity:
     // checked by attention, kept by attention_at's caller) of kv heads < kv_heads (= the cache's, checked), and
     // writes out[0..heads*HD]; with more than one split it writes and reads part_acc/part_ml rows
     // < splits + ceil(splits / 8) of heads*HD / heads*2 floats and counters[kv_heads * parts * (1 + ceil(splits /
@@ -1087,7 +1090,10 @@ fn launch_row(
     // grid z = parts with ceil(group / parts) <= GB and no empty part (checked above); dynamic shared memory as
     // the kernel's AttnRowShape (row_smem_bytes,
     // attribute set by the callers); step null or a StepPos's 2 ints. The kernel waits for its predecessor
-    // (strata_pdl_wait) before touching memory.
+    // (strata_pdl_wait) before touching memory, except (prewait) the step ints (written by a copy before the step's
+    // first kernel) and the cache's keys before start_pos: the kernels that write the cache are the previous
+    // one (attn_qkv_prep, which triggers only after its own wait, so every kernel before it has finished when this
+    // one starts) or one with no trigger (attn_kv_append_*, finished before this one starts).
     unsafe { gpu.launch(f, cfg, &mut a) }?;
     Ok(())
 }

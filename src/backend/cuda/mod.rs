@@ -13,7 +13,7 @@ pub mod dense;
 pub mod moe;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{sys, CudaModule, DriverError};
@@ -165,6 +165,26 @@ pub struct Gpu {
     /// Whether the batch-1 expert GEMVs may run on tensor cores (sm_80+,
     /// unless `STRATA_TC_GEMV=0`; tests may switch it: `set_tc_gemv`).
     tc_gemv: AtomicBool,
+    /// Which kernels start their first loads before their programmatic
+    /// wait (`PREWAIT_ATTN | PREWAIT_DOWN` unless `STRATA_PREWAIT` says
+    /// otherwise; tests may switch it: `set_prewait`).
+    prewait: AtomicU8,
+}
+
+/// `Gpu::prewait`: the one-row attention's first key tile before its wait.
+pub const PREWAIT_ATTN: u8 = 1;
+/// `Gpu::prewait`: the decode down GEMV's routing and first weights before its wait.
+pub const PREWAIT_DOWN: u8 = 2;
+
+/// The `prewait` mask of `STRATA_PREWAIT`: unset, `all` or `3`: both; `0` or
+/// `none`: neither; `attn` (1) or `down` (2): that one. Anything else: both.
+pub fn prewait_from_env(v: Option<&str>) -> u8 {
+    match v.map(str::trim) {
+        Some("0") | Some("none") => 0,
+        Some("1") | Some("attn") => PREWAIT_ATTN,
+        Some("2") | Some("down") => PREWAIT_DOWN,
+        _ => PREWAIT_ATTN | PREWAIT_DOWN,
+    }
 }
 
 // The engine shares one Gpu between threads.
@@ -218,6 +238,7 @@ impl Gpu {
             sm_count: sm_count as u32,
             pdl: major >= 9 && std::env::var("STRATA_PDL").map_or(true, |v| v != "0"),
             tc_gemv: AtomicBool::new(major >= 8 && std::env::var("STRATA_TC_GEMV").map_or(true, |v| v != "0")),
+            prewait: AtomicU8::new(prewait_from_env(std::env::var("STRATA_PREWAIT").ok().as_deref())),
         }))
     }
 
@@ -248,6 +269,25 @@ impl Gpu {
     #[cfg(feature = "test-hooks")]
     pub fn set_tc_gemv(&self, on: bool) -> bool {
         self.tc_gemv.swap(on && self.compute_capability.0 >= 8, Ordering::Relaxed)
+    }
+
+    /// Whether `what` (`PREWAIT_ATTN`: the one-row attention reads its first
+    /// key tile, `PREWAIT_DOWN`: the decode down GEMV routes its token and
+    /// reads its first weights) happens before the kernel's programmatic
+    /// wait. Each rests on the kernel before it triggering only after its own
+    /// wait (attn_qkv_prep, the routed gate/up GEMVs; they do when the flag
+    /// is set), which delays that kernel's launch: the bench compares
+    /// (`STRATA_PREWAIT`, see `prewait_from_env`).
+    pub fn prewait(&self, what: u8) -> bool {
+        self.prewait.load(Ordering::Relaxed) & what != 0
+    }
+
+    /// Tests (`test-hooks`): sets the `prewait` mask from the next launch on
+    /// (a decode step's CUDA graph keeps what it captured); returns the
+    /// previous one.
+    #[cfg(feature = "test-hooks")]
+    pub fn set_prewait(&self, mask: u8) -> u8 {
+        self.prewait.swap(mask & (PREWAIT_ATTN | PREWAIT_DOWN), Ordering::Relaxed)
     }
 
     /// Number of streaming multiprocessors (sizes persistent grids).

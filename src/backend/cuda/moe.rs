@@ -27,7 +27,9 @@
 //! grouped entry points then use the SIMT generic kernel for that matrix,
 //! also on tensor-core devices (f32 throughout).
 
-use super::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, Gpu, KernelArgs, LaunchConfig, PushKernelArg};
+use super::{
+    CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, Gpu, KernelArgs, LaunchConfig, PushKernelArg, PREWAIT_DOWN,
+};
 use crate::error::{Error, Result};
 use crate::pack::format::ExpertLayout;
 
@@ -395,9 +397,12 @@ fn gate_up_gemv_launch<G: DevicePtr<u32>, R: DevicePtrMut<u32>>(
                 a.null().val(e).val(norm).null().null();
             }
         }
+        // The down GEMV after it may route before its wait (expert_down_gemv_routed): then trigger it only after
+        // this kernel's wait, when the router's logits are final.
+        a.val(gpu.prewait(PREWAIT_DOWN) as i32);
         // SAFETY: moe_gate_up_gemv[_tc](const float* x [T, H], const unsigned* ids [T*k] or null, const u64* table
         // [table_len], int table_len, MoeBlobLayout, int k, float* act [T*k, I], const float* logits [T, E] or
-        // null, int E, int norm, unsigned* ids_out [T*k], float* weights_out [T*k]) (null ids exactly when logits
+        // null, int E, int norm, unsigned* ids_out [T*k], float* weights_out [T*k], int late_trigger) (null ids exactly when logits
         // are given); lengths checked above and by the callers; ids past the table give NaN rows; the kernel waits
         // for its predecessor (strata_pdl_wait) before touching memory.
         unsafe { gpu.launch(&f, cfg, &mut a) }?;
@@ -425,6 +430,40 @@ pub fn expert_down_gemv(
     act: &CudaSlice<f32>,
     ids: &impl DevicePtr<u32>,
     weights: &CudaSlice<f32>,
+    table: &CudaSlice<u64>,
+    layout: &BlobLayout,
+    tokens: usize,
+    top_k: usize,
+    out: &mut CudaSlice<f32>,
+    accumulate: bool,
+) -> Result<()> {
+    expert_down_gemv_routed(gpu, act, ids, weights, None, table, layout, tokens, top_k, out, accumulate)
+}
+
+/// The router logits a decode down GEMV may route from itself
+/// (`expert_down_gemv_routed`): what `Route` gives the gate/up GEMV.
+#[derive(Clone, Copy)]
+pub struct Logits<'a> {
+    pub logits: &'a CudaSlice<f32>,
+    pub num_experts: usize,
+    pub norm_topk_prob: bool,
+}
+
+/// `expert_down_gemv` after `expert_gate_up_gemv_routed` (decode): given
+/// the router logits, the kernel routes each token itself (the same
+/// operations, so the ids and weights in `ids` / `weights`) before its
+/// programmatic wait, and issues its first weight loads there too, so they
+/// overlap the end of the gate/up GEMV (`Gpu::prewait`; its CUDA-core and
+/// tensor-core kernels, E <= 512). Otherwise it reads `ids` and `weights`.
+/// The kernel before it must be that gate/up GEMV (it triggers only after
+/// its own wait, so the router's logits are final when this one starts).
+#[allow(clippy::too_many_arguments)]
+pub fn expert_down_gemv_routed(
+    gpu: &Gpu,
+    act: &CudaSlice<f32>,
+    ids: &impl DevicePtr<u32>,
+    weights: &CudaSlice<f32>,
+    logits: Option<Logits<'_>>,
     table: &CudaSlice<u64>,
     layout: &BlobLayout,
     tokens: usize,
@@ -482,11 +521,26 @@ pub fn expert_down_gemv(
     };
     let (k, acc) = (top_k as i32, accumulate as i32);
     if fast {
+        let routed = logits.filter(|l| {
+            gpu.prewait(PREWAIT_DOWN)
+                && l.num_experts > 0
+                && l.num_experts <= FUSED_ROUTE_MAX_EXPERTS
+                && top_k <= l.num_experts
+        });
+        if let Some(l) = routed {
+            need("expert_down_gemv_routed: logits", l.logits.len(), tokens * l.num_experts)?;
+        }
         let mut a = KernelArgs::new();
         a.buf(gpu, act).buf(gpu, ids).buf(gpu, weights).buf(gpu, table).val(table_len).val(*layout).val(k);
         a.buf_mut(gpu, out).val(acc);
-        // SAFETY: as below (moe_down_gemv_tc: the same arguments); both wait for their predecessor
-        // (strata_pdl_wait) before touching memory.
+        match routed {
+            Some(l) => a.buf(gpu, l.logits).val(l.num_experts as i32).val(l.norm_topk_prob as i32),
+            None => a.null().val(0i32).val(0i32),
+        };
+        // SAFETY: as below (moe_down_gemv_tc: the same arguments), plus (const float* logits [T, E] or null, int E,
+        // int norm) (E <= MOE_FUSED_ROUTE_MAX, top_k <= E, length checked above); both wait for their predecessor
+        // (strata_pdl_wait) before touching memory, except (logits given) the logits, the table and the weights:
+        // the caller's predecessor is the routed gate/up GEMV, which triggers only after its own wait.
         unsafe { gpu.launch(&f, cfg, &mut a) }?;
         return Ok(());
     }
