@@ -589,7 +589,8 @@ static __device__ __forceinline__ float moe_down_row(const float4* acts, const u
 // only after its own wait: when this kernel starts, the router GEMV has
 // finished. They are read through L2 (__ldcg in moe_topk_warp_n), never an
 // L1 line of an earlier layer's. Without logits: the ids and weights the
-// gate/up GEMV wrote, after the wait. Every thread calls it.
+// gate/up GEMV wrote, after the wait. table_s null: no table copy (table and
+// table_len unused). Every thread calls it.
 static __device__ __forceinline__ void moe_down_route(const float* __restrict__ logits, int num_experts,
                                                       int norm_topk_prob, const uint32_t* __restrict__ ids,
                                                       const float* __restrict__ weights,
@@ -603,12 +604,13 @@ static __device__ __forceinline__ void moe_down_route(const float* __restrict__ 
                 moe_topk_warp_n<4>(row, num_experts, top_k, norm_topk_prob, ids_s, w_s);
             else
                 moe_topk_warp_n<MOE_FUSED_ROUTE_MAX / 32>(row, num_experts, top_k, norm_topk_prob, ids_s, w_s);
-        } else {
+        } else if (table_s != nullptr) {
             for (int i = threadIdx.x - 32; i < table_s_len; i += blockDim.x - 32) table_s[i] = __ldg(table + i);
         }
     } else {
         strata_pdl_wait();
-        for (int i = threadIdx.x; i < table_s_len; i += blockDim.x) table_s[i] = __ldg(table + i);
+        if (table_s != nullptr)
+            for (int i = threadIdx.x; i < table_s_len; i += blockDim.x) table_s[i] = __ldg(table + i);
         if (threadIdx.x < top_k) {
             ids_s[threadIdx.x] = __ldg(ids + t * top_k + threadIdx.x);
             w_s[threadIdx.x] = __ldg(weights + t * top_k + threadIdx.x);
@@ -774,6 +776,7 @@ extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
 #define MOE_TC_GU_WARPS 8
 #define MOE_TC_SLICE 256
 #define MOE_TC_DN_MAX_PARTS 64  // (expert, K slice) partials of a down block (top_k * I / 256)
+#define MOE_TC_DN_MAX_WARPS 24  // warps of a down block (85 registers: its routing's 512-expert path unspilled)
 
 // f16x2 (s0 * 2^7, s1 * 2^7) of the two E4M3 scales in the low 16 bits of v,
 // exact: the bytes shifted into f16s give s * 2^-8 (as moe_e4m3_to_f32), and
@@ -969,7 +972,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 3)
     }
 }
 
-// grid (T, H / 16), block 32 * min(top_k * I / 256, 32) threads, dynamic
+// grid (T, H / 16), block 32 * min(top_k * I / 256, 24) threads, dynamic
 // smem 1 KB a warp; I % 256 == 0, H % 16 == 0, top_k * I / 256 <=
 // MOE_TC_DN_MAX_PARTS (the wrapper's checks). Arguments and results as
 // moe_down_gemv. Block (t, y): output rows 16 y .. 16 y + 15 of token t; its
@@ -978,7 +981,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 3)
 // sum_j coef_j sum_p red[j, p] in (j, p) order (deterministic), coef_j =
 // w_j * g_down_j * 2^7 (NaN for a bad expert id: a visible NaN row, never a
 // wild read).
-extern "C" __global__ void __launch_bounds__(1024)
+extern "C" __global__ void __launch_bounds__(MOE_TC_DN_MAX_WARPS * 32)
     moe_down_gemv_tc(const float* __restrict__ act, const uint32_t* __restrict__ ids, const float* __restrict__ weights,
                      const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k,
                      float* __restrict__ out, int accumulate, const float* __restrict__ logits, int num_experts,
@@ -987,7 +990,6 @@ extern "C" __global__ void __launch_bounds__(1024)
     __shared__ float red[MOE_TC_DN_MAX_PARTS][16];
     __shared__ float coefs[MOE_MAX_TOP_K];
     __shared__ uint64_t blobs[MOE_MAX_TOP_K];
-    __shared__ uint64_t table_s[MOE_FUSED_ROUTE_MAX];
     __shared__ uint32_t ids_s[MOE_MAX_TOP_K];
     __shared__ float w_s[MOE_MAX_TOP_K];
     // Programmatic dependent launch: as moe_down_gemv, the routing and each
@@ -997,11 +999,11 @@ extern "C" __global__ void __launch_bounds__(1024)
     const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate, parts = I / MOE_TC_SLICE;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int nwarps = blockDim.x >> 5;
-    moe_down_route(logits, num_experts, norm_topk_prob, ids, weights, table, table_len, t, top_k, ids_s, w_s,
-                   table_s);
-    if (threadIdx.x < top_k) {
+    moe_down_route(logits, num_experts, norm_topk_prob, ids, weights, nullptr, 0, t, top_k, ids_s, w_s, nullptr);
+    if (threadIdx.x < top_k) {  // (one L2 read per expert: no table copy in shared memory)
         const int j = threadIdx.x;
-        const uint8_t* b = moe_table_blob(ids_s[j], table, table_len, table_s);
+        const uint32_t e = ids_s[j];
+        const uint8_t* b = e < (uint32_t)table_len ? reinterpret_cast<const uint8_t*>(__ldg(table + e)) : nullptr;
         blobs[j] = reinterpret_cast<uint64_t>(b);
         coefs[j] = b != nullptr ? w_s[j] * moe_tail(b, L, 2) * 128.0f : __int_as_float(0x7fc00000);
     }

@@ -254,7 +254,7 @@ fn each_gemv_kernel(gpu: &Gpu, check: impl Fn() -> Result<(), String>) -> Result
 /// with overwrite and accumulate, and a check that the down scale matters,
 /// on tensor cores and on CUDA cores (each_gemv_kernel). The model sizes
 /// (k = 8 of I = 768, k = 10 of I = 512) at T = 1 and 3, and the largest k
-/// (16: 48 parts of the tensor-core down GEMV, more than its 32 warps; the
+/// (16: 48 parts of the tensor-core down GEMV, more than its 24 warps; the
 /// CUDA-core one's second expert slot in every warp, 48 KB of staged act
 /// rows) at T = 1 and 8.
 fn gemv_matches_expert_ffn_row(gpu: &Arc<Gpu>) -> Result<(), String> {

@@ -150,6 +150,8 @@ const TC_GU_WARPS: usize = 8;
 const TC_WARP_SMEM: usize = 1024;
 /// `MOE_TC_DN_MAX_PARTS`: the (expert, K slice) partials a down block holds.
 const TC_DN_MAX_PARTS: usize = 64;
+/// `MOE_TC_DN_MAX_WARPS`: the most warps of a down block (its launch bounds).
+const TC_DN_MAX_WARPS: usize = 24;
 
 /// Whether the decode gate/up GEMV runs on tensor cores (`moe_gate_up_gemv_tc`):
 /// the device allows it (`Gpu::tc_gemv`), H a multiple of 256, I of 16.
@@ -164,9 +166,9 @@ fn tc_down(gpu: &Gpu, h: usize, i: usize, top_k: usize) -> bool {
     gpu.tc_gemv() && i % TC_SLICE == 0 && h % TC_ROWS == 0 && top_k * (i / TC_SLICE) <= TC_DN_MAX_PARTS
 }
 
-/// Warps of a `moe_down_gemv_tc` block: one per (expert, slice) part, at most 32.
+/// Warps of a `moe_down_gemv_tc` block: one per (expert, slice) part, at most `TC_DN_MAX_WARPS`.
 fn tc_down_warps(i: usize, top_k: usize) -> usize {
-    (top_k * (i / TC_SLICE)).clamp(1, 32)
+    (top_k * (i / TC_SLICE)).clamp(1, TC_DN_MAX_WARPS)
 }
 
 fn invalid(msg: String) -> Error {
