@@ -1448,6 +1448,7 @@ impl GpuStage {
                 norm_topk_prob: c.norm_topk_prob,
                 ids: &mut ids,
                 weights: &mut s.weights,
+                host_blobs: true,
             };
             let layout = &self.layout;
             if !skipped(t, "gateup") {
@@ -1455,9 +1456,9 @@ impl GpuStage {
             }
             if !skipped(t, "down") {
                 let logits = route_logits(c, &s.router, t);
-                moe::expert_down_gemv_routed(
-                    gpu, &s.moe.act, &ids, &s.weights, logits, table, layout, t, k, &mut s.x, true,
-                )?;
+                // Misses are read from host memory in place: the CUDA-core GEMVs (host_blobs).
+                let (act, w) = (&s.moe.act, &s.weights);
+                moe::expert_down_gemv_routed(gpu, act, &ids, w, logits, true, table, layout, t, k, &mut s.x, true)?;
             }
         } else if let Some(x) = experts {
             // (A helper only for grouped rows: decode-size steps run the GEMVs.)
@@ -1477,6 +1478,7 @@ impl GpuStage {
                 norm_topk_prob: c.norm_topk_prob,
                 ids: &mut s.ids,
                 weights: &mut s.weights,
+                host_blobs: false,
             };
             if !skipped(t, "gateup") {
                 moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
@@ -1484,7 +1486,8 @@ impl GpuStage {
             if !skipped(t, "down") {
                 let logits = route_logits(c, &s.router, t);
                 let (ids, w) = (&s.ids, &s.weights);
-                moe::expert_down_gemv_routed(gpu, &s.moe.act, ids, w, logits, table, layout, t, k, &mut s.x, true)?;
+                let act = &s.moe.act;
+                moe::expert_down_gemv_routed(gpu, act, ids, w, logits, false, table, layout, t, k, &mut s.x, true)?;
             }
         } else if let Some(help) = help {
             moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;

@@ -608,6 +608,7 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
             norm_topk_prob: true,
             ids: &mut r_ids,
             weights: &mut r_weights,
+            host_blobs: false,
         };
         gm::expert_gate_up_gemv_routed(gpu, &d_x, route, &dev.table, &dev.layout, tokens, k, &mut r_act).map_err(e)?;
         if download_u32(gpu, &r_ids)? != download_u32(gpu, &ids)? {
@@ -639,6 +640,7 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
                 norm_topk_prob: true,
                 ids: &mut r_ids,
                 weights: &mut r_weights,
+                host_blobs: false,
             };
             let (table, layout) = (&dev.table, &dev.layout);
             // Both launches under one setting: the gate/up GEMV triggers the down late when it routes itself.
@@ -659,6 +661,7 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
                 gi,
                 gw,
                 Some(logits),
+                false,
                 table,
                 layout,
                 tokens,
@@ -703,6 +706,7 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
             norm_topk_prob: norm,
             ids: &mut r_ids,
             weights: &mut r_weights,
+            host_blobs: false,
         };
         gm::expert_gate_up_gemv_routed(gpu, &d_x, route, &dev2.table, &dev2.layout, tokens, k2, &mut r_act)
             .map_err(e)?;

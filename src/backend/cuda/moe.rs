@@ -286,6 +286,9 @@ pub struct Route<'a, I = CudaSlice<u32>> {
     pub norm_topk_prob: bool,
     pub ids: &'a mut I,
     pub weights: &'a mut CudaSlice<f32>,
+    /// The table may point into page-locked host memory (a mapped decode
+    /// step): see `expert_down_gemv_routed`.
+    pub host_blobs: bool,
 }
 
 /// `route_topk` fused into `expert_gate_up_gemv` (decode: one launch
@@ -353,7 +356,8 @@ fn gate_up_gemv_launch<G: DevicePtr<u32>, R: DevicePtrMut<u32>>(
     if tokens == 0 {
         return Ok(());
     }
-    let tc = tc_gate_up(gpu, h, i);
+    let host_blobs = matches!(&ids, GateUpIds::Routed(r) if r.host_blobs);
+    let tc = tc_gate_up(gpu, h, i) && !host_blobs;
     let fast = tc || fast_cols(h);
     let f = gpu.function(if tc {
         "moe_gate_up_gemv_tc"
@@ -439,7 +443,7 @@ pub fn expert_down_gemv(
     out: &mut CudaSlice<f32>,
     accumulate: bool,
 ) -> Result<()> {
-    expert_down_gemv_routed(gpu, act, ids, weights, None, table, layout, tokens, top_k, out, accumulate)
+    expert_down_gemv_routed(gpu, act, ids, weights, None, false, table, layout, tokens, top_k, out, accumulate)
 }
 
 /// The router logits a decode down GEMV may route from itself
@@ -459,6 +463,13 @@ pub struct Logits<'a> {
 /// tensor-core kernels, E <= 512). Otherwise it reads `ids` and `weights`.
 /// The kernel before it must be that gate/up GEMV (it triggers only after
 /// its own wait, so the router's logits are final when this one starts).
+///
+/// `host_blobs`: the table may point into page-locked host memory (a mapped
+/// decode step), so both GEMVs (`Route::host_blobs`) take their CUDA-core
+/// kernels, whose warps read 512 contiguous bytes of a row per load: the
+/// tensor-core ones read 64-byte pieces of 8 rows, which the host link
+/// serves slower (H200, 25% of the experts in slots: 20.4 ms a step
+/// against 17.6 ms; docs/performance.md).
 #[allow(clippy::too_many_arguments)]
 pub fn expert_down_gemv_routed(
     gpu: &Gpu,
@@ -466,6 +477,7 @@ pub fn expert_down_gemv_routed(
     ids: &impl DevicePtr<u32>,
     weights: &CudaSlice<f32>,
     logits: Option<Logits<'_>>,
+    host_blobs: bool,
     table: &CudaSlice<u64>,
     layout: &BlobLayout,
     tokens: usize,
@@ -483,7 +495,7 @@ pub fn expert_down_gemv_routed(
     if tokens == 0 {
         return Ok(());
     }
-    let tc = tc_down(gpu, h, i, top_k);
+    let tc = tc_down(gpu, h, i, top_k) && !host_blobs;
     let fast = tc || fast_cols(i);
     if fast && !tc && (h * i / 2) as u64 > u32::MAX as u64 {
         // moe_down_gemv keeps row offsets in 32 bits.
