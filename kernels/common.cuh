@@ -7,7 +7,8 @@
 // starts a kernel while its predecessor on the stream may still run, so a
 // kernel launched that way calls strata_pdl_wait() before it reads anything
 // an earlier kernel writes or writes anything an earlier kernel touches
-// (only constant inputs, such as weights, may be touched before).
+// (only constant inputs, such as weights, may be touched before; the
+// exceptions, whose predecessors trigger late, are in kernels/README.md).
 // strata_pdl_trigger() lets the next kernel's blocks start once every block
 // of this one has started (always safe: that kernel waits in turn).
 static __device__ __forceinline__ void strata_pdl_wait() {
