@@ -682,6 +682,62 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
             }
             check_close(&format!("down routed itself vs the CPU T={tokens}"), &got, &want_out, F32_TOL)
         })?;
+
+        // A mapped decode step's GEMVs (host_blobs: the table may point into host memory) take the CUDA-core
+        // kernels even where the tensor-core ones apply: the same bits as with the tensor cores off, and not
+        // those of the tensor cores (which differ in the last bits, so this check can tell).
+        #[cfg(feature = "test-hooks")]
+        if gpu.compute_capability().0 >= 8 {
+            let run = |tc: bool, host_blobs: bool| -> Result<Vec<f32>, String> {
+                let prev = (gpu.set_tc_gemv(tc), gpu.set_prewait(PREWAIT_DOWN));
+                let r = (|| {
+                    let mut r_ids = gpu.alloc_zeros::<u32>(tokens * k).map_err(e)?;
+                    let mut r_weights = poisoned(gpu, tokens * k)?;
+                    let mut r_act = poisoned(gpu, tokens * k * i)?;
+                    let mut r_out = poisoned(gpu, tokens * h)?;
+                    let route = gm::Route {
+                        logits: &d_logits,
+                        num_experts: n_exp,
+                        norm_topk_prob: true,
+                        ids: &mut r_ids,
+                        weights: &mut r_weights,
+                        host_blobs,
+                    };
+                    let (table, layout) = (&dev.table, &dev.layout);
+                    gm::expert_gate_up_gemv_routed(gpu, &d_x, route, table, layout, tokens, k, &mut r_act)
+                        .map_err(e)?;
+                    let (ids, w) = (&r_ids, &r_weights);
+                    let (act, out) = (&r_act, &mut r_out);
+                    gm::expert_down_gemv_routed(
+                        gpu,
+                        act,
+                        ids,
+                        w,
+                        Some(logits),
+                        host_blobs,
+                        table,
+                        layout,
+                        tokens,
+                        k,
+                        out,
+                        false,
+                    )
+                    .map_err(e)?;
+                    Ok::<_, String>((download(gpu, &r_act)?, download(gpu, &r_out)?))
+                })();
+                gpu.set_tc_gemv(prev.0);
+                gpu.set_prewait(prev.1);
+                let (act, out) = r?;
+                Ok([act, out].concat())
+            };
+            let mapped = run(true, true)?;
+            let cuda_cores = run(false, false)?;
+            let tensor_cores = run(true, false)?;
+            check_close(&format!("mapped-step GEMVs T={tokens} vs CUDA cores"), &mapped, &cuda_cores, 0.0)?;
+            if tensor_cores == cuda_cores {
+                return Err(format!("T={tokens}: tensor and CUDA cores gave the same bits: the check cannot tell"));
+            }
+        }
     }
     // E = 128, k = 8 (qwen3_moe) with norm_topk_prob off, and E = 512, k = 10: routed ids and weights
     // against moe::route.
