@@ -10,7 +10,9 @@
 // (only constant inputs, such as weights, may be touched before; the
 // exceptions, whose predecessors trigger late, are in kernels/README.md).
 // strata_pdl_trigger() lets the next kernel's blocks start once every block
-// of this one has started (always safe: that kernel waits in turn).
+// of this one has triggered (or exited). Before this kernel's own wait that
+// is safe when the next kernel touches nothing but constants before its
+// wait; a kernel followed by one that reads more triggers after its wait.
 static __device__ __forceinline__ void strata_pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -776,7 +776,7 @@ extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
 #define MOE_TC_GU_WARPS 8
 #define MOE_TC_SLICE 256
 #define MOE_TC_DN_MAX_PARTS 64  // (expert, K slice) partials of a down block (top_k * I / 256)
-#define MOE_TC_DN_MAX_WARPS 24  // warps of a down block (85 registers: its routing's 512-expert path unspilled)
+#define MOE_TC_DN_MAX_WARPS 24  // warps of a down block (up to 85 registers: its 512-expert routing unspilled)
 
 // f16x2 (s0 * 2^7, s1 * 2^7) of the two E4M3 scales in the low 16 bits of v,
 // exact: the bytes shifted into f16s give s * 2^-8 (as moe_e4m3_to_f32), and

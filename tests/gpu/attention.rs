@@ -833,9 +833,10 @@ fn row_auto_picks_row(gpu: &Arc<Gpu>) -> Result<(), String> {
 
 /// The one-row kernel reading its first key tile before its programmatic wait (`Gpu::prewait`, the default: the
 /// keys before the row's position there, the row's own key after) gives the same bits as reading it all after
-/// (a `test-hooks` build switches it; without, the default path against itself). The contexts put the row's key
-/// alone in a split (1, 65), inside a split's first tile (17, 1025, 4128) and past it (8195: one split of 256
-/// keys, two tiles of 128 for 4 kv heads x 2 parts); row_int8 / row_bf16 check the default against the CPU.
+/// (a `test-hooks` build switches it; without, the default path against itself). For 4 kv heads x 2 parts the
+/// contexts put the row's key alone in a split (1, 65, 1025: chunk 64), inside a split's first tile (17, 4128)
+/// and past it (8195: splits of 256 keys, two tiles of 128); row_int8 / row_bf16 check the default against the
+/// CPU. The cache holds the row's key before the launch, so this catches a wrong key range, not a read too early.
 fn row_prewait_same_bits(gpu: &Arc<Gpu>) -> Result<(), String> {
     for dtype in [KvDtype::Int8, KvDtype::Bf16] {
         for (si, &sh) in [(32usize, 4usize, 128usize), (16, 2, 256), (16, 1, 128)].iter().enumerate() {

@@ -774,6 +774,60 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
         if act.iter().any(|v| !v.is_finite()) {
             return Err(format!("E={n_exp2}: routed act has non-finite values"));
         }
+        // The down GEMV routing itself at this E and norm (the 512-expert routing path at E = 512), given wrong
+        // ids and NaN weights: the same bits as from the gate/up GEMV's ids and weights, on both kernel families.
+        let zeros = gpu.alloc_zeros::<u32>(tokens * k2).map_err(e)?;
+        let nan_w = poisoned(gpu, tokens * k2)?;
+        let logits = gm::Logits { logits: &d_logits, num_experts: n_exp2, norm_topk_prob: norm };
+        each_gemv_kernel(gpu, || {
+            #[cfg(feature = "test-hooks")]
+            let prev = gpu.set_prewait(PREWAIT_DOWN);
+            let r = (|| {
+                let mut g_ids = gpu.alloc_zeros::<u32>(tokens * k2).map_err(e)?;
+                let mut g_weights = poisoned(gpu, tokens * k2)?;
+                let mut g_act = poisoned(gpu, tokens * k2 * i)?;
+                let route = gm::Route {
+                    logits: &d_logits,
+                    num_experts: n_exp2,
+                    norm_topk_prob: norm,
+                    ids: &mut g_ids,
+                    weights: &mut g_weights,
+                    host_blobs: false,
+                };
+                let (table, layout) = (&dev2.table, &dev2.layout);
+                gm::expert_gate_up_gemv_routed(gpu, &d_x, route, table, layout, tokens, k2, &mut g_act).map_err(e)?;
+                let routes_itself = gpu.prewait(PREWAIT_DOWN);
+                let (gi, gw) = if routes_itself { (&zeros, &nan_w) } else { (&g_ids, &g_weights) };
+                let mut got = poisoned(gpu, tokens * h)?;
+                let (act, out) = (&g_act, &mut got);
+                gm::expert_down_gemv_routed(
+                    gpu,
+                    act,
+                    gi,
+                    gw,
+                    Some(logits),
+                    false,
+                    table,
+                    layout,
+                    tokens,
+                    k2,
+                    out,
+                    false,
+                )
+                .map_err(e)?;
+                let mut want = poisoned(gpu, tokens * h)?;
+                let (ids, w) = (&g_ids, &g_weights);
+                gm::expert_down_gemv(gpu, &g_act, ids, w, table, layout, tokens, k2, &mut want, false).map_err(e)?;
+                let (got, want) = (download(gpu, &got)?, download(gpu, &want)?);
+                if want.iter().any(|v| !v.is_finite()) {
+                    return Err(format!("E={n_exp2}: the down GEMV gave non-finite values"));
+                }
+                check_close(&format!("down routed itself E={n_exp2} norm {norm}"), &got, &want, 0.0)
+            })();
+            #[cfg(feature = "test-hooks")]
+            gpu.set_prewait(prev);
+            r
+        })?;
     }
     Ok(())
 }

@@ -379,8 +379,9 @@ fn qkv_prep_launch(
         Some(s) => a.buf(gpu, s),
         None => a.null(),
     };
-    // Triggers the attention after it only after its own wait when that one reads keys before its wait.
-    a.val(gpu.prewait(PREWAIT_ATTN) as i32);
+    // Triggers the attention after it only after its own wait when that one (the one-row kernel) reads keys before
+    // its wait.
+    a.val((nr == 1 && gpu.prewait(PREWAIT_ATTN)) as i32);
     // SAFETY: attn_qkv_prep_{i8,bf16}(const float* qkv, const float* q_norm, const float* k_norm, float eps,
     // const float* inv_freq, int half, float attention_factor, float* qn, float* gate, KV* kc, KV* vc, float* ks,
     // float* vs, int rows, int heads, int kv_heads, int head_dim, int gated, u64 start_pos, const int* step,
@@ -1091,9 +1092,11 @@ fn launch_row(
     // the kernel's AttnRowShape (row_smem_bytes,
     // attribute set by the callers); step null or a StepPos's 2 ints. The kernel waits for its predecessor
     // (strata_pdl_wait) before touching memory, except (prewait) the step ints (written by a copy before the step's
-    // first kernel) and the cache's keys before start_pos: the kernels that write the cache are the previous
-    // one (attn_qkv_prep, which triggers only after its own wait, so every kernel before it has finished when this
-    // one starts) or one with no trigger (attn_kv_append_*, finished before this one starts).
+    // first kernel) and the cache's keys before start_pos. Those are written by an earlier forward (finished: a
+    // forward ends by waiting for the device), by attn_kv_append_* (no trigger: finished before this one starts),
+    // or by an attn_qkv_prep_* two or more kernels back; the kernel just before this one is attn_qkv_prep_* (which
+    // then triggers only after its own wait, so every kernel before it has finished when this one starts) or, with
+    // STRATA_DECODE_SKIP=prep, the q/k/v GEMV (the keys are then an earlier forward's).
     unsafe { gpu.launch(f, cfg, &mut a) }?;
     Ok(())
 }

@@ -176,11 +176,12 @@ pub const PREWAIT_ATTN: u8 = 1;
 /// `Gpu::prewait`: the decode down GEMV's routing and first weights before its wait.
 pub const PREWAIT_DOWN: u8 = 2;
 
-/// The `prewait` mask of `STRATA_PREWAIT`: unset, `all` or `3`: both; `0` or
-/// `none`: neither; `attn` (1) or `down` (2): that one. Anything else: both.
+/// The `prewait` mask of `STRATA_PREWAIT`: unset, `all` or `3`: both; `0`,
+/// `none`, `off` or `false`: neither; `attn` (1) or `down` (2): that one.
+/// Anything else: both.
 pub fn prewait_from_env(v: Option<&str>) -> u8 {
     match v.map(str::trim) {
-        Some("0") | Some("none") => 0,
+        Some("0") | Some("none") | Some("off") | Some("false") => 0,
         Some("1") | Some("attn") => PREWAIT_ATTN,
         Some("2") | Some("down") => PREWAIT_DOWN,
         _ => PREWAIT_ATTN | PREWAIT_DOWN,

@@ -54,9 +54,10 @@ const DOWN_WARPS: usize = 4;
 const DOWN_FAST_ROWS: usize = 8;
 const DOWN_FAST_THREADS: u32 = 512;
 /// Static shared memory the kernels may add to their dynamic shared memory
-/// (the fast down GEMV has 576 bytes); the dynamic limit is raised when both
-/// together could pass the default.
-const SMEM_STATIC_RESERVE: usize = 1024;
+/// (ptxas, sm_90: 4800 bytes in the fast down GEMV, 4416 in the tensor-core
+/// one, 4224 in the fast gate/up GEMV); the dynamic limit is raised when
+/// both together could pass the default.
+const SMEM_STATIC_RESERVE: usize = 8 * 1024;
 /// Rows per warp of the gate/up GEMV (`MOE_GEMV_ROWS`) and of the down GEMV (`MOE_DOWN_ROWS_PER_WARP`).
 const GEMV_ROWS: usize = 2;
 const DOWN_ROWS: usize = 4;
@@ -356,6 +357,7 @@ fn gate_up_gemv_launch<G: DevicePtr<u32>, R: DevicePtrMut<u32>>(
     if tokens == 0 {
         return Ok(());
     }
+    let routed = matches!(&ids, GateUpIds::Routed(_));
     let host_blobs = matches!(&ids, GateUpIds::Routed(r) if r.host_blobs);
     let tc = tc_gate_up(gpu, h, i) && !host_blobs;
     let fast = tc || fast_cols(h);
@@ -403,9 +405,9 @@ fn gate_up_gemv_launch<G: DevicePtr<u32>, R: DevicePtrMut<u32>>(
                 a.null().val(e).val(norm).null().null();
             }
         }
-        // The down GEMV after it may route before its wait (expert_down_gemv_routed): then trigger it only after
-        // this kernel's wait, when the router's logits are final.
-        a.val(gpu.prewait(PREWAIT_DOWN) as i32);
+        // The down GEMV after a routed one may route before its wait (expert_down_gemv_routed): then trigger it
+        // only after this kernel's wait, when the router's logits are final.
+        a.val((routed && gpu.prewait(PREWAIT_DOWN)) as i32);
         // SAFETY: moe_gate_up_gemv[_tc](const float* x [T, H], const unsigned* ids [T*k] or null, const u64* table
         // [table_len], int table_len, MoeBlobLayout, int k, float* act [T*k, I], const float* logits [T, E] or
         // null, int E, int norm, unsigned* ids_out [T*k], float* weights_out [T*k], int late_trigger) (null ids exactly when logits
@@ -461,8 +463,11 @@ pub struct Logits<'a> {
 /// programmatic wait, and issues its first weight loads there too, so they
 /// overlap the end of the gate/up GEMV (`Gpu::prewait`; its CUDA-core and
 /// tensor-core kernels, E <= 512). Otherwise it reads `ids` and `weights`.
-/// The kernel before it must be that gate/up GEMV (it triggers only after
-/// its own wait, so the router's logits are final when this one starts).
+/// **Call it only right after `expert_gate_up_gemv_routed` on the same
+/// logits**: that kernel then triggers this one only after its own wait, so
+/// the router's logits are final when this one starts; after anything else
+/// the routing may read logits still being written (wrong experts, though
+/// never a read outside the table).
 ///
 /// `host_blobs`: the table may point into page-locked host memory (a mapped
 /// decode step), so both GEMVs (`Route::host_blobs`) take their CUDA-core
@@ -551,17 +556,18 @@ pub fn expert_down_gemv_routed(
             Some(l) => a.buf(gpu, l.logits).val(l.num_experts as i32).val(l.norm_topk_prob as i32),
             None => a.null().val(0i32).val(0i32),
         };
-        // SAFETY: as below (moe_down_gemv_tc: the same arguments), plus (const float* logits [T, E] or null, int E,
+        // SAFETY: moe_down_gemv / moe_down_gemv_tc take moe_down_gemv16's arguments (below) plus (const float* logits [T, E] or null, int E,
         // int norm) (E <= MOE_FUSED_ROUTE_MAX, top_k <= E, length checked above); both wait for their predecessor
-        // (strata_pdl_wait) before touching memory, except (logits given) the logits, the table and the weights:
-        // the caller's predecessor is the routed gate/up GEMV, which triggers only after its own wait.
+        // (strata_pdl_wait) before touching memory, except (logits given) the logits, the table and the expert
+        // blobs (codes, scales, tails): the caller's predecessor is the routed gate/up GEMV, which triggers only
+        // after its own wait.
         unsafe { gpu.launch(&f, cfg, &mut a) }?;
         return Ok(());
     }
     let (ids_ptr, _ids_sync) = ids.device_ptr(gpu.stream());
     let mut b = gpu.stream().launch_builder(&f);
     b.arg(act).arg(&ids_ptr).arg(weights).arg(table).arg(&table_len).arg(layout).arg(&k).arg(out).arg(&acc);
-    // SAFETY: moe_down_gemv / moe_down_gemv16(const float* act [T*k, I], const unsigned* ids,
+    // SAFETY: moe_down_gemv16(const float* act [T*k, I], const unsigned* ids,
     // const float* weights [T*k], const u64* table, int table_len, MoeBlobLayout, int k, float* out [T, H], int accumulate).
     unsafe { b.launch(cfg) }?;
     Ok(())
