@@ -623,61 +623,19 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
         check_close(&format!("routed act T={tokens}"), &download(gpu, &r_act)?, &download(gpu, &act)?, 0.0)?;
 
         // The down GEMV routing itself before its wait (after the routed gate/up GEMV, as in a decode step):
-        // the same bits as from route_topk's ids and weights, on both kernel families. The ids and weights it
-        // is given are wrong (all expert 0, NaN weights), so a kernel that read them fails.
-        let zeros = gpu.alloc_zeros::<u32>(tokens * k).map_err(e)?;
-        let nan_w = poisoned(gpu, tokens * k)?;
+        // the same bits as from route_topk's ids and weights, on both kernel families (routed_gemvs gives it
+        // wrong ids and weights, so a kernel that read them fails).
         let want_out = download(gpu, &out)?;
         let logits = gm::Logits { logits: &d_logits, num_experts: n_exp, norm_topk_prob: true };
         each_gemv_kernel(gpu, || {
-            let mut r_ids = gpu.alloc_zeros::<u32>(tokens * k).map_err(e)?;
-            let mut r_weights = poisoned(gpu, tokens * k)?;
-            let mut r_act = poisoned(gpu, tokens * k * i)?;
-            let mut r_out = poisoned(gpu, tokens * h)?;
-            let route = gm::Route {
-                logits: &d_logits,
-                num_experts: n_exp,
-                norm_topk_prob: true,
-                ids: &mut r_ids,
-                weights: &mut r_weights,
-                host_blobs: false,
-            };
-            let (table, layout) = (&dev.table, &dev.layout);
-            // Both launches under one setting: the gate/up GEMV triggers the down late when it routes itself.
-            #[cfg(feature = "test-hooks")]
-            let prev = gpu.set_prewait(PREWAIT_DOWN);
-            let r = gm::expert_gate_up_gemv_routed(gpu, &d_x, route, table, layout, tokens, k, &mut r_act);
-            if let Err(err) = r {
-                #[cfg(feature = "test-hooks")]
-                gpu.set_prewait(prev);
-                return Err(e(err));
-            }
-            let routes_itself = gpu.prewait(PREWAIT_DOWN);
-            // (Without test-hooks and with STRATA_PREWAIT off it reads the ids and weights: give it the right ones.)
-            let (gi, gw) = if routes_itself { (&zeros, &nan_w) } else { (&r_ids, &r_weights) };
-            let r = gm::expert_down_gemv_routed(
-                gpu,
-                &r_act,
-                gi,
-                gw,
-                Some(logits),
-                false,
-                table,
-                layout,
-                tokens,
-                k,
-                &mut r_out,
-                false,
-            );
-            #[cfg(feature = "test-hooks")]
-            gpu.set_prewait(prev);
-            r.map_err(e)?;
-            let got = download(gpu, &r_out)?;
-            if routes_itself {
+            let r = routed_gemvs(gpu, &dev, &d_x, logits, (h, i), tokens, k, false)?;
+            let got = download(gpu, &r.out)?;
+            if r.routed_itself {
                 // The default kernels (tensor cores or CUDA cores) routed from the logits.
                 let mut plain = poisoned(gpu, tokens * h)?;
-                let (ids, w) = (&r_ids, &r_weights);
-                gm::expert_down_gemv(gpu, &r_act, ids, w, table, layout, tokens, k, &mut plain, false).map_err(e)?;
+                let (table, layout) = (&dev.table, &dev.layout);
+                gm::expert_down_gemv(gpu, &r.act, &r.ids, &r.weights, table, layout, tokens, k, &mut plain, false)
+                    .map_err(e)?;
                 check_close(&format!("down routed itself T={tokens}"), &got, &download(gpu, &plain)?, 0.0)?;
             }
             check_close(&format!("down routed itself vs the CPU T={tokens}"), &got, &want_out, F32_TOL)
@@ -689,46 +647,11 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
         #[cfg(feature = "test-hooks")]
         if gpu.compute_capability().0 >= 8 {
             let run = |tc: bool, host_blobs: bool| -> Result<Vec<f32>, String> {
-                let prev = (gpu.set_tc_gemv(tc), gpu.set_prewait(PREWAIT_DOWN));
-                let r = (|| {
-                    let mut r_ids = gpu.alloc_zeros::<u32>(tokens * k).map_err(e)?;
-                    let mut r_weights = poisoned(gpu, tokens * k)?;
-                    let mut r_act = poisoned(gpu, tokens * k * i)?;
-                    let mut r_out = poisoned(gpu, tokens * h)?;
-                    let route = gm::Route {
-                        logits: &d_logits,
-                        num_experts: n_exp,
-                        norm_topk_prob: true,
-                        ids: &mut r_ids,
-                        weights: &mut r_weights,
-                        host_blobs,
-                    };
-                    let (table, layout) = (&dev.table, &dev.layout);
-                    gm::expert_gate_up_gemv_routed(gpu, &d_x, route, table, layout, tokens, k, &mut r_act)
-                        .map_err(e)?;
-                    let (ids, w) = (&r_ids, &r_weights);
-                    let (act, out) = (&r_act, &mut r_out);
-                    gm::expert_down_gemv_routed(
-                        gpu,
-                        act,
-                        ids,
-                        w,
-                        Some(logits),
-                        host_blobs,
-                        table,
-                        layout,
-                        tokens,
-                        k,
-                        out,
-                        false,
-                    )
-                    .map_err(e)?;
-                    Ok::<_, String>((download(gpu, &r_act)?, download(gpu, &r_out)?))
-                })();
-                gpu.set_tc_gemv(prev.0);
-                gpu.set_prewait(prev.1);
-                let (act, out) = r?;
-                Ok([act, out].concat())
+                let prev = gpu.set_tc_gemv(tc);
+                let r = routed_gemvs(gpu, &dev, &d_x, logits, (h, i), tokens, k, host_blobs);
+                gpu.set_tc_gemv(prev);
+                let r = r?;
+                Ok([download(gpu, &r.act)?, download(gpu, &r.out)?].concat())
             };
             let mapped = run(true, true)?;
             let cuda_cores = run(false, false)?;
@@ -776,60 +699,89 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
         }
         // The down GEMV routing itself at this E and norm (the 512-expert routing path at E = 512), given wrong
         // ids and NaN weights: the same bits as from the gate/up GEMV's ids and weights, on both kernel families.
-        let zeros = gpu.alloc_zeros::<u32>(tokens * k2).map_err(e)?;
-        let nan_w = poisoned(gpu, tokens * k2)?;
         let logits = gm::Logits { logits: &d_logits, num_experts: n_exp2, norm_topk_prob: norm };
         each_gemv_kernel(gpu, || {
-            #[cfg(feature = "test-hooks")]
-            let prev = gpu.set_prewait(PREWAIT_DOWN);
-            let r = (|| {
-                let mut g_ids = gpu.alloc_zeros::<u32>(tokens * k2).map_err(e)?;
-                let mut g_weights = poisoned(gpu, tokens * k2)?;
-                let mut g_act = poisoned(gpu, tokens * k2 * i)?;
-                let route = gm::Route {
-                    logits: &d_logits,
-                    num_experts: n_exp2,
-                    norm_topk_prob: norm,
-                    ids: &mut g_ids,
-                    weights: &mut g_weights,
-                    host_blobs: false,
-                };
-                let (table, layout) = (&dev2.table, &dev2.layout);
-                gm::expert_gate_up_gemv_routed(gpu, &d_x, route, table, layout, tokens, k2, &mut g_act).map_err(e)?;
-                let routes_itself = gpu.prewait(PREWAIT_DOWN);
-                let (gi, gw) = if routes_itself { (&zeros, &nan_w) } else { (&g_ids, &g_weights) };
-                let mut got = poisoned(gpu, tokens * h)?;
-                let (act, out) = (&g_act, &mut got);
-                gm::expert_down_gemv_routed(
-                    gpu,
-                    act,
-                    gi,
-                    gw,
-                    Some(logits),
-                    false,
-                    table,
-                    layout,
-                    tokens,
-                    k2,
-                    out,
-                    false,
-                )
+            let r = routed_gemvs(gpu, &dev2, &d_x, logits, (h, i), tokens, k2, false)?;
+            let mut want = poisoned(gpu, tokens * h)?;
+            let (table, layout) = (&dev2.table, &dev2.layout);
+            gm::expert_down_gemv(gpu, &r.act, &r.ids, &r.weights, table, layout, tokens, k2, &mut want, false)
                 .map_err(e)?;
-                let mut want = poisoned(gpu, tokens * h)?;
-                let (ids, w) = (&g_ids, &g_weights);
-                gm::expert_down_gemv(gpu, &g_act, ids, w, table, layout, tokens, k2, &mut want, false).map_err(e)?;
-                let (got, want) = (download(gpu, &got)?, download(gpu, &want)?);
-                if want.iter().any(|v| !v.is_finite()) {
-                    return Err(format!("E={n_exp2}: the down GEMV gave non-finite values"));
-                }
-                check_close(&format!("down routed itself E={n_exp2} norm {norm}"), &got, &want, 0.0)
-            })();
-            #[cfg(feature = "test-hooks")]
-            gpu.set_prewait(prev);
-            r
+            let (got, want) = (download(gpu, &r.out)?, download(gpu, &want)?);
+            if want.iter().any(|v| !v.is_finite()) {
+                return Err(format!("E={n_exp2}: the down GEMV gave non-finite values"));
+            }
+            check_close(&format!("down routed itself E={n_exp2} norm {norm}"), &got, &want, 0.0)
         })?;
     }
     Ok(())
+}
+
+/// What `routed_gemvs` leaves: the gate/up GEMV's ids, weights and act, the down GEMV's out, and whether the down
+/// GEMV routed itself.
+struct RoutedGemvs {
+    ids: CudaSlice<u32>,
+    weights: CudaSlice<f32>,
+    act: CudaSlice<f32>,
+    out: CudaSlice<f32>,
+    routed_itself: bool,
+}
+
+/// A decode step's routed expert GEMVs as the engine launches them: `expert_gate_up_gemv_routed`, then at once
+/// (every buffer allocated before, so nothing runs between the two) `expert_down_gemv_routed` on the same logits,
+/// in a `test-hooks` build under `PREWAIT_DOWN` (restored after), so it routes itself; it is then given wrong ids
+/// (all expert 0) and NaN weights, so a kernel that read them fails.
+#[allow(clippy::too_many_arguments)]
+fn routed_gemvs(
+    gpu: &Gpu,
+    dev: &DeviceExperts,
+    x: &CudaSlice<f32>,
+    logits: gm::Logits<'_>,
+    (h, i): (usize, usize),
+    tokens: usize,
+    k: usize,
+    host_blobs: bool,
+) -> Result<RoutedGemvs, String> {
+    let mut ids = gpu.alloc_zeros::<u32>(tokens * k).map_err(e)?;
+    let mut weights = poisoned(gpu, tokens * k)?;
+    let mut act = poisoned(gpu, tokens * k * i)?;
+    let mut out = poisoned(gpu, tokens * h)?;
+    let zeros = gpu.alloc_zeros::<u32>(tokens * k).map_err(e)?;
+    let nan_w = poisoned(gpu, tokens * k)?;
+    #[cfg(feature = "test-hooks")]
+    let prev = gpu.set_prewait(PREWAIT_DOWN);
+    let routed_itself = gpu.prewait(PREWAIT_DOWN);
+    let r = (|| {
+        let route = gm::Route {
+            logits: logits.logits,
+            num_experts: logits.num_experts,
+            norm_topk_prob: logits.norm_topk_prob,
+            ids: &mut ids,
+            weights: &mut weights,
+            host_blobs,
+        };
+        let (table, layout) = (&dev.table, &dev.layout);
+        gm::expert_gate_up_gemv_routed(gpu, x, route, table, layout, tokens, k, &mut act)?;
+        // (Without test-hooks and with STRATA_PREWAIT off it reads the ids and weights: give it the right ones.)
+        let (gi, gw) = if routed_itself { (&zeros, &nan_w) } else { (&ids, &weights) };
+        gm::expert_down_gemv_routed(
+            gpu,
+            &act,
+            gi,
+            gw,
+            Some(logits),
+            host_blobs,
+            table,
+            layout,
+            tokens,
+            k,
+            &mut out,
+            false,
+        )
+    })();
+    #[cfg(feature = "test-hooks")]
+    gpu.set_prewait(prev);
+    r.map_err(e)?;
+    Ok(RoutedGemvs { ids, weights, act, out, routed_itself })
 }
 
 /// Skewed router logits: expert e's logits are shifted by -skew * e, so low
