@@ -43,43 +43,32 @@
 
 // ---------------------------------------------------------------- append --
 
-// One (position, kv head) block of head_dim values -> int8 or bf16 at dst,
-// by one warp: the single definition of the cache's rounding (the appends
-// and attn_row's own new row, a prepared launch, call it). int8: amax over
-// the block, scale = amax / 127, value = rint(x / scale) clamped to +-127
-// (0 when the scale is 0); bf16: round to nearest even.
-static __device__ __forceinline__ void attn_quant_row(const float* src, int8_t* dst, float* scale_dst, int head_dim,
-                                                      int lane) {
+// One (position, kv head) block of head_dim values -> the cache, by one warp
+// (the single definition of the cache's rounding: attn_kv_append_* and
+// attn_qkv_prep_* both call it). int8: amax over the block, scale = amax /
+// 127, value = rint(x / scale) clamped to +-127 (0 when the scale is 0);
+// bf16: round to nearest even.
+static __device__ __forceinline__ void attn_append_row(const float* src, int8_t* __restrict__ cache,
+                                                       float* __restrict__ scales, size_t block, int head_dim,
+                                                       int lane) {
     float amax = 0.0f;
     for (int d = lane; d < head_dim; d += 32) amax = fmaxf(amax, fabsf(src[d]));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float scale = amax / 127.0f;
+    int8_t* dst = cache + block * (size_t)head_dim;
     for (int d = lane; d < head_dim; d += 32) {
         float qv = 0.0f;
         if (scale > 0.0f) qv = fminf(fmaxf(rintf(src[d] / scale), -127.0f), 127.0f);
         dst[d] = (int8_t)(int)qv;
     }
-    if (lane == 0) *scale_dst = scale;
-}
-
-// bf16: scale_dst (null for the cache, which holds no scales) gets 1, the
-// scale a bf16 row is read with.
-static __device__ __forceinline__ void attn_quant_row(const float* src, __nv_bfloat16* dst, float* scale_dst,
-                                                      int head_dim, int lane) {
-    for (int d = lane; d < head_dim; d += 32) dst[d] = __float2bfloat16_rn(src[d]);
-    if (lane == 0 && scale_dst != nullptr) *scale_dst = 1.0f;
-}
-
-static __device__ __forceinline__ void attn_append_row(const float* src, int8_t* __restrict__ cache,
-                                                       float* __restrict__ scales, size_t block, int head_dim,
-                                                       int lane) {
-    attn_quant_row(src, cache + block * (size_t)head_dim, scales + block, head_dim, lane);
+    if (lane == 0) scales[block] = scale;
 }
 
 static __device__ __forceinline__ void attn_append_row(const float* src, __nv_bfloat16* __restrict__ cache, float*,
                                                        size_t block, int head_dim, int lane) {
-    attn_quant_row(src, cache + block * (size_t)head_dim, nullptr, head_dim, lane);
+    __nv_bfloat16* dst = cache + block * (size_t)head_dim;
+    for (int d = lane; d < head_dim; d += 32) dst[d] = __float2bfloat16_rn(src[d]);
 }
 
 // One warp per (row, kv head, K or V): amax over head_dim, scale, quantize.
@@ -1225,19 +1214,6 @@ ATTN_DEC_INSTANCES(256)
 // a fixed split count and the splits past ceil((start_pos + 1) / chunk) exit:
 // the same operations, in the same order, as the null-step launch with
 // gridDim.x = ceil((start_pos + 1) / chunk) (bit-identical results).
-//
-// Prepared launch (P.q_norm non-null; a decode step's one launch for what
-// attn_qkv_prep_* and attn_row do in two): q is then the projection's row
-// [q' | k | v] as attn_qkv_prep_* reads it, and each block makes what it
-// needs itself, after its wait, by that kernel's functions: its queries
-// (strata_rmsnorm_rope_row, into shared memory: the same bits as qn), and in
-// the last split the new row at start_pos (K normed and roped, then K and V
-// rounded by attn_quant_row into shared memory, where the tile that holds
-// start_pos takes them instead of cache bytes). Part 0 of the last split
-// also appends that row to the cache (attn_append_row), and the blocks of
-// split 0 write the gate halves (gated). No block reads the cache at
-// start_pos, so the append races with no read; the results are the bits of
-// attn_qkv_prep_* then attn_row.
 
 #define ATTN_ROW_THREADS 256
 #define ATTN_ROW_WARPS (ATTN_ROW_THREADS / 32)
@@ -1273,37 +1249,12 @@ struct AttnRowShape {
     static constexpr int kRed = KSUB * GB * HD * 4;
     static constexpr int oStat = kTile > kRed ? kTile : kRed;
     // Stats: tile max and sum per (warp, query), final max and sum per query, the merge flag.
-    static constexpr int kStats = oStat + (2 * NW * GB + 2 * GB + 4) * 4;
-    // A prepared launch's new K and V row (rounded) and their two scales; its
-    // queries and the normed K row (f32) are made in the V tile's space first.
-    static constexpr int oNew = (kStats + 15) / 16 * 16;
-    static constexpr int kBytes = oNew + 2 * HD * VB + 16;
+    static constexpr int kBytes = oStat + (2 * NW * GB + 2 * GB + 4) * 4;
     static_assert(GB == 1 || GB == 2 || GB == 4, "query heads per block");
     static_assert(DSQ * TK == NT && NLD * NT == TK * ROWV && NLD >= 1, "tile map");
     static_assert(SEGB % 16 == 0 && DPT % 4 == 0 && HD % DV == 0, "segments");
     static_assert(LPR <= 32 ? 32 % LPR == 0 : LPR % 32 == 0, "P V map");
     static_assert(oStat % 16 == 0, "stats alignment");
-    static_assert((GB + 1) * HD * 4 <= TK * HD * VB, "a prepared launch's queries and K row fit the V tile");
-};
-
-// What a prepared launch of attn_row needs besides attn_row's own arguments
-// (see above): the q and k norm weights (q_norm null: not prepared), the
-// RoPE table, the gate (gated only), and the cache again, written (the new
-// row's append). Passed by value; mirrored by the Rust wrapper (RowPrep).
-template <typename KV>
-struct AttnRowPrep {
-    const float* q_norm;
-    const float* k_norm;
-    const float* inv_freq;
-    float* gate;
-    KV* kw;
-    KV* vw;
-    float* ksw;
-    float* vsw;
-    float eps;
-    float attention_factor;
-    int half;
-    int gated;
 };
 
 // 16 bytes of cache values -> exact floats (16 int8 integers, unscaled, or 8 bf16).
@@ -1480,7 +1431,7 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
                                                 float* __restrict__ part_acc, float* __restrict__ part_ml,
                                                 unsigned int* __restrict__ counters, int heads, int kv_heads,
                                                 int start_pos, int chunk, float scale, const int* __restrict__ step,
-                                                int one_level, int prewait, const AttnRowPrep<KV>& P) {
+                                                int one_level, int prewait) {
     using S = AttnRowShape<HD, KV, GB>;
     constexpr int NT = ATTN_ROW_THREADS, NW = ATTN_ROW_WARPS;
     constexpr int TK = S::TK, DSQ = S::DSQ, DPT = S::DPT, SEGB = S::SEGB, CPS = S::CPS, KRS = S::KRS;
@@ -1526,18 +1477,6 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     float* l_s = m_s + GB;
     int* flag_s = reinterpret_cast<int*>(l_s + GB);
     int* keep_s = flag_s + 1;  // nsplit, hb, qn: kept here across the key loop (not in registers)
-    // A prepared launch: the new row's rounded K and V and scales (kept); its
-    // queries and normed K (f32) first made in the V tile's space.
-    const KV* knew_s = reinterpret_cast<const KV*>(base + S::oNew);
-    const KV* vnew_s = knew_s + HD;
-    float* newsc_s = reinterpret_cast<float*>(base + S::oNew + 2 * HD * S::VB);
-    float* qtmp_s = reinterpret_cast<float*>(v_s);  // [GB][HD]
-    float* ktmp_s = qtmp_s + GB * HD;               // [HD]
-    const bool prepared = P.q_norm != nullptr;
-    // The cache row this block takes from knew_s / vnew_s instead: start_pos
-    // in a prepared launch's last split (the only one that holds it; an
-    // earlier split's last tile may reach past its keys, masked there).
-    const int newrow = prepared && split == nsplit - 1 ? start_pos : -1;
 
     // Raw K/V vectors (and int8 scales) of one tile, loaded ahead of their use.
     uint4 kr[NLD], vr[NLD];
@@ -1571,19 +1510,16 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
             if (k0 + tid >= lo && k0 + tid < hi) vsr = __ldcg(vs + (size_t)(k0 + tid) * (size_t)kv_heads + kvh);
         }
     };
-    const int kload_end = prepared ? min(kstop, start_pos) : kstop;  // (keys past it: zeros, or the new row)
-    auto load_tile = [&](int k0) { load_keys(k0, k0, kload_end); };
-    // K registers of the tile at k0 -> k_s (rows cut into DSQ padded
-    // segments), its scales -> ksc_s; row newrow from knew_s.
-    auto store_k = [&](int k0) {
+    auto load_tile = [&](int k0) { load_keys(k0, k0, kstop); };
+    // K registers -> k_s (rows cut into DSQ padded segments), its scales -> ksc_s.
+    auto store_k = [&]() {
 #pragma unroll
         for (int j = 0; j < NLD; ++j) {
             const int i = tid + NT * j;
             const int r = i / ROWV, c = i % ROWV;
-            const uint4 v = k0 + r == newrow ? reinterpret_cast<const uint4*>(knew_s)[c] : kr[j];
-            *reinterpret_cast<uint4*>(k_s + r * KRS + (c / CPS) * (SEGB + 16) + (c % CPS) * 16) = v;
+            *reinterpret_cast<uint4*>(k_s + r * KRS + (c / CPS) * (SEGB + 16) + (c % CPS) * 16) = kr[j];
         }
-        if (tid < TK) ksc_s[tid] = k0 + tid == newrow ? newsc_s[0] : ksr;
+        if (tid < TK) ksc_s[tid] = ksr;
     };
     // Programmatic dependent launch (prewait): the first tile's keys before
     // start_pos are in the cache before the kernel before this one
@@ -1593,44 +1529,16 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     if (prewait) {
         load_keys(kbeg, kbeg, min(kstop, start_pos));
         strata_pdl_wait();
-        // (a no-op when kstop <= start_pos; a prepared launch makes the key at start_pos itself)
-        if (!prepared && start_pos < kbeg + TK) load_keys(kbeg, start_pos, kstop);
+        if (start_pos < kbeg + TK) load_keys(kbeg, start_pos, kstop);  // (a no-op when kstop <= start_pos)
     } else {
         load_tile(kbeg);
     }
-    if (prepared) {
-        // attn_qkv_prep_*'s operations for this block's queries and (last
-        // split) the new K and V row of its kv head; see the section comment.
-        const int qhd = P.gated ? 2 * HD : HD;  // floats of one query head in the row
-        const size_t qw = (size_t)heads * qhd, kv_dim = (size_t)kv_heads * HD;
-        const unsigned long long pos = (unsigned long long)start_pos;
-        const bool last = split == nsplit - 1;
-        if (warp < qn) {
-            const float* xr = q + (size_t)(hb + warp) * qhd;
-            strata_rmsnorm_rope_row(xr, P.q_norm, qtmp_s + warp * HD, HD, P.eps, P.inv_freq, P.half, pos,
-                                    P.attention_factor, lane);
-            if (P.gated && split == 0)
-                for (int d = lane; d < HD; d += 32) P.gate[(size_t)(hb + warp) * HD + d] = xr[HD + d];
-        } else if (last && warp == NW - 2) {
-            strata_rmsnorm_rope_row(q + qw + (size_t)kvh * HD, P.k_norm, ktmp_s, HD, P.eps, P.inv_freq, P.half, pos,
-                                    P.attention_factor, lane);
-            __syncwarp();
-            attn_quant_row(ktmp_s, const_cast<KV*>(knew_s), newsc_s, HD, lane);
-            if (part == 0) attn_append_row(ktmp_s, P.kw, P.ksw, pos * (size_t)kv_heads + kvh, HD, lane);
-        } else if (last && warp == NW - 1) {
-            const float* vrow = q + qw + kv_dim + (size_t)kvh * HD;
-            attn_quant_row(vrow, const_cast<KV*>(vnew_s), newsc_s + 1, HD, lane);
-            if (part == 0) attn_append_row(vrow, P.vw, P.vsw, pos * (size_t)kv_heads + kvh, HD, lane);
-        }
-        __syncthreads();
-    }
-    const float* qsrc = prepared ? qtmp_s : q + (size_t)hb * HD;
     float4 qr[QPT];
 #pragma unroll
     for (int i = 0; i < QPT; ++i) {
         const int idx = tid + NT * i;
         qr[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (idx < QV && idx / (HD / 4) < qn) qr[i] = reinterpret_cast<const float4*>(qsrc)[idx];
+        if (idx < QV && idx / (HD / 4) < qn) qr[i] = reinterpret_cast<const float4*>(q + (size_t)hb * HD)[idx];
     }
 
     // Queries -> q_s [GB][DSQ][DPT + 4] (the padding makes the DSQ segments' reads conflict-free).
@@ -1648,9 +1556,7 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
         keep_s[1] = hb;
         keep_s[2] = qn;
     }
-    // (q_s and k_s are not the V tile's space: the queries were read from it above; the barrier at the loop's
-    // top orders those reads before the first V store.)
-    store_k(kbeg);
+    store_k();
 
     const int kk = tid / DSQ, seg = tid % DSQ;         // scores: key of the tile, K segment
     const int ksb = tid / LPR, d0 = (tid % LPR) * DV;  // P V: key subset, first dim
@@ -1712,11 +1618,10 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
         if (lane == 0) attn_row_st<GB>(redm_s + warp * GB, red);
 #pragma unroll
         for (int j = 0; j < NLD; ++j) {
-            const int i = tid + NT * j;  // row i / ROWV, vector i % ROWV
-            const uint4 v = k0 + i / ROWV == newrow ? reinterpret_cast<const uint4*>(vnew_s)[i % ROWV] : vr[j];
-            *reinterpret_cast<uint4*>(v_s + i * 16) = v;
+            const int i = tid + NT * j;
+            *reinterpret_cast<uint4*>(v_s + i * 16) = vr[j];  // row i / ROWV, vector i % ROWV
         }
-        if (tid < TK) vsc_s[tid] = k0 + tid == newrow ? newsc_s[1] : vsr;
+        if (tid < TK) vsc_s[tid] = vsr;
         __syncthreads();
         if (more) load_tile(k0 + TK);  // the next tile, in flight during this one's math
         // The new max per query (every thread alike: the warps' maxima in warp order) and the rescale.
@@ -1779,7 +1684,7 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
 #pragma unroll
                 for (int j = 0; j < DV; ++j) acc[g][j] = fmaf(pk[g], vf[j], acc[g][j]);
         }
-        if (more) store_k(k0 + TK);  // k_s is free since the scores (the barrier after them)
+        if (more) store_k();  // k_s is free since the scores (the barrier after them)
     }
 
     // Sum of the key subsets (in subset order); then the output (one split) or this split's partial.
@@ -1842,10 +1747,10 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
             const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                  \
             float* __restrict__ part_acc, float* __restrict__ part_ml, unsigned int* __restrict__ counters,       \
             int heads, int kv_heads, int start_pos, int chunk, float scale, const int* __restrict__ step,         \
-            int one_level, int prewait, AttnRowPrep<KV> prep) {                                                   \
+            int one_level, int prewait) {                                                                         \
         strata_pdl_trigger(); /* attn_row waits (strata_pdl_wait) */                                              \
         attn_row<HD, KV, GB>(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads, start_pos,     \
-                             chunk, scale, step, one_level, prewait, prep);                                       \
+                             chunk, scale, step, one_level, prewait);                                             \
     }
 
 #define ATTN_ROW_INSTANCES(HD)                    \

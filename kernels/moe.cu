@@ -933,13 +933,6 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 3)
     }
     const size_t code_row = (size_t)H >> 1, scale_row = (size_t)H >> 4;
     const size_t row = (size_t)16 * blockIdx.y + g;
-    // The two global scales, read now: at the end they would be one more
-    // memory round trip after the barrier.
-    float tail_g = 0.0f, tail_u = 0.0f;
-    if (threadIdx.x < 16) {
-        tail_g = moe_tail(blob, L, 0);
-        tail_u = moe_tail(blob, L, 1);
-    }
     float acc[2][2] = {};  // [gate, up][row g, g + 8], lanes t4 == 0
     for (int sl = warp; sl < H / MOE_TC_SLICE; sl += MOE_TC_GU_WARPS) {
         uint4 c[2][2][2];  // [gate, up][row g, g + 8][u]
@@ -974,7 +967,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 3)
             sg += red[w][0][threadIdx.x];
             su += red[w][1][threadIdx.x];
         }
-        const float gate = sg * (tail_g * 128.0f), up = su * (tail_u * 128.0f);
+        const float gate = sg * (moe_tail(blob, L, 0) * 128.0f), up = su * (moe_tail(blob, L, 1) * 128.0f);
         act_row[threadIdx.x] = moe_silu(gate) * up;
     }
 }

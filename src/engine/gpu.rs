@@ -1368,11 +1368,6 @@ impl GpuStage {
                     attention::attention_with_scratch(gpu, &s.qn, kv, shape, start, t, &mut s.attn, config, split)?;
                 }
             }
-            // One row by the one-row kernel: it prepares its queries and the new K/V row itself (one launch).
-            Some(st) if st.plan.prepares() && !skipped(t, "prep") && !skipped(t, "attn") => {
-                let (plan, pos, split) = (&st.plan, &st.pos, &mut s.attn_split);
-                attention::attention_at_prepared(gpu, &prep, &s.qkv, kv, shape, &mut s.attn, plan, pos, split, gate)?;
-            }
             Some(st) => {
                 if !skipped(t, "prep") {
                     attention::qkv_prepare_at(gpu, &prep, &s.qkv, t, kv, &st.pos, &mut s.qn, gate)?;

@@ -11,9 +11,9 @@ use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 use strata::backend::cpu::ops;
 use strata::backend::cuda::attention::{
-    attention, attention_at, attention_at_prepared, attention_with, attention_with_scratch, kv_append, kv_append_at,
-    kv_read_f32, qkv_prepare, qkv_prepare_at, step_chunk, step_plan, AttnConfig, AttnKernel, AttnPrecision,
-    AttnScratch, DeviceKv, KvDtype, QkvPrep, StepPlan, StepPos,
+    attention, attention_at, attention_with, attention_with_scratch, kv_append, kv_append_at, kv_read_f32, qkv_prepare,
+    qkv_prepare_at, step_chunk, step_plan, AttnConfig, AttnKernel, AttnPrecision, AttnScratch, DeviceKv, KvDtype,
+    QkvPrep, StepPlan, StepPos,
 };
 use strata::backend::cuda::dense::{self, RopeTable};
 use strata::backend::cuda::{CudaSlice, Gpu};
@@ -56,7 +56,6 @@ pub const TESTS: &[GpuTest] = &[
     ("attention_qkv_prepare_int8_exact", qkv_prepare_int8_exact),
     ("attention_qkv_prepare_bf16_exact", qkv_prepare_bf16_exact),
     ("attention_qkv_prepare_rejects_bad_arguments", qkv_prepare_rejects_bad_arguments),
-    ("attention_row_prepared_same_bits", row_prepared_same_bits),
     ("attention_row_timing", row_timing),
 ];
 
@@ -1189,124 +1188,4 @@ fn qkv_prepare_rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
     } else {
         Err(failures.join(", "))
     }
-}
-
-/// Decode positions of `row_prepared_same_bits`: one split (0, 1, 2), tile and split edges (63..65, 127, 128), many
-/// splits (500, 4095, 8194).
-const PREPARED_POSITIONS: [usize; 11] = [0, 1, 2, 63, 64, 65, 127, 128, 500, 4095, 8194];
-
-/// A prepared launch (`attention_at_prepared`: the one-row kernel norms and ropes its queries and makes, appends
-/// and uses the new K/V row itself) against `qkv_prepare_at` + `attention_at` on the same projection rows, step
-/// after step on two caches filled alike, one StepPlan and StepPos: the output, the gate and the cache row at each
-/// position must be the same bits, and at the end the whole caches. Every position starts with a stale random row
-/// in both caches, so a block that read the new row from the cache instead of making it would differ. Plain and
-/// gated rows, full and partial rotary, both KV types, early loads on and off (a `test-hooks` build); a plan of
-/// another kernel (two rows) is refused, changing nothing.
-fn row_prepared_same_bits(gpu: &Arc<Gpu>) -> Result<(), String> {
-    let eps = 1e-6f32;
-    let capacity = 8200;
-    for dtype in [KvDtype::Int8, KvDtype::Bf16] {
-        for (si, &(heads, kv_heads, hd, rot)) in PREP_SHAPES.iter().enumerate() {
-            let table = test_rope(gpu, rot)?;
-            let shape = AttentionShape { heads, kv_heads, head_dim: hd };
-            let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
-            let norm = |seed| rand_f32(seed, hd, 0.3).iter().map(|x| 1.0 + x).collect::<Vec<f32>>();
-            let q_norm = gpu.upload(&norm(9000 + si as u64)).map_err(e)?;
-            let k_norm = gpu.upload(&norm(9100 + si as u64)).map_err(e)?;
-            let plan: StepPlan = step_plan(gpu, shape, 1, dtype).map_err(e)?;
-            if !plan.prepares() {
-                return Err(format!(
-                    "{dtype:?} {shape:?}: the one-row plan {plan:?} does not take the prepared launch"
-                ));
-            }
-            for gated in [false, true] {
-                let prep = QkvPrep { heads, gated, q_norm: &q_norm, k_norm: &k_norm, eps, rope: &table };
-                let width = if gated { 2 * qd } else { qd } + 2 * kvd;
-                for prewait in [true, false] {
-                    #[cfg(not(feature = "test-hooks"))]
-                    if !prewait {
-                        continue;
-                    }
-                    #[cfg(feature = "test-hooks")]
-                    let prev = gpu.set_prewait(if prewait { strata::backend::cuda::PREWAIT_ATTN } else { 0 });
-                    let r = (|| -> Result<(), String> {
-                        let seed = 9200 + si as u64 * 10 + gated as u64;
-                        let (mut kv_two, ..) = filled_cache(gpu, dtype, shape, capacity, capacity, seed)?;
-                        let (mut kv_one, ..) = filled_cache(gpu, dtype, shape, capacity, capacity, seed)?;
-                        let mut pos = StepPos::new(gpu).map_err(e)?;
-                        let mut scratch_two = AttnScratch::new(gpu, shape, 1).map_err(e)?;
-                        let mut scratch_one = AttnScratch::new(gpu, shape, 1).map_err(e)?;
-                        for (pi, &sp) in PREPARED_POSITIONS.iter().enumerate() {
-                            let what = format!(
-                                "{dtype:?} {heads}/{kv_heads}x{hd} rot {rot} gated {gated} prewait {prewait} at {sp}"
-                            );
-                            let qkv = gpu.upload(&rand_f32(seed + 100 + pi as u64, width, 1.5)).map_err(e)?;
-                            pos.set(gpu, sp, step_chunk(&plan, sp + 1)).map_err(e)?;
-                            let mut qn = poisoned(gpu, qd)?;
-                            let mut gate_two = if gated { Some(poisoned(gpu, qd)?) } else { None };
-                            let mut want = poisoned(gpu, qd)?;
-                            qkv_prepare_at(gpu, &prep, &qkv, 1, &mut kv_two, &pos, &mut qn, gate_two.as_mut())
-                                .map_err(e)?;
-                            attention_at(gpu, &qn, &kv_two, shape, 1, &mut want, &plan, &pos, &mut scratch_two)
-                                .map_err(e)?;
-                            let mut gate_one = if gated { Some(poisoned(gpu, qd)?) } else { None };
-                            let mut got = poisoned(gpu, qd)?;
-                            let (p, kv, sc) = (&plan, &mut kv_one, &mut scratch_one);
-                            attention_at_prepared(
-                                gpu,
-                                &prep,
-                                &qkv,
-                                kv,
-                                shape,
-                                &mut got,
-                                p,
-                                &pos,
-                                sc,
-                                gate_one.as_mut(),
-                            )
-                            .map_err(e)?;
-                            let want = gpu.download(&want).map_err(e)?;
-                            all_finite(&what, &want)?;
-                            exact(&what, &gpu.download(&got).map_err(e)?, &want)?;
-                            if let (Some(a), Some(b)) = (&gate_one, &gate_two) {
-                                let gw = gpu.download(b).map_err(e)?;
-                                all_finite(&format!("{what}: gate"), &gw)?;
-                                exact(&format!("{what}: gate"), &gpu.download(a).map_err(e)?, &gw)?;
-                            }
-                            if cache_row(gpu, &kv_one, sp)? != cache_row(gpu, &kv_two, sp)? {
-                                return Err(format!("{what}: the appended row differs from attn_qkv_prep's"));
-                            }
-                        }
-                        if cache_bytes(gpu, &kv_one)? != cache_bytes(gpu, &kv_two)? {
-                            return Err(format!("{dtype:?} {shape:?} gated {gated}: the whole caches differ"));
-                        }
-                        Ok(())
-                    })();
-                    #[cfg(feature = "test-hooks")]
-                    gpu.set_prewait(prev);
-                    r?;
-                }
-            }
-            // Another kernel's plan (two rows) is refused before any launch: the cache is untouched.
-            let two = step_plan(gpu, shape, 2, dtype).map_err(e)?;
-            let prep = QkvPrep { heads, gated: false, q_norm: &q_norm, k_norm: &k_norm, eps, rope: &table };
-            let (mut kv, ..) = filled_cache(gpu, dtype, shape, 64, 64, 9300)?;
-            let before = cache_bytes(gpu, &kv)?;
-            let qkv = gpu.upload(&rand_f32(9301, 2 * (qd + 2 * kvd), 1.0)).map_err(e)?;
-            let mut pos = StepPos::new(gpu).map_err(e)?;
-            pos.set(gpu, 10, step_chunk(&two, 12)).map_err(e)?;
-            let mut scratch = AttnScratch::new(gpu, shape, 2).map_err(e)?;
-            let mut out = poisoned(gpu, 2 * qd)?;
-            if two.prepares()
-                || attention_at_prepared(gpu, &prep, &qkv, &mut kv, shape, &mut out, &two, &pos, &mut scratch, None)
-                    .is_ok()
-            {
-                return Err(format!("{dtype:?} {shape:?}: a two-row plan {two:?} was taken for a prepared launch"));
-            }
-            if cache_bytes(gpu, &kv)? != before {
-                return Err(format!("{dtype:?} {shape:?}: a refused prepared launch changed the cache"));
-            }
-        }
-    }
-    Ok(())
 }

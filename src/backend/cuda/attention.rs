@@ -8,7 +8,6 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute_enum};
 use super::{CudaFunction, CudaSlice, Gpu, KernelArgs, LaunchConfig, PushKernelArg, PREWAIT_ATTN};
 use crate::backend::AttentionShape;
 use crate::error::{Error, Result};
-use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 
 /// Element type of a device KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -540,7 +539,6 @@ fn dec_smem_bytes(head_dim: usize, nqb: usize) -> usize {
 
 /// Dynamic shared memory of attn_row_hd{HD}_{tag}_g{gb}: mirrors AttnRowShape in attention.cu.
 fn row_smem_bytes(head_dim: usize, dtype: KvDtype, gb: usize) -> usize {
-    // The tile (or the key subsets' sums), the stats, then a prepared launch's new K and V row and scales.
     let nt = ROW_THREADS as usize;
     let vb = dtype.value_bytes();
     let tk = (16384 / (head_dim * vb)).min(nt);
@@ -552,8 +550,7 @@ fn row_smem_bytes(head_dim: usize, dtype: KvDtype, gb: usize) -> usize {
     let qgs = dsq * (dpt + 4);
     let tile = gb * qgs * 4 + tk * krs + tk * head_dim * vb + tk * gb * 4 + 2 * tk * 4;
     let red = ksub * gb * head_dim * 4;
-    let stats = tile.max(red) + (2 * (nt / 32) * gb + 2 * gb + 4) * 4;
-    stats.next_multiple_of(16) + 2 * head_dim * vb + 16
+    tile.max(red) + (2 * (nt / 32) * gb + 2 * gb + 4) * 4
 }
 
 /// Query parts (grid z) of attn_row_* for `group` query heads per kv head: at most ROW_QB heads each.
@@ -840,7 +837,7 @@ pub fn attention_with_scratch(
         let plan = plan_row_splits(kend, kv_heads, choice.qtiles, gpu.sm_count() as usize);
         let prow = row_partial_rows(plan.splits) * heads;
         scratch.reserve(gpu, prow * head_dim, prow * 2, row_counters(kv_heads, choice.qtiles, plan.splits))?;
-        return launch_row(gpu, &f, q, kv, shape, out, &choice, plan, sp, None, scratch, RowPrep::default());
+        return launch_row(gpu, &f, q, kv, shape, out, &choice, plan, sp, None, scratch);
     }
     let plan = plan_splits(kend, kv_heads * choice.qtiles, gpu.sm_count() as usize, choice.tile);
     // Partials only when the key range is split (else the kernel never touches them).
@@ -1052,7 +1049,6 @@ fn launch_row(
     sp: i32,
     step: Option<&CudaSlice<i32>>,
     scratch: &mut AttnScratch,
-    prep: RowPrep,
 ) -> Result<()> {
     let AttentionShape { heads, kv_heads, head_dim } = shape;
     let splits = u32::try_from(plan.splits).ok().filter(|&s| s <= 65535);
@@ -1085,97 +1081,24 @@ fn launch_row(
         Some(s) => a.buf(gpu, s),
         None => a.null(),
     };
-    a.val(row_one_level() as i32).val(gpu.prewait(PREWAIT_ATTN) as i32).val(prep);
+    a.val(row_one_level() as i32).val(gpu.prewait(PREWAIT_ATTN) as i32);
     // SAFETY: attn_row_hd{HD}_{tag}_g{GB}(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads,
-    // start_pos, chunk, scale, step, one_level, prewait, AttnRowPrep prep): reads q[0..heads*HD] (checked; a
-    // prepared launch: the projection row, and prep's buffers, all checked by attention_at_prepared), cache
-    // positions 0..=start_pos (< capacity: checked by attention, kept by attention_at's caller) of kv heads <
-    // kv_heads (= the cache's, checked), and writes out[0..heads*HD] (prepared: also the cache at start_pos and
-    // the gate's heads*HD); with more than one split it writes and reads part_acc/part_ml rows < splits +
-    // ceil(splits / 8) of heads*HD / heads*2 floats and counters[kv_heads * parts * (1 + ceil(splits / 8))] (all
-    // held by the scratch: reserved or checked by the callers; the counters are zero between launches); grid z =
-    // parts with ceil(group / parts) <= GB and no empty part (checked above); dynamic shared memory as the
-    // kernel's AttnRowShape (row_smem_bytes, attribute set by the callers); step null or a StepPos's 2 ints. The
-    // kernel waits for its predecessor (strata_pdl_wait) before touching memory, except (prewait) the step ints
-    // (written by a copy before the step's first kernel) and the cache's keys before start_pos. Those are written
-    // by an earlier forward (finished: a forward ends by waiting for the device), by attn_kv_append_* (no trigger:
-    // finished before this one starts), or by an attn_qkv_prep_* two or more kernels back; the kernel just before
-    // this one is attn_qkv_prep_* (which then triggers only after its own wait, so every kernel before it has
-    // finished when this one starts), or the q/k/v GEMV (a prepared launch, or STRATA_DECODE_SKIP=prep), which
-    // writes no key.
+    // start_pos, chunk, scale, step, one_level, prewait): reads q[0..heads*HD] (checked), cache positions 0..=start_pos (< capacity:
+    // checked by attention, kept by attention_at's caller) of kv heads < kv_heads (= the cache's, checked), and
+    // writes out[0..heads*HD]; with more than one split it writes and reads part_acc/part_ml rows
+    // < splits + ceil(splits / 8) of heads*HD / heads*2 floats and counters[kv_heads * parts * (1 + ceil(splits /
+    // 8))] (all held by the scratch: reserved or checked by the callers; the counters are zero between launches);
+    // grid z = parts with ceil(group / parts) <= GB and no empty part (checked above); dynamic shared memory as
+    // the kernel's AttnRowShape (row_smem_bytes,
+    // attribute set by the callers); step null or a StepPos's 2 ints. The kernel waits for its predecessor
+    // (strata_pdl_wait) before touching memory, except (prewait) the step ints (written by a copy before the step's
+    // first kernel) and the cache's keys before start_pos. Those are written by an earlier forward (finished: a
+    // forward ends by waiting for the device), by attn_kv_append_* (no trigger: finished before this one starts),
+    // or by an attn_qkv_prep_* two or more kernels back; the kernel just before this one is attn_qkv_prep_* (which
+    // then triggers only after its own wait, so every kernel before it has finished when this one starts) or, with
+    // STRATA_DECODE_SKIP=prep, the q/k/v GEMV (the keys are then an earlier forward's).
     unsafe { gpu.launch(f, cfg, &mut a) }?;
     Ok(())
-}
-
-/// attn_row_*'s `AttnRowPrep` (kernels/attention.cu), by value: a prepared launch's norm weights, RoPE table,
-/// gate and the cache's addresses again (written: the new row); all zero for a plain launch.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct RowPrep {
-    q_norm: u64,
-    k_norm: u64,
-    inv_freq: u64,
-    gate: u64,
-    kw: u64,
-    vw: u64,
-    ksw: u64,
-    vsw: u64,
-    eps: f32,
-    attention_factor: f32,
-    half: i32,
-    gated: i32,
-}
-
-// SAFETY: #[repr(C)] plain old data: eight u64, two f32, two i32, the layout of AttnRowPrep<KV> (eight pointers,
-// two floats, two ints; 80 bytes, 8-aligned).
-unsafe impl DeviceRepr for RowPrep {}
-
-/// `qkv_prepare_at` then `attention_at` in one launch (a captured decode step of one row with the one-row kernel,
-/// `plan.choice.kernel == AttnKernel::Row`): the kernel's blocks norm and rope their queries themselves, the last
-/// split makes and appends the new K and V row, and the gate is split off (gated) — the same bits in `out`, `kv`
-/// and `gate` as the two calls (`qn` is not written: nothing else reads it in a decode step). Errors, changing
-/// nothing, for another plan kernel or rows != 1, or what either call refuses.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_at_prepared(
-    gpu: &Gpu,
-    p: &QkvPrep,
-    qkv: &CudaSlice<f32>,
-    kv: &mut DeviceKv,
-    shape: AttentionShape,
-    out: &mut CudaSlice<f32>,
-    plan: &StepPlan,
-    pos: &StepPos,
-    scratch: &mut AttnScratch,
-    gate: Option<&mut CudaSlice<f32>>,
-) -> Result<()> {
-    let what = "attention_at_prepared";
-    if plan.choice.kernel != AttnKernel::Row || plan.rows != 1 || p.heads != shape.heads {
-        return Err(Error::InvalidArgument(format!(
-            "{what}: a one-row plan of the one-row kernel with the prep's {} heads, not {plan:?}",
-            p.heads
-        )));
-    }
-    // The prep's checks with a stand-in for qn (not written); then attention_at's (q: the projection row).
-    check_qkv_prep(what, p, qkv, 1, kv, out, gate.as_deref())?;
-    let stream = gpu.stream();
-    let mut prep = RowPrep {
-        eps: p.eps,
-        attention_factor: p.rope.attention_factor,
-        half: (p.rope.rotary_dim / 2) as i32,
-        gated: p.gated as i32,
-        ..RowPrep::default()
-    };
-    prep.q_norm = p.q_norm.device_ptr(stream).0;
-    prep.k_norm = p.k_norm.device_ptr(stream).0;
-    prep.inv_freq = p.rope.inv_freq.device_ptr(stream).0;
-    if let Some(g) = gate {
-        prep.gate = g.device_ptr_mut(stream).0;
-    }
-    prep.kw = kv.k.device_ptr_mut(stream).0;
-    prep.vw = kv.v.device_ptr_mut(stream).0;
-    prep.ksw = kv.k_scale.device_ptr_mut(stream).0;
-    prep.vsw = kv.v_scale.device_ptr_mut(stream).0;
-    attention_at_with(gpu, qkv, kv, shape, 1, out, plan, pos, scratch, prep)
 }
 
 // ------------------------------------------------------------------------
@@ -1220,25 +1143,6 @@ pub struct StepPlan {
     shape: AttentionShape,
     rows: usize,
     dtype: KvDtype,
-}
-
-impl StepPlan {
-    /// Whether a step of this plan takes `attention_at_prepared` (one row by the one-row kernel) rather than
-    /// `qkv_prepare_at` then `attention_at`. A `test-hooks` build reads `STRATA_ATTN_PREPARED` (`0`, `off` or
-    /// `false`: the two launches) once, so a bench can compare both on one build.
-    pub fn prepares(&self) -> bool {
-        self.choice.kernel == AttnKernel::Row && self.rows == 1 && prepared_launch()
-    }
-}
-
-fn prepared_launch() -> bool {
-    #[cfg(any(test, feature = "test-hooks"))]
-    {
-        static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *V.get_or_init(|| !matches!(std::env::var("STRATA_ATTN_PREPARED").as_deref(), Ok("0" | "off" | "false")))
-    }
-    #[cfg(not(any(test, feature = "test-hooks")))]
-    true
 }
 
 /// The plan for `rows` query rows (1 for decode) of `shape` over a cache of `kv_dtype` on this device: the kernel
@@ -1299,23 +1203,6 @@ pub fn attention_at(
     pos: &StepPos,
     scratch: &mut AttnScratch,
 ) -> Result<()> {
-    attention_at_with(gpu, q, kv, shape, rows, out, plan, pos, scratch, RowPrep::default())
-}
-
-/// `attention_at` with a prepared launch's `prep` (one-row kernel only; zeros: a plain launch).
-#[allow(clippy::too_many_arguments)]
-fn attention_at_with(
-    gpu: &Gpu,
-    q: &CudaSlice<f32>,
-    kv: &DeviceKv,
-    shape: AttentionShape,
-    rows: usize,
-    out: &mut CudaSlice<f32>,
-    plan: &StepPlan,
-    pos: &StepPos,
-    scratch: &mut AttnScratch,
-    prep: RowPrep,
-) -> Result<()> {
     let AttentionShape { heads, kv_heads, head_dim } = shape;
     let n = rows * heads * head_dim;
     let parts = plan.splits * rows * heads;
@@ -1350,7 +1237,7 @@ fn attention_at_with(
     let f = gpu.function(&plan.choice.name(head_dim, kv.dtype))?;
     let split_plan = SplitPlan { splits: plan.splits, chunk: plan.tile };
     if row {
-        return launch_row(gpu, &f, q, kv, shape, out, &plan.choice, split_plan, 0, Some(&pos.buf), scratch, prep);
+        return launch_row(gpu, &f, q, kv, shape, out, &plan.choice, split_plan, 0, Some(&pos.buf), scratch);
     }
     launch_attention(gpu, &f, q, kv, shape, rows, out, &plan.choice, split_plan, 0, Some(&pos.buf), scratch)
 }
