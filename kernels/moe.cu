@@ -820,9 +820,14 @@ static __device__ __forceinline__ void moe_mma_f16(float (&d)[4], uint32_t a0, u
 // of x * 2^-E, and returns 2^E (see the section comment; E = 0 for a zero
 // slice or one holding an infinity; fmaxf skips NaN, which reaches the
 // result as it is).
+// CG: x was written earlier in the same kernel by other blocks (the fused
+// decode MoE's act rows): read through L2 (ld.global.cg), not the
+// non-coherent path.
+template <bool CG = false>
 static __device__ __forceinline__ float moe_tc_stage(const float* __restrict__ x, uint4* xs, int lane) {
-    const float4 p = __ldg(reinterpret_cast<const float4*>(x) + 2 * lane);
-    const float4 q = __ldg(reinterpret_cast<const float4*>(x) + 2 * lane + 1);
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const float4 p = CG ? __ldcg(x4 + 2 * lane) : __ldg(x4 + 2 * lane);
+    const float4 q = CG ? __ldcg(x4 + 2 * lane + 1) : __ldg(x4 + 2 * lane + 1);
     float m = fmaxf(fmaxf(fmaxf(fabsf(p.x), fabsf(p.y)), fmaxf(fabsf(p.z), fabsf(p.w))),
                     fmaxf(fmaxf(fabsf(q.x), fabsf(q.y)), fmaxf(fabsf(q.z), fabsf(q.w))));
 #pragma unroll
@@ -1050,6 +1055,276 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_DN_MAX_WARPS * 32)
             v = fmaf(coefs[j], sj, v);
         }
         float* o = out + (size_t)t * H + 16 * blockIdx.y + threadIdx.x;
+        *o = accumulate ? *o + v : v;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 2b. The decode MoE of one token in one launch (tensor cores, T = 1):
+// moe_gate_up_gemv_tc's routing and products, a barrier across the grid,
+// then moe_down_gemv_tc's products, each in the same operations and order
+// as those kernels (the same bits). What one launch buys: the token routes
+// once, not in both kernels; the experts' tails are read with the routing,
+// not after the products; and the down weights, known once the routing is,
+// are copied into shared memory (cp.async) while the gate/up products run,
+// so the down products start from shared memory right after the barrier
+// instead of a kernel later with their weights still to fetch.
+//
+// grid: nb blocks, all resident together (the wrapper: one block per SM at
+// most, a cooperative launch); block MOE_FD_WARPS warps.
+// - gate/up: unit u = j * (I / 16) + y (expert j's rows 16 y .. 16 y + 15
+//   of gate and up); block b takes the units b, b + nb, ...; item (the
+//   block's unit ui, K slice sl), it = ui * S + sl, is one warp's
+//   moe_tc_slice, warp w takes the items w, w + MOE_FD_WARPS, ...; the
+//   slices' partials are then added in moe_gate_up_gemv_tc's order (its
+//   warp w held the slices w, w + 8, ...).
+// - down: tile d (output rows 16 d .. 16 d + 15), block b takes the tiles
+//   b, b + nb, ...; part item pi = ti * P + q (the block's tile ti, part q =
+//   j * (I / 256) + p as moe_down_gemv_tc) in warp pi % MOE_FD_WARPS, its
+//   codes and scales in shared memory at pi * MOE_FD_PART_BYTES.
+// dynamic smem: the block's part items * MOE_FD_PART_BYTES. bar: two u32
+// of this launch's caller (zero-initialized, see moe_grid_sync).
+#define MOE_FD_WARPS 24
+#define MOE_FD_MAX_ITEMS 48       // gate/up items of a block (FD_MAX_ITEMS in moe.rs)
+#define MOE_FD_MAX_PARTS 64       // down part items of a block (FD_MAX_PARTS in moe.rs)
+#define MOE_FD_PART_BYTES 2304    // one down part: 16 code rows x 128 bytes, then 16 scale rows x 16 bytes
+
+static __device__ __forceinline__ void moe_cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+#else
+    *reinterpret_cast<uint4*>(smem) = __ldg(reinterpret_cast<const uint4*>(gmem));
+#endif
+}
+
+static __device__ __forceinline__ void moe_cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void moe_cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ unsigned int moe_ld_acquire(const unsigned int* p) {
+    unsigned int v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Every block of the grid meets here; the grid's blocks must all be
+// resident (see the section comment). bar[0] counts arrivals, bar[1] is
+// the generation: the last block to arrive resets the count and advances
+// the generation, which the others wait for; a block reads the generation
+// before it arrives, so it cannot miss the advance. Stores before the
+// barrier are visible after it to loads through L2 (ld.global.cg), as the
+// grid synchronization of cooperative groups.
+static __device__ __forceinline__ void moe_grid_sync(unsigned int* bar, unsigned int nblocks) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int gen = moe_ld_acquire(bar + 1);
+        __threadfence();
+        if (atomicAdd(bar, 1u) == nblocks - 1) {
+            atomicExch(bar, 0u);
+            __threadfence();
+            atomicAdd(bar + 1, 1u);
+        } else {
+            while (moe_ld_acquire(bar + 1) == gen) {
+            }
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// moe_tc_load from a down part in shared memory (codes: row g's 128 bytes,
+// rows 128 bytes apart; scales: row g's 16 bytes, rows 16 bytes apart).
+static __device__ __forceinline__ void moe_tc_load_part(const uint8_t* codes, const uint8_t* scales, int t4,
+                                                        uint4 (&c)[2][2], uint32_t (&s)[2][2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            c[r][u] = *reinterpret_cast<const uint4*>(codes + r * 8 * 128 + 64 * u + 16 * t4);
+            s[r][u] = *reinterpret_cast<const unsigned short*>(scales + r * 8 * 16 + 8 * u + 2 * t4);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_FD_WARPS * 32, 1)
+    moe_decode_fused(const float* __restrict__ x, const float* __restrict__ logits, int num_experts,
+                     int norm_topk_prob, const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L,
+                     int top_k, float* __restrict__ act, uint32_t* __restrict__ ids_out,
+                     float* __restrict__ weights_out, float* __restrict__ out, int accumulate,
+                     unsigned int* __restrict__ bar) {
+    extern __shared__ uint4 moe_fd_parts[];
+    __shared__ uint4 xs[MOE_FD_WARPS][64];
+    __shared__ float red_gu[MOE_FD_MAX_ITEMS][2][16];
+    __shared__ float red_dn[MOE_FD_MAX_PARTS][16];
+    __shared__ uint64_t table_s[MOE_FUSED_ROUTE_MAX];
+    __shared__ uint32_t ids_s[MOE_MAX_TOP_K];
+    __shared__ float w_s[MOE_MAX_TOP_K];
+    __shared__ float tails_s[MOE_MAX_TOP_K][3];
+    const int H = (int)L.hidden, I = (int)L.intermediate;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int nb = gridDim.x, b = blockIdx.x;
+    const int S = H / MOE_TC_SLICE, tiles_i = I / 16, parts = I / MOE_TC_SLICE, P = top_k * parts;
+    const int U = top_k * tiles_i, D = H / 16;
+    const int my_units = U > b ? (U - b + nb - 1) / nb : 0;
+    const int my_tiles = D > b ? (D - b + nb - 1) / nb : 0;
+    const int items = my_units * S, pitems = my_tiles * P;
+    const size_t code_row = (size_t)H >> 1, scale_row = (size_t)H >> 4;
+    const size_t dcode_row = (size_t)I >> 1, dscale_row = (size_t)I >> 4;
+
+    // Programmatic dependent launch: the next kernel reads only constants
+    // before its wait. The table is constant too: copied before the wait.
+    strata_pdl_trigger();
+    const int table_s_len = min(table_len, MOE_FUSED_ROUTE_MAX);
+    for (int i = threadIdx.x; i < table_s_len; i += blockDim.x) table_s[i] = __ldg(table + i);
+    strata_pdl_wait();
+    if (warp == 0) {
+        if (num_experts <= 128)
+            moe_topk_warp_n<4>(logits, num_experts, top_k, norm_topk_prob, ids_s, w_s);
+        else
+            moe_topk_warp_n<MOE_FUSED_ROUTE_MAX / 32>(logits, num_experts, top_k, norm_topk_prob, ids_s, w_s);
+    }
+    __syncthreads();
+    if (b == 0 && threadIdx.x < top_k) {
+        ids_out[threadIdx.x] = ids_s[threadIdx.x];
+        weights_out[threadIdx.x] = w_s[threadIdx.x];
+    }
+    // The last warp reads the experts' tails (global scales) now; they reach
+    // shared memory after its products, before the block's barrier.
+    float tail = 0.0f;
+    const bool tail_lane = warp == MOE_FD_WARPS - 1 && lane < 3 * top_k;
+    if (tail_lane) {
+        const uint8_t* blob = moe_table_blob(ids_s[lane / 3], table, table_len, table_s);
+        tail = blob != nullptr ? moe_tail(blob, L, lane % 3) : 0.0f;
+    }
+
+    // This warp's down parts into shared memory (one commit group).
+    auto prefetch_down = [&]() {
+        for (int pi = warp; pi < pitems; pi += MOE_FD_WARPS) {
+            const int ti = pi / P, q = pi - ti * P, j = q / parts, p = q - j * parts;
+            const size_t d = (size_t)b + (size_t)ti * nb;
+            const uint8_t* blob = moe_table_blob(ids_s[j], table, table_len, table_s);
+            if (blob == nullptr) continue;
+            uint8_t* dst = reinterpret_cast<uint8_t*>(moe_fd_parts) + (size_t)pi * MOE_FD_PART_BYTES;
+            const uint8_t* cbase = blob + L.down_codes + 16 * d * dcode_row + 128 * p;
+            const uint8_t* sbase = blob + L.down_scales + 16 * d * dscale_row + 16 * p;
+            for (int v = lane; v < 144; v += 32) {
+                if (v < 128)
+                    moe_cp_async16(dst + 16 * v, cbase + (v >> 3) * dcode_row + 16 * (v & 7));
+                else
+                    moe_cp_async16(dst + 2048 + 16 * (v - 128), sbase + (v - 128) * dscale_row);
+            }
+        }
+        moe_cp_async_commit();
+    };
+
+    // Gate/up: each item's codes and scales are requested before its x
+    // slice is staged; the down parts right after the first item's.
+    bool prefetched = false;
+    for (int it = warp; it < items; it += MOE_FD_WARPS) {
+        const int ui = it / S, sl = it - ui * S;
+        const int u = b + ui * nb, j = u / tiles_i, y = u - j * tiles_i;
+        const uint8_t* blob = moe_table_blob(ids_s[j], table, table_len, table_s);
+        if (blob == nullptr) continue;  // the unit's rows are NaN (below)
+        const size_t row = (size_t)16 * y + g;
+        uint4 c[2][2][2];  // [gate, up][row g, g + 8][u]
+        uint32_t sc[2][2][2];
+        const size_t co = row * code_row + 128 * sl, so = row * scale_row + 16 * sl;
+        moe_tc_load(blob + L.gate_codes + co, blob + L.gate_scales + so, code_row, scale_row, t4, c[0], sc[0]);
+        moe_tc_load(blob + L.up_codes + co, blob + L.up_scales + so, code_row, scale_row, t4, c[1], sc[1]);
+        if (!prefetched) {
+            prefetch_down();
+            prefetched = true;
+        }
+        const float pe = moe_tc_stage(x + MOE_TC_SLICE * sl, xs[warp], lane);
+        __syncwarp();
+        float d[2][1][4] = {};
+        moe_tc_slice<2, 1>(c, sc, xs[warp], g, t4, d);
+        __syncwarp();  // xs is rewritten by the next item
+        if (t4 == 0) {
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                const float2 r = moe_tc_rows(d[m], pe);
+                red_gu[it][m][g] = r.x;
+                red_gu[it][m][g + 8] = r.y;
+            }
+        }
+    }
+    if (!prefetched) prefetch_down();
+    if (tail_lane) tails_s[lane / 3][lane % 3] = tail;
+    __syncthreads();
+    // act rows of the block's units: moe_gate_up_gemv_tc's sums (warp w's
+    // slices w, w + 8, ... first, then the warps in order).
+    for (int t = threadIdx.x; t < my_units * 16; t += blockDim.x) {
+        const int ui = t >> 4, r = t & 15;
+        const int u = b + ui * nb, j = u / tiles_i, y = u - j * tiles_i;
+        float* dst = act + (size_t)j * I + 16 * y + r;
+        if (moe_table_blob(ids_s[j], table, table_len, table_s) == nullptr) {
+            *dst = __int_as_float(0x7fc00000);  // a bad expert id: a visible NaN, never a wild read
+            continue;
+        }
+        float sg = 0.0f, su = 0.0f;
+        for (int w = 0; w < MOE_TC_GU_WARPS; ++w) {
+            float ag = 0.0f, au = 0.0f;
+            for (int sl = w; sl < S; sl += MOE_TC_GU_WARPS) {
+                ag += red_gu[ui * S + sl][0][r];
+                au += red_gu[ui * S + sl][1][r];
+            }
+            sg += ag;
+            su += au;
+        }
+        const float gate = sg * (tails_s[j][0] * 128.0f), up = su * (tails_s[j][1] * 128.0f);
+        *dst = moe_silu(gate) * up;
+    }
+
+    moe_grid_sync(bar, (unsigned int)nb);
+
+    // Down: the block's part items from shared memory, the act slices
+    // through L2 (other blocks wrote them).
+    for (int pi = warp; pi < pitems; pi += MOE_FD_WARPS) {
+        const int ti = pi / P, q = pi - ti * P, j = q / parts, p = q - j * parts;
+        if (moe_table_blob(ids_s[j], table, table_len, table_s) == nullptr) {
+            // The coefficient is NaN (below); red_dn is still read.
+            if (t4 == 0) red_dn[pi][g] = red_dn[pi][g + 8] = 0.0f;
+            continue;
+        }
+        const float pe = moe_tc_stage<true>(act + (size_t)j * I + MOE_TC_SLICE * p, xs[warp], lane);
+        moe_cp_async_wait_all();
+        __syncwarp();
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(moe_fd_parts) + (size_t)pi * MOE_FD_PART_BYTES;
+        uint4 c[1][2][2];
+        uint32_t s[1][2][2];
+        moe_tc_load_part(src + 128 * g, src + 2048 + 16 * g, t4, c[0], s[0]);
+        float d[1][2][4] = {};
+        moe_tc_slice<1, 2>(c, s, xs[warp], g, t4, d);
+        __syncwarp();  // xs is rewritten by the next part
+        if (t4 == 0) {
+            const float2 r = moe_tc_rows(d[0], pe);
+            red_dn[pi][g] = r.x;
+            red_dn[pi][g + 8] = r.y;
+        }
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < my_tiles * 16; t += blockDim.x) {
+        const int ti = t >> 4, r = t & 15;
+        const size_t d = (size_t)b + (size_t)ti * nb;
+        float v = 0.0f;
+        for (int j = 0; j < top_k; ++j) {
+            const bool ok = moe_table_blob(ids_s[j], table, table_len, table_s) != nullptr;
+            const float coef = ok ? w_s[j] * tails_s[j][2] * 128.0f : __int_as_float(0x7fc00000);
+            float sj = 0.0f;
+            for (int p = 0; p < parts; ++p) sj += red_dn[ti * P + j * parts + p][r];
+            v = fmaf(coef, sj, v);
+        }
+        float* o = out + 16 * d + r;
         *o = accumulate ? *o + v : v;
     }
 }
