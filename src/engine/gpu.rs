@@ -314,12 +314,6 @@ impl GpuModel {
         self.expert_routed().map(|(s, _)| s)
     }
 
-    /// The devices of the stages, in stage order (a device may repeat).
-    #[cfg(feature = "test-hooks")]
-    pub(crate) fn gpus(&self) -> Vec<Arc<Gpu>> {
-        self.stages.iter().map(|s| s.gpu.clone()).collect()
-    }
-
     /// Each stage cache's planned tiers, in stage order.
     pub(crate) fn expert_tiers(&self) -> Vec<crate::experts::Capacity> {
         self.stages.iter().filter_map(|s| s.experts.as_ref()).map(|x| x.lock().planner().capacity()).collect()
@@ -1165,18 +1159,6 @@ impl GpuStage {
         })
     }
 
-    /// The launch of the one-kernel decode MoE (`moe::expert_decode_fused`)
-    /// for a step of `t` rows without an expert cache, where it applies: one
-    /// row, the device and shapes allow it, and no kernel of it left out
-    /// (`STRATA_DECODE_SKIP` names the two kernels it replaces).
-    fn fused_moe(&self, t: usize) -> Option<moe::FusedPlan> {
-        let c = &self.config;
-        if t != 1 || skipped(t, "gateup") || skipped(t, "down") {
-            return None;
-        }
-        moe::fused_decode_plan(&self.gpu, &self.layout, c.num_experts, c.num_experts_per_tok)
-    }
-
     /// The expert table of layer `l` (without an expert cache).
     fn table(&self, l: usize) -> &CudaSlice<u64> {
         &self.tables[l - self.range.start]
@@ -1487,19 +1469,6 @@ impl GpuStage {
                 cache.helped_layers += 1;
                 cache.helper_rows += helper_rows as u64;
             }
-        } else if let Some(plan) = self.fused_moe(t) {
-            // One token: routing, gate/up and down in one launch.
-            let (table, layout) = (self.table(l), &self.layout);
-            let route = moe::Route {
-                logits: &s.router,
-                num_experts: e,
-                norm_topk_prob: c.norm_topk_prob,
-                ids: &mut s.ids,
-                weights: &mut s.weights,
-                host_blobs: false,
-            };
-            let (act, bar) = (&mut s.moe.act, &mut s.moe.bar);
-            moe::expert_decode_fused(gpu, plan, &s.h, route, table, layout, k, act, &mut s.x, true, bar)?;
         } else if t <= MOE_GEMV_MAX_ROWS {
             let (table, layout) = (self.table(l), &self.layout);
             // Decode: the routing runs inside the gate/up GEMV (one launch fewer).
@@ -1954,8 +1923,6 @@ impl GpuShared {
 struct MoeScratch {
     /// `[T * k, I]`.
     act: CudaSlice<f32>,
-    /// The grid barrier of `moe::expert_decode_fused` (two u32).
-    bar: CudaSlice<u32>,
     /// Grouped path only: the grouping and `[T * k, hidden]` outputs.
     grouping: Option<ExpertGrouping>,
     y: Option<CudaSlice<f32>>,
@@ -1966,7 +1933,6 @@ impl MoeScratch {
         let grouped = t > MOE_GEMV_MAX_ROWS;
         Ok(MoeScratch {
             act: gpu.alloc_zeros(t * k * inter)?,
-            bar: gpu.alloc_zeros(2)?,
             grouping: if grouped { Some(ExpertGrouping::new(gpu, t * k, num_experts)?) } else { None },
             y: if grouped { Some(gpu.alloc_zeros(t * k * hidden)?) } else { None },
         })

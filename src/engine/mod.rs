@@ -1148,17 +1148,6 @@ impl Engine {
         self.inner.experts.iter().map(|c| c.lock().planner().capacity()).collect()
     }
 
-    /// The CUDA devices of this engine's stages (none on the CPU), so tests
-    /// can switch a device's kernel choices (`Gpu::set_moe_fused`, ...).
-    #[cfg(all(feature = "cuda", feature = "test-hooks"))]
-    #[doc(hidden)]
-    pub fn gpus(&self) -> Vec<Arc<crate::backend::cuda::Gpu>> {
-        match &self.inner.exec {
-            Exec::Cuda(m) => m.gpus(),
-            Exec::Cpu { .. } => Vec::new(),
-        }
-    }
-
     /// What the expert cache did since load (`None` without a cache).
     pub fn expert_stats(&self) -> Option<ExpertStats> {
         #[cfg(feature = "cuda")]

@@ -19,8 +19,6 @@ pub const TESTS: &[GpuTest] = &[
     ("model_rewind_and_state_are_exact_on_the_gpu", rewind_and_state),
     #[cfg(feature = "test-hooks")]
     ("model_nan_guard_on_the_gpu", nan_guard),
-    #[cfg(feature = "test-hooks")]
-    ("model_fused_moe_same_bits", fused_moe_same_bits),
 ];
 
 /// Logits of the GPU against the CPU, relative to max |logit|. The CPU
@@ -201,62 +199,5 @@ fn nan_guard(_gpu: &Arc<Gpu>) -> Result<(), String> {
             return Err(format!("{set}/{model}: the retry differs from a fresh session"));
         }
     }
-    Ok(())
-}
-
-/// Decode steps with the one-launch MoE (`moe::expert_decode_fused`, the
-/// default where it applies) give the logits of the two-kernel path bit for
-/// bit: a synthetic pack of the 30b-a3b geometry (2 layers, a 4096-token
-/// vocabulary), a 40-token prompt, then 6 greedy steps (each session
-/// captures its decode step's CUDA graph with the setting of its device).
-#[cfg(feature = "test-hooks")]
-fn fused_moe_same_bits(gpu: &Arc<Gpu>) -> Result<(), String> {
-    use strata::backend::cuda::moe::{fused_decode_plan, BlobLayout};
-    use strata::backend::cuda::{MOE_FUSED_OFF, MOE_FUSED_ON};
-    use strata::pack::format::ExpertLayout;
-    let base = strata::pack::synth::preset(strata::model::Arch::Qwen3Moe, "30b-a3b").map_err(e)?;
-    let c = strata::model::ModelConfig { num_hidden_layers: 2, vocab_size: 4096, ..base };
-    let layout = BlobLayout::from(&ExpertLayout::new(c.hidden_size as u64, c.moe_intermediate_size as u64));
-    let prev = gpu.set_moe_fused(MOE_FUSED_ON);
-    let plan = fused_decode_plan(gpu, &layout, c.num_experts, c.num_experts_per_tok);
-    gpu.set_moe_fused(prev);
-    if plan.is_none() {
-        if gpu.compute_capability().0 >= 8 {
-            return Err("no fused plan for the 30b-a3b shapes on this device".into());
-        }
-        println!("    the fused kernel does not run here");
-        return Ok(());
-    }
-    let dir = tempfile::tempdir().map_err(e)?;
-    strata::pack::synth::synth(&c, dir.path(), &Default::default()).map_err(e)?;
-    let opts = EngineOptions { devices: vec!["cuda".into()], ..Default::default() };
-    let engine = Engine::load(dir.path(), &opts).map_err(e)?;
-    let run = |mode: u8| -> Result<Vec<Vec<f32>>, String> {
-        let prev: Vec<u8> = engine.gpus().iter().map(|g| g.set_moe_fused(mode)).collect();
-        let r = (|| {
-            let mut s = session(&engine, 16, KvType::Int8)?;
-            let mut out = vec![s.prefill(&prompt(c.vocab_size, 40)).map_err(e)?.to_vec()];
-            let mut sampler = strata::sampling::Sampler::greedy();
-            for _ in 0..6 {
-                s.step(&mut sampler).map_err(e)?;
-                out.push(s.logits().ok_or("no logits after a step")?.to_vec());
-            }
-            Ok(out)
-        })();
-        for (g, p) in engine.gpus().iter().zip(prev) {
-            g.set_moe_fused(p);
-        }
-        r
-    };
-    let (fused, two) = (run(MOE_FUSED_ON)?, run(MOE_FUSED_OFF)?);
-    for (step, (f, t)) in fused.iter().zip(&two).enumerate().skip(1) {
-        if let Some(i) = f.iter().position(|v| !v.is_finite()) {
-            return Err(format!("step {step}: logit {i} = {}", f[i]));
-        }
-        if let Some(i) = f.iter().zip(t).position(|(a, b)| a.to_bits() != b.to_bits()) {
-            return Err(format!("step {step}: logit {i} is {} with one launch, {} with two", f[i], t[i]));
-        }
-    }
-    println!("    30b-a3b geometry, 2 layers: 6 decode steps, one launch and two give the same logits");
     Ok(())
 }

@@ -169,30 +169,6 @@ pub struct Gpu {
     /// wait (`PREWAIT_ATTN | PREWAIT_DOWN` unless `STRATA_PREWAIT` says
     /// otherwise; tests may switch it: `set_prewait`).
     prewait: AtomicU8,
-    /// How a decode step runs its routed experts (`MOE_FUSED_*`; from
-    /// `STRATA_MOE_FUSED`, see `moe_fused_from_env`; tests may switch it:
-    /// `set_moe_fused`).
-    moe_fused: AtomicU8,
-}
-
-/// `Gpu::moe_fused`: the decode MoE as two kernels (routed gate/up, down).
-pub const MOE_FUSED_OFF: u8 = 0;
-/// `Gpu::moe_fused`: one kernel (`moe::expert_decode_fused`), launched
-/// cooperatively, so all its blocks are resident together for its barrier.
-pub const MOE_FUSED_ON: u8 = 1;
-/// `Gpu::moe_fused`: one kernel, a plain launch (measurements only: its
-/// barrier then relies on nothing else holding the SMs).
-pub const MOE_FUSED_PLAIN: u8 = 2;
-
-/// The `moe_fused` setting of `STRATA_MOE_FUSED`: unset, `1` or `on`: one
-/// cooperative kernel; `0` or `off`: two kernels; `plain`: one kernel,
-/// plainly launched. Anything else: one cooperative kernel.
-pub fn moe_fused_from_env(v: Option<&str>) -> u8 {
-    match v.map(str::trim) {
-        Some("0") | Some("off") | Some("false") | Some("none") => MOE_FUSED_OFF,
-        Some("plain") => MOE_FUSED_PLAIN,
-        _ => MOE_FUSED_ON,
-    }
 }
 
 /// `Gpu::prewait`: the one-row attention's first key tile before its wait.
@@ -264,7 +240,6 @@ impl Gpu {
             pdl: major >= 9 && std::env::var("STRATA_PDL").map_or(true, |v| v != "0"),
             tc_gemv: AtomicBool::new(major >= 8 && std::env::var("STRATA_TC_GEMV").map_or(true, |v| v != "0")),
             prewait: AtomicU8::new(prewait_from_env(std::env::var("STRATA_PREWAIT").ok().as_deref())),
-            moe_fused: AtomicU8::new(moe_fused_from_env(std::env::var("STRATA_MOE_FUSED").ok().as_deref())),
         }))
     }
 
@@ -314,20 +289,6 @@ impl Gpu {
     #[cfg(feature = "test-hooks")]
     pub fn set_prewait(&self, mask: u8) -> u8 {
         self.prewait.swap(mask & (PREWAIT_ATTN | PREWAIT_DOWN), Ordering::Relaxed)
-    }
-
-    /// How a decode step runs its routed experts (`MOE_FUSED_OFF`, `_ON`,
-    /// `_PLAIN`).
-    pub fn moe_fused(&self) -> u8 {
-        self.moe_fused.load(Ordering::Relaxed)
-    }
-
-    /// Tests (`test-hooks`): sets `moe_fused` from the next launch on (a
-    /// decode step's CUDA graph keeps what it captured); returns the
-    /// previous setting.
-    #[cfg(feature = "test-hooks")]
-    pub fn set_moe_fused(&self, mode: u8) -> u8 {
-        self.moe_fused.swap(mode.min(MOE_FUSED_PLAIN), Ordering::Relaxed)
     }
 
     /// Number of streaming multiprocessors (sizes persistent grids).
@@ -408,38 +369,13 @@ impl Gpu {
     /// `strata_pdl_wait()` (kernels/common.cuh) before it reads anything an
     /// earlier kernel writes or writes anything an earlier kernel touches.
     pub unsafe fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &mut KernelArgs) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.launch_ex(f, cfg, args, false) }
-    }
-
-    /// `launch` as a cooperative launch: every block of the grid is resident
-    /// at once (the grid must fit the device: the caller sizes it), so the
-    /// kernel may wait on a barrier across its blocks.
-    ///
-    /// # Safety
-    /// As `launch`.
-    pub unsafe fn launch_cooperative(&self, f: &CudaFunction, cfg: LaunchConfig, args: &mut KernelArgs) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.launch_ex(f, cfg, args, true) }
-    }
-
-    unsafe fn launch_ex(&self, f: &CudaFunction, cfg: LaunchConfig, args: &mut KernelArgs, coop: bool) -> Result<()> {
         self.ctx.bind_to_thread()?;
         let mut params: Vec<*mut std::ffi::c_void> =
             args.store.iter_mut().map(|b| b.as_mut_ptr() as *mut std::ffi::c_void).collect();
         // SAFETY: zero is a valid bit pattern of this plain C union.
-        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
-        let mut n = 0;
-        if self.pdl {
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attrs[n].value.programmaticStreamSerializationAllowed = 1;
-            n += 1;
-        }
-        if coop {
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-            attrs[n].value.cooperative = 1;
-            n += 1;
-        }
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -449,11 +385,11 @@ impl Gpu {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: n as u32,
+            attrs: &mut attr,
+            numAttrs: self.pdl as u32,
         };
         // SAFETY: the caller vouches for the arguments; `params` points into `args`' storage, alive until return;
-        // `config` and `attrs` outlive the call.
+        // `config` and `attr` outlive the call.
         unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
             .result()?;
         Ok(())

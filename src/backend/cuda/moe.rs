@@ -28,8 +28,7 @@
 //! also on tensor-core devices (f32 throughout).
 
 use super::{
-    CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, Gpu, KernelArgs, LaunchConfig, PushKernelArg, MOE_FUSED_OFF,
-    MOE_FUSED_PLAIN, PREWAIT_DOWN,
+    CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, Gpu, KernelArgs, LaunchConfig, PushKernelArg, PREWAIT_DOWN,
 };
 use crate::error::{Error, Result};
 use crate::pack::format::ExpertLayout;
@@ -171,57 +170,6 @@ fn tc_down(gpu: &Gpu, h: usize, i: usize, top_k: usize) -> bool {
 /// Warps of a `moe_down_gemv_tc` block: one per (expert, slice) part, at most `TC_DN_MAX_WARPS`.
 fn tc_down_warps(i: usize, top_k: usize) -> usize {
     (top_k * (i / TC_SLICE)).clamp(1, TC_DN_MAX_WARPS)
-}
-
-/// `moe_decode_fused`: warps a block (`MOE_FD_WARPS`), most gate/up items
-/// and down part items a block (`MOE_FD_MAX_ITEMS`, `MOE_FD_MAX_PARTS`),
-/// shared memory a part item (`MOE_FD_PART_BYTES`).
-const FD_WARPS: usize = 24;
-const FD_MAX_ITEMS: usize = 48;
-const FD_MAX_PARTS: usize = 64;
-const FD_PART_BYTES: usize = 2304;
-/// Shared memory a block may use on the devices the fused kernel runs on
-/// (sm_80+: at least 163 KB; its static part is ~39 KB).
-const FD_SMEM_MAX: usize = 160 * 1024;
-
-/// The launch of `expert_decode_fused` for one token: blocks (at most one
-/// per SM) and dynamic shared memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FusedPlan {
-    pub blocks: usize,
-    pub smem: usize,
-}
-
-/// Whether the decode MoE of one token runs as one kernel
-/// (`expert_decode_fused`) for these shapes on `gpu`, and its launch: the
-/// device allows it (`Gpu::moe_fused`, the tensor-core GEMVs), H and I
-/// multiples of 256, E <= 512 (the routing in the kernel), the down
-/// matrices' offsets 16-byte aligned (their parts are copied in 16-byte
-/// pieces), and one block per SM holds the block's share of the work.
-pub fn fused_decode_plan(gpu: &Gpu, layout: &BlobLayout, num_experts: usize, top_k: usize) -> Option<FusedPlan> {
-    let (h, i) = layout.check().ok()?;
-    if gpu.moe_fused() == MOE_FUSED_OFF || !gpu.tc_gemv() {
-        return None;
-    }
-    if h % TC_SLICE != 0 || i % TC_SLICE != 0 || top_k == 0 || top_k > MAX_TOP_K {
-        return None;
-    }
-    if num_experts < top_k || num_experts > FUSED_ROUTE_MAX_EXPERTS {
-        return None;
-    }
-    if layout.down_codes % 16 != 0 || layout.down_scales % 16 != 0 {
-        return None;
-    }
-    let (units, tiles) = (top_k * (i / TC_ROWS), h / TC_ROWS);
-    let blocks = (gpu.sm_count() as usize).min(units.max(tiles));
-    if blocks == 0 {
-        return None;
-    }
-    let items = units.div_ceil(blocks) * (h / TC_SLICE);
-    let parts = tiles.div_ceil(blocks) * top_k * (i / TC_SLICE);
-    let smem = parts * FD_PART_BYTES;
-    (items <= FD_MAX_ITEMS && parts <= FD_MAX_PARTS && smem + 40 * 1024 <= FD_SMEM_MAX)
-        .then_some(FusedPlan { blocks, smem })
 }
 
 fn invalid(msg: String) -> Error {
@@ -622,76 +570,6 @@ pub fn expert_down_gemv_routed(
     // SAFETY: moe_down_gemv16(const float* act [T*k, I], const unsigned* ids,
     // const float* weights [T*k], const u64* table, int table_len, MoeBlobLayout, int k, float* out [T, H], int accumulate).
     unsafe { b.launch(cfg) }?;
-    Ok(())
-}
-
-/// The decode MoE of one token in one launch (`moe_decode_fused`): the
-/// routing of `route` (the same ids and weights as `route_topk`), then
-/// `act = expert_gate_up_gemv(...)` and `out (+)= expert_down_gemv(...)`
-/// on the tensor-core kernels' operations, so the same bits as
-/// `expert_gate_up_gemv_routed` followed by `expert_down_gemv_routed`
-/// where those take their tensor-core kernels. A barrier across the grid
-/// separates the two halves; meanwhile each block's down weights are
-/// already in its shared memory. `plan` from `fused_decode_plan` (None:
-/// not for these shapes on this device); `bar`: two u32 of the caller's
-/// that no other launch uses at the same time (zeroed once; the kernel
-/// leaves them ready for the next launch).
-#[allow(clippy::too_many_arguments)]
-pub fn expert_decode_fused<I: DevicePtr<u32> + DevicePtrMut<u32>>(
-    gpu: &Gpu,
-    plan: FusedPlan,
-    x: &CudaSlice<f32>,
-    route: Route<'_, I>,
-    table: &CudaSlice<u64>,
-    layout: &BlobLayout,
-    top_k: usize,
-    act: &mut CudaSlice<f32>,
-    out: &mut CudaSlice<f32>,
-    accumulate: bool,
-    bar: &mut CudaSlice<u32>,
-) -> Result<()> {
-    let (h, i) = layout.check()?;
-    if fused_decode_plan(gpu, layout, route.num_experts, top_k) != Some(plan) {
-        return Err(invalid(format!(
-            "expert_decode_fused: {plan:?} is not this device's plan for H {h}, I {i}, {} experts, top_k {top_k}",
-            route.num_experts
-        )));
-    }
-    if route.host_blobs {
-        return Err(invalid("expert_decode_fused: the table may point into host memory".into()));
-    }
-    need("expert_decode_fused: x", x.len(), h)?;
-    need("expert_decode_fused: logits", route.logits.len(), route.num_experts)?;
-    need("expert_decode_fused: ids", route.ids.len(), top_k)?;
-    need("expert_decode_fused: weights", route.weights.len(), top_k)?;
-    need("expert_decode_fused: act", act.len(), top_k * i)?;
-    need("expert_decode_fused: out", out.len(), h)?;
-    need("expert_decode_fused: barrier", bar.len(), 2)?;
-    let table_len = i32_of("table length", table.len())?;
-    let f = gpu.function("moe_decode_fused")?;
-    allow_smem(&f, plan.smem)?;
-    let cfg = LaunchConfig {
-        grid_dim: (plan.blocks as u32, 1, 1),
-        block_dim: ((FD_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: plan.smem as u32,
-    };
-    let (e, k, norm, acc) = (route.num_experts as i32, top_k as i32, route.norm_topk_prob as i32, accumulate as i32);
-    let mut a = KernelArgs::new();
-    a.buf(gpu, x).buf(gpu, route.logits).val(e).val(norm).buf(gpu, table).val(table_len).val(*layout).val(k);
-    a.buf_mut(gpu, act).buf_mut(gpu, route.ids).buf_mut(gpu, route.weights).buf_mut(gpu, out).val(acc);
-    a.buf_mut(gpu, bar);
-    // SAFETY: moe_decode_fused(const float* x [H], const float* logits [E], int E, int norm, const u64* table
-    // [table_len], int table_len, MoeBlobLayout, int k, float* act [k, I], unsigned* ids_out [k], float*
-    // weights_out [k], float* out [H], int accumulate, unsigned* bar [2]); lengths checked above, the shapes by
-    // fused_decode_plan (H, I multiples of 256, E <= 512, the block's items within the kernel's arrays); ids past
-    // the table give NaN rows; before its programmatic wait it reads only the table. Its grid barrier needs every
-    // block resident: at most one block per SM, whose resources the kernel's launch bounds allow, and (unless
-    // MOE_FUSED_PLAIN) a cooperative launch.
-    if gpu.moe_fused() == MOE_FUSED_PLAIN {
-        unsafe { gpu.launch(&f, cfg, &mut a) }?;
-    } else {
-        unsafe { gpu.launch_cooperative(&f, cfg, &mut a) }?;
-    }
     Ok(())
 }
 
