@@ -197,6 +197,10 @@ struct CachePhase {
     seconds: f64,
     /// Each run's bytes over the host link per second.
     rates: Vec<f64>,
+    /// Bytes copied (not read in place) and the link's time copying them
+    /// (`ExpertStats::copy_ns`).
+    copied: u64,
+    copy_s: f64,
 }
 
 impl CachePhase {
@@ -210,6 +214,8 @@ impl CachePhase {
             self.seconds += seconds;
             let bytes = (a.bytes_copied - b.bytes_copied) + (a.bytes_mapped - b.bytes_mapped);
             self.rates.push(bytes as f64 / seconds);
+            self.copied += a.bytes_copied - b.bytes_copied;
+            self.copy_s += (a.copy_ns - b.copy_ns) as f64 / 1e9;
         }
     }
 
@@ -388,6 +394,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
             prefill_cache.streamed / a.repeats as u64,
             prefill_cache.prefetched / a.repeats as u64
         );
+        if prefill_cache.copy_s > 0.0 {
+            // The link's rate while it streams: the copies' bytes over the time it spent on them.
+            let rate = prefill_cache.copied as f64 / prefill_cache.copy_s;
+            println!(
+                "prefill expert copies while streaming: {:.1} GB/s ({:.1}% of the measured {:.1} GB/s), the link \
+                 busy {:.0}% of the prefill",
+                rate / 1e9,
+                100.0 * rate / h2d,
+                h2d / 1e9,
+                100.0 * prefill_cache.copy_s / prefill_cache.seconds
+            );
+        }
     }
     if !step_s.is_empty() {
         let step = median(&mut step_s);

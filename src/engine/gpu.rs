@@ -324,8 +324,10 @@ impl GpuModel {
     pub(crate) fn expert_routed(&self) -> Option<(ExpertStats, Vec<Vec<u64>>)> {
         let mut all: Option<(ExpertStats, Vec<Vec<u64>>)> = None;
         for x in self.stages.iter().filter_map(|s| s.experts.as_ref()) {
-            let x = x.lock();
-            let (stats, counts) = (x.stats(), x.planner().routed_counts());
+            let mut x = x.lock();
+            // (The copies' link time as far as measured; without it on a driver error.)
+            let stats = x.stats_now().unwrap_or_else(|_| x.stats());
+            let counts = x.planner().routed_counts();
             match all.as_mut() {
                 None => all = Some((stats, counts)),
                 Some((s, c)) => {

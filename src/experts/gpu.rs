@@ -154,6 +154,10 @@ pub struct GpuExpertCache {
     trace: [std::time::Duration; 3],
     /// Set by a failed copy: every later step fails with it.
     poisoned: Option<String>,
+    /// Timing events around each run of copies queued together on the copy
+    /// stream (start, end), in stream order, until they complete and their
+    /// time is added to the planner's `copy_ns` (`harvest_copy_spans`).
+    copy_spans: Vec<(CudaEvent, CudaEvent)>,
     /// Mapped decode, when on.
     mapped: Option<Mapped>,
 }
@@ -183,6 +187,11 @@ struct Mapped {
     swaps: Vec<(usize, CudaEvent)>,
     /// A planned forward pointed some table entries elsewhere.
     tables_dirty: bool,
+}
+
+/// An event that records time (cudarc's default event does not).
+fn new_timing_event(gpu: &Gpu) -> Result<CudaEvent> {
+    Ok(gpu.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?)
 }
 
 /// Most rows of a mapped decode step: the engine's GEMV path (whose
@@ -327,9 +336,13 @@ impl GpuExpertCache {
             ids: Pinned::new(gpu, c.num_experts_per_tok * 64 * 4)?,
             trace: Default::default(),
             poisoned: None,
+            copy_spans: Vec::new(),
             mapped: None,
         };
         cache.apply(pack, &fills)?;
+        // The placement's copies are timed here, at load, with its bytes (not in the first forward's).
+        cache.copy.synchronize()?;
+        cache.harvest_copy_spans()?;
         if opts.mapped_decode && cache.planner.all_mapped() {
             let per = MAPPED_MAX_ROWS * c.num_experts_per_tok;
             cache.mapped = Some(Mapped {
@@ -582,11 +595,19 @@ impl GpuExpertCache {
     fn copy_many(&mut self, pack: &Pack, items: &[(ExpertKey, Source, u64)]) -> Result<()> {
         use rayon::prelude::*;
         let mut from_pack = Vec::new();
+        let mut from_host = Vec::new();
         for &(key, from, dst) in items {
             match from {
-                Source::Host(h) => self.copy_from_host(h, dst)?,
+                Source::Host(h) => from_host.push((h, dst)),
                 Source::Pack => from_pack.push((self.blob(pack, key)?, dst)),
             }
+        }
+        if !from_host.is_empty() {
+            let start = self.copy_span_start()?;
+            for &(h, dst) in &from_host {
+                self.copy_from_host(h, dst)?;
+            }
+            self.copy_span_end(start)?;
         }
         let (n, used, stream) = (self.staging.len(), self.used, self.copy.cu_stream());
         for batch in from_pack.chunks(n) {
@@ -602,14 +623,60 @@ impl GpuExpertCache {
             picked.par_iter_mut().zip(batch).for_each(|(staging, (blob, _))| {
                 staging.0.range_mut(0, used).copy_from_slice(&blob[..used]);
             });
+            // (The batch's span starts after its host reads: link time only.)
+            let start = new_timing_event(&self.gpu)?;
+            start.record(&self.copy)?;
             for (staging, &(_, dst)) in picked.iter_mut().zip(batch) {
                 // SAFETY: dst is a slot or ring slot of `used` bytes (addresses from this cache's allocations);
                 // the staging blob is rewritten only after `done` (recorded below) has completed.
                 unsafe { result::memcpy_htod_async(dst, staging.0.range(0, used), stream) }?;
                 staging.1.record(&self.copy)?;
             }
+            let end = new_timing_event(&self.gpu)?;
+            end.record(&self.copy)?;
+            self.copy_spans.push((start, end));
         }
         Ok(())
+    }
+
+    /// The start of a run of copies: a timing event recorded on the copy
+    /// stream (it completes when the stream reaches the run's first copy).
+    fn copy_span_start(&self) -> Result<CudaEvent> {
+        let start = new_timing_event(&self.gpu)?;
+        start.record(&self.copy)?;
+        Ok(start)
+    }
+
+    /// The end of the run begun with `start`.
+    fn copy_span_end(&mut self, start: CudaEvent) -> Result<()> {
+        let end = new_timing_event(&self.gpu)?;
+        end.record(&self.copy)?;
+        self.copy_spans.push((start, end));
+        Ok(())
+    }
+
+    /// Adds the time of every completed run of copies to the planner's
+    /// `copy_ns`, without waiting for the others (runs complete in stream
+    /// order: the first incomplete one stops the walk).
+    fn harvest_copy_spans(&mut self) -> Result<()> {
+        let mut done = 0;
+        for (start, end) in &self.copy_spans {
+            if !end.try_is_complete()? {
+                break;
+            }
+            let ms = f64::from(start.elapsed_ms(end)?);
+            self.planner.record_copy_time((ms * 1e6).max(0.0) as u64);
+            done += 1;
+        }
+        self.copy_spans.drain(..done);
+        Ok(())
+    }
+
+    /// The statistics, with the host link's time of every copy completed
+    /// by now (`ExpertStats::copy_ns`).
+    pub fn stats_now(&mut self) -> Result<ExpertStats> {
+        self.harvest_copy_spans()?;
+        Ok(self.planner.stats())
     }
 
     /// Queues on the copy stream a copy of host buffer `h` to the device
@@ -711,7 +778,7 @@ impl GpuExpertCache {
             eprintln!("strata: expert cache, forward of {tokens} rows: route+ids {r:.3} ms, plan+copies {p:.3} ms, queue experts {c:.3} ms");
         }
         self.trace = Default::default();
-        let r = self.after_forward();
+        let r = self.after_forward().and_then(|_| self.harvest_copy_spans());
         self.poison_on(r)?;
         let fills = self.planner.end_forward(tokens);
         if self.mapped.is_some() {

@@ -392,6 +392,12 @@ pub struct ExpertStats {
     /// Time a step spent waiting on copies (misses and the ring), in ns.
     /// Measured, never used for a decision.
     pub wait_ns: u64,
+    /// Time the host link spent copying, in ns: each run of copies queued
+    /// together on the copy stream, from its first copy starting to its
+    /// last ending (CUDA events; 0 on the CPU backend, whose copies are
+    /// simulated). `bytes_copied` over it is the link's rate while it
+    /// streams. Measured, never used for a decision.
+    pub copy_ns: u64,
 }
 
 impl ExpertStats {
@@ -415,6 +421,7 @@ impl ExpertStats {
         self.bytes_from_pack += o.bytes_from_pack;
         self.bytes_mapped += o.bytes_mapped;
         self.wait_ns += o.wait_ns;
+        self.copy_ns += o.copy_ns;
     }
 }
 
@@ -535,12 +542,37 @@ mod tests {
 
     #[test]
     fn stage_statistics_add_up_but_not_their_tokens() {
-        let a = ExpertStats { steps: 3, tokens: 10, hits: 5, prefetched: 2, bytes_copied: 100, ..Default::default() };
-        let b = ExpertStats { steps: 4, tokens: 10, misses: 7, wait_ns: 9, bytes_copied: 50, ..Default::default() };
+        let a = ExpertStats {
+            steps: 3,
+            tokens: 10,
+            hits: 5,
+            prefetched: 2,
+            bytes_copied: 100,
+            copy_ns: 20,
+            ..Default::default()
+        };
+        let b = ExpertStats {
+            steps: 4,
+            tokens: 10,
+            misses: 7,
+            wait_ns: 9,
+            bytes_copied: 50,
+            copy_ns: 6,
+            ..Default::default()
+        };
         let mut s = a;
         s.add_stage(&b);
-        let want =
-            ExpertStats { steps: 7, tokens: 10, hits: 5, misses: 7, prefetched: 2, bytes_copied: 150, wait_ns: 9, ..a };
+        let want = ExpertStats {
+            steps: 7,
+            tokens: 10,
+            hits: 5,
+            misses: 7,
+            prefetched: 2,
+            bytes_copied: 150,
+            wait_ns: 9,
+            copy_ns: 26,
+            ..a
+        };
         assert_eq!(s, want);
     }
 

@@ -478,6 +478,11 @@ impl Planner {
         self.stats.wait_ns += ns;
     }
 
+    /// Adds time the host link spent copying (executors measure it).
+    pub fn record_copy_time(&mut self, ns: u64) {
+        self.stats.copy_ns += ns;
+    }
+
     pub fn stats(&self) -> ExpertStats {
         self.stats
     }

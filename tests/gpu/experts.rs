@@ -149,6 +149,19 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
             if !check(&stats) {
                 return Err(format!("{what}: the statistics do not show the path: {stats:?}"));
             }
+            // The link's copying time: measured wherever bytes were copied, at a rate the link can have (a
+            // unit slip gives 1000x; placement copies at load count bytes but run before any span, so the
+            // rate is only bounded above when a forward's copies dominate).
+            let copied = stats.bytes_copied > 0;
+            if copied != (stats.copy_ns > 0) {
+                return Err(format!("{what}: {} bytes copied in {} ns", stats.bytes_copied, stats.copy_ns));
+            }
+            if copied && stats.bytes_copied as f64 / (stats.copy_ns as f64 * 1e-9) < 1e8 {
+                return Err(format!(
+                    "{what}: {} bytes copied in {} ns: too slow to be a link",
+                    stats.bytes_copied, stats.copy_ns
+                ));
+            }
             println!("    {what}: logits within {TOL:.0e}; {stats:?}");
         }
     }
