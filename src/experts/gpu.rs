@@ -189,9 +189,12 @@ struct Mapped {
     tables_dirty: bool,
 }
 
-/// An event that records time (cudarc's default event does not).
-fn new_timing_event(gpu: &Gpu) -> Result<CudaEvent> {
-    Ok(gpu.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?)
+/// A timing event (cudarc's default event records no time) recorded on
+/// `stream`: it completes when the stream reaches this point.
+fn timing_event(gpu: &Gpu, stream: &CudaStream) -> Result<CudaEvent> {
+    let e = gpu.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    e.record(stream)?;
+    Ok(e)
 }
 
 /// Most rows of a mapped decode step: the engine's GEMV path (whose
@@ -602,12 +605,13 @@ impl GpuExpertCache {
                 Source::Pack => from_pack.push((self.blob(pack, key)?, dst)),
             }
         }
+        // Each run of copies queued together is timed (`copy_spans`).
         if !from_host.is_empty() {
-            let start = self.copy_span_start()?;
+            let start = timing_event(&self.gpu, &self.copy)?;
             for &(h, dst) in &from_host {
                 self.copy_from_host(h, dst)?;
             }
-            self.copy_span_end(start)?;
+            self.copy_spans.push((start, timing_event(&self.gpu, &self.copy)?));
         }
         let (n, used, stream) = (self.staging.len(), self.used, self.copy.cu_stream());
         for batch in from_pack.chunks(n) {
@@ -623,35 +627,16 @@ impl GpuExpertCache {
             picked.par_iter_mut().zip(batch).for_each(|(staging, (blob, _))| {
                 staging.0.range_mut(0, used).copy_from_slice(&blob[..used]);
             });
-            // (The batch's span starts after its host reads: link time only.)
-            let start = new_timing_event(&self.gpu)?;
-            start.record(&self.copy)?;
+            // (Its run starts after its host reads: link time only.)
+            let start = timing_event(&self.gpu, &self.copy)?;
             for (staging, &(_, dst)) in picked.iter_mut().zip(batch) {
                 // SAFETY: dst is a slot or ring slot of `used` bytes (addresses from this cache's allocations);
                 // the staging blob is rewritten only after `done` (recorded below) has completed.
                 unsafe { result::memcpy_htod_async(dst, staging.0.range(0, used), stream) }?;
                 staging.1.record(&self.copy)?;
             }
-            let end = new_timing_event(&self.gpu)?;
-            end.record(&self.copy)?;
-            self.copy_spans.push((start, end));
+            self.copy_spans.push((start, timing_event(&self.gpu, &self.copy)?));
         }
-        Ok(())
-    }
-
-    /// The start of a run of copies: a timing event recorded on the copy
-    /// stream (it completes when the stream reaches the run's first copy).
-    fn copy_span_start(&self) -> Result<CudaEvent> {
-        let start = new_timing_event(&self.gpu)?;
-        start.record(&self.copy)?;
-        Ok(start)
-    }
-
-    /// The end of the run begun with `start`.
-    fn copy_span_end(&mut self, start: CudaEvent) -> Result<()> {
-        let end = new_timing_event(&self.gpu)?;
-        end.record(&self.copy)?;
-        self.copy_spans.push((start, end));
         Ok(())
     }
 
