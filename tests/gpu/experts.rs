@@ -149,9 +149,9 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
             if !check(&stats) {
                 return Err(format!("{what}: the statistics do not show the path: {stats:?}"));
             }
-            // The link's copying time: measured wherever bytes were copied, at a rate the link can have (a
-            // unit slip gives 1000x; placement copies at load count bytes but run before any span, so the
-            // rate is only bounded above when a forward's copies dominate).
+            // The link's copying time: measured wherever bytes were copied (the placement's at load), at a
+            // rate a link can have: a unit slip gives 1000x less. (Only a lower bound: runs still in flight
+            // when the statistics are read have their bytes counted but not yet their time.)
             let copied = stats.bytes_copied > 0;
             if copied != (stats.copy_ns > 0) {
                 return Err(format!("{what}: {} bytes copied in {} ns", stats.bytes_copied, stats.copy_ns));
