@@ -106,7 +106,7 @@ pub fn stats_line(s: &ExpertStats) -> String {
     let lookups = s.hits + s.misses;
     format!(
         "expert cache: {} hits, {} misses ({:.1}% hits; {} streamed, {} of them prefetched and {} promoted into slots, {} read in \
-         place from host memory: {:.1} MB), {} evictions, {} swaps, {:.1} MB copied ({:.1} from host buffers, {:.1} from the pack), {:.3} s waiting on \
+         place from host memory: {:.1} MB), {} evictions, {} swaps ({} slots waited for by a step), {:.1} MB copied ({:.1} from host buffers, {:.1} from the pack), {:.3} s waiting on \
          copies",
         s.hits,
         s.misses,
@@ -118,6 +118,7 @@ pub fn stats_line(s: &ExpertStats) -> String {
         s.bytes_mapped as f64 / 1e6,
         s.evictions,
         s.swaps + s.host_swaps,
+        s.swap_waits,
         s.bytes_copied as f64 / 1e6,
         s.bytes_from_host as f64 / 1e6,
         s.bytes_from_pack as f64 / 1e6,

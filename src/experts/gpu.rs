@@ -26,6 +26,14 @@
 //! the new one at its slot at a later step once the copy is done: no step
 //! waits for them. A planned (prefill) forward rewrites the tables for its
 //! steps; they are set back to the mapped addresses after it.
+//!
+//! Adaptive swaps (both modes) copy on a stream of their own, after the
+//! steps queued before them; the planner keeps each swapped-in slot pending
+//! until its copy's event has completed (`finish_swaps`, at the start of a
+//! forward). A planned step that needs an expert still pending waits for
+//! that one copy on the device (`Place::Slot { ready: false }`), and a
+//! step's own copies never queue behind swaps: no step waits for the swaps
+//! as a whole.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -120,6 +128,12 @@ pub struct GpuExpertCache {
     staging: Vec<(Pinned, CudaEvent)>,
     next_staging: usize,
     copy: Arc<CudaStream>,
+    /// The stream of adaptive swaps' slot fills (`queue_swaps`), so that a
+    /// step's copies on `copy` never queue behind them.
+    swap_copy: Arc<CudaStream>,
+    /// Slot fills of adaptive swaps in flight: (slot, its copy's event).
+    /// The planner holds such a slot pending until the event completes.
+    swaps: Vec<(usize, CudaEvent)>,
     /// Recorded on the copy stream after a step's copies; the compute
     /// stream waits on it.
     copied: CudaEvent,
@@ -155,8 +169,9 @@ pub struct GpuExpertCache {
     /// Set by a failed copy: every later step fails with it.
     poisoned: Option<String>,
     /// Timing events around each run of copies queued together on the copy
-    /// stream (start, end), in stream order, until they complete and their
-    /// time is added to the planner's `copy_ns` (`harvest_copy_spans`).
+    /// or the swap stream (start, end), in the order queued, until they
+    /// complete and their time is added to the planner's `copy_ns`
+    /// (`harvest_copy_spans`).
     copy_spans: Vec<(CudaEvent, CudaEvent)>,
     /// Mapped decode, when on.
     mapped: Option<Mapped>,
@@ -183,8 +198,6 @@ struct Mapped {
     /// Routed ids per layer the last forward left in `ids` (0: it was not
     /// a mapped decode forward).
     pending_ids: usize,
-    /// Slot fills of adaptive swaps in flight: (slot, its copy's event).
-    swaps: Vec<(usize, CudaEvent)>,
     /// A planned forward pointed some table entries elsewhere.
     tables_dirty: bool,
 }
@@ -205,12 +218,45 @@ pub const MAPPED_MAX_ROWS: usize = 8;
 const HOST_DEVICE_MAP: u32 = 0x02; // CU_MEMHOSTALLOC_DEVICEMAP
 
 impl Drop for GpuExpertCache {
-    /// Copies still queued (mapped decode's swaps are waited for by no
-    /// step) read host buffers and write slots this drop frees: wait first.
+    /// Copies still queued (adaptive swaps are waited for by no step)
+    /// read host buffers and write slots this drop frees: wait first.
     fn drop(&mut self) {
         let _ = self.copy.synchronize();
+        let _ = self.swap_copy.synchronize();
         let _ = self.gpu.stream().synchronize();
     }
+}
+
+/// Tests: milliseconds every batch of adaptive swaps waits on its stream
+/// before copying (0: none), so a test can run steps while swaps are still
+/// in flight (`hold_swaps_for`).
+#[cfg(feature = "test-hooks")]
+static SWAP_HOLD_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Tests: holds every later batch of adaptive swap copies on its stream for
+/// `ms` milliseconds (0: no more holds), as a slow link would.
+#[cfg(feature = "test-hooks")]
+pub fn hold_swaps_for(ms: u64) {
+    SWAP_HOLD_MS.store(ms, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Queues the hold `hold_swaps_for` asks for on `stream`: a host function
+/// the stream runs (the driver's thread sleeps; nothing later on the
+/// stream starts before it returns).
+#[cfg(feature = "test-hooks")]
+fn hold_swaps(stream: &CudaStream) -> Result<()> {
+    unsafe extern "C" fn sleep_ms(ms: *mut std::ffi::c_void) {
+        std::thread::sleep(std::time::Duration::from_millis(ms as u64));
+    }
+    let ms = SWAP_HOLD_MS.load(std::sync::atomic::Ordering::Relaxed);
+    if ms == 0 {
+        return Ok(());
+    }
+    // SAFETY: the callback takes its argument by value (a number, no pointer behind it) and calls no CUDA
+    // function, as host functions must not.
+    unsafe { sys::cuLaunchHostFunc(stream.cu_stream(), Some(sleep_ms), ms as usize as *mut std::ffi::c_void) }
+        .result()?;
+    Ok(())
 }
 
 /// The phases of a cached MoE step the trace times.
@@ -327,6 +373,8 @@ impl GpuExpertCache {
             staging,
             next_staging: 0,
             copy: ctx.new_stream()?,
+            swap_copy: ctx.new_stream()?,
+            swaps: Vec::new(),
             copied: ctx.new_event(None)?,
             computed: [ctx.new_event(None)?, ctx.new_event(None)?],
             last_half: 0,
@@ -342,7 +390,9 @@ impl GpuExpertCache {
             copy_spans: Vec::new(),
             mapped: None,
         };
-        cache.apply(pack, &fills)?;
+        // The placement is complete before the first step: no slot pending.
+        let placed = cache.apply_fills(pack, &fills, false);
+        cache.poison_on(placed)?;
         // The placement's copies are timed here, at load, with its bytes (not in the first forward's).
         cache.copy.synchronize()?;
         cache.harvest_copy_spans()?;
@@ -354,7 +404,6 @@ impl GpuExpertCache {
                 ids_per_layer: per,
                 ids_host: Pinned::new(gpu, layers * per * 4)?,
                 pending_ids: 0,
-                swaps: Vec::new(),
                 tables_dirty: true,
             });
             cache.write_mapped_tables()?;
@@ -454,20 +503,17 @@ impl GpuExpertCache {
         Ok(())
     }
 
-    /// Mapped decode: completed swap copies make their slot ready and its
-    /// table entry point at it; `wait_all` first waits for every copy (a
-    /// planned forward plans with ready slots only).
-    fn finish_swaps(&mut self, wait_all: bool) -> Result<()> {
-        let Some(mut m) = self.mapped.take() else { return Ok(()) };
+    /// Completed swap copies make their slot ready (mapped decode: and
+    /// point its table entry at it); the others stay pending. Never waits.
+    fn finish_swaps(&mut self) -> Result<()> {
         let mut r = self.gpu.context().bind_to_thread().map_err(Error::from);
         let mut left = Vec::new();
-        for (slot, done) in m.swaps.drain(..) {
+        for (slot, done) in std::mem::take(&mut self.swaps) {
             if r.is_err() {
                 left.push((slot, done));
                 continue;
             }
-            let complete = if wait_all { done.synchronize().map(|()| true) } else { done.try_is_complete() };
-            match complete {
+            match done.try_is_complete() {
                 Ok(true) => {}
                 Ok(false) => {
                     left.push((slot, done));
@@ -481,13 +527,13 @@ impl GpuExpertCache {
                 }
             }
             self.planner.slot_fill_done(slot);
-            let key = self.planner.slot_key(slot);
-            if let (Some(key), Ok(())) = (key, &r) {
-                r = self.set_entry(key, self.slot_addr(slot));
+            if self.mapped.is_some() {
+                if let (Some(key), Ok(())) = (self.planner.slot_key(slot), &r) {
+                    r = self.set_entry(key, self.slot_addr(slot));
+                }
             }
         }
-        m.swaps = left;
-        self.mapped = Some(m);
+        self.swaps = left;
         self.poison_on(r)
     }
 
@@ -512,18 +558,28 @@ impl GpuExpertCache {
         for (old, addr) in evicted {
             self.set_entry(old, addr)?;
         }
+        self.queue_swaps(pack, fills)
+    }
+
+    /// Queues the slot fills of adaptive swaps on the swap stream, after
+    /// everything queued on the compute stream so far (the steps that read
+    /// the evicted experts); each slot stays pending until its copy's
+    /// event has completed (`finish_swaps`).
+    fn queue_swaps(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
         if fills.slots.is_empty() {
             return Ok(());
         }
         let ctx = self.gpu.context().clone();
         let queued = ctx.new_event(None)?;
         queued.record(self.gpu.stream())?;
-        self.copy.wait(&queued)?;
+        self.swap_copy.wait(&queued)?;
+        #[cfg(feature = "test-hooks")]
+        hold_swaps(&self.swap_copy)?;
         for f in &fills.slots {
-            self.copy_many(pack, &[(f.key, f.from, self.slot_addr(f.slot))])?;
+            self.copy_many_on(pack, &[(f.key, f.from, self.slot_addr(f.slot))], true)?;
             let done = ctx.new_event(None)?;
-            done.record(&self.copy)?;
-            self.mapped.as_mut().expect("checked above").swaps.push((f.slot, done));
+            done.record(&self.swap_copy)?;
+            self.swaps.push((f.slot, done));
         }
         Ok(())
     }
@@ -596,7 +652,13 @@ impl GpuExpertCache {
     /// batch at a time (waiting for each blob's previous copy), the reads of
     /// a batch in parallel (one pool worker per staging blob), then sent.
     fn copy_many(&mut self, pack: &Pack, items: &[(ExpertKey, Source, u64)]) -> Result<()> {
+        self.copy_many_on(pack, items, false)
+    }
+
+    /// `copy_many` on the copy stream, or on the swap stream (`swap`).
+    fn copy_many_on(&mut self, pack: &Pack, items: &[(ExpertKey, Source, u64)], swap: bool) -> Result<()> {
         use rayon::prelude::*;
+        let on = if swap { self.swap_copy.clone() } else { self.copy.clone() };
         let mut from_pack = Vec::new();
         let mut from_host = Vec::new();
         for &(key, from, dst) in items {
@@ -607,13 +669,13 @@ impl GpuExpertCache {
         }
         // Each run of copies queued together is timed (`copy_spans`).
         if !from_host.is_empty() {
-            let start = timing_event(&self.gpu, &self.copy)?;
+            let start = timing_event(&self.gpu, &on)?;
             for &(h, dst) in &from_host {
-                self.copy_from_host(h, dst)?;
+                self.copy_from_host(h, dst, &on)?;
             }
-            self.copy_spans.push((start, timing_event(&self.gpu, &self.copy)?));
+            self.copy_spans.push((start, timing_event(&self.gpu, &on)?));
         }
-        let (n, used, stream) = (self.staging.len(), self.used, self.copy.cu_stream());
+        let (n, used, stream) = (self.staging.len(), self.used, on.cu_stream());
         for batch in from_pack.chunks(n) {
             let first = self.next_staging;
             self.next_staging = (first + batch.len()) % n;
@@ -628,21 +690,21 @@ impl GpuExpertCache {
                 staging.0.range_mut(0, used).copy_from_slice(&blob[..used]);
             });
             // (Its run starts after its host reads: link time only.)
-            let start = timing_event(&self.gpu, &self.copy)?;
+            let start = timing_event(&self.gpu, &on)?;
             for (staging, &(_, dst)) in picked.iter_mut().zip(batch) {
                 // SAFETY: dst is a slot or ring slot of `used` bytes (addresses from this cache's allocations);
                 // the staging blob is rewritten only after `done` (recorded below) has completed.
                 unsafe { result::memcpy_htod_async(dst, staging.0.range(0, used), stream) }?;
-                staging.1.record(&self.copy)?;
+                staging.1.record(&on)?;
             }
-            self.copy_spans.push((start, timing_event(&self.gpu, &self.copy)?));
+            self.copy_spans.push((start, timing_event(&self.gpu, &on)?));
         }
         Ok(())
     }
 
     /// Adds the time of every completed run of copies to the planner's
-    /// `copy_ns`, without waiting for the others (runs complete in stream
-    /// order: the first incomplete one stops the walk).
+    /// `copy_ns`, without waiting for the others (the first incomplete run
+    /// stops the walk: a later one is counted at a later call).
     fn harvest_copy_spans(&mut self) -> Result<()> {
         let mut done = 0;
         for (start, end) in &self.copy_spans {
@@ -664,13 +726,14 @@ impl GpuExpertCache {
         Ok(self.planner.stats())
     }
 
-    /// Queues on the copy stream a copy of host buffer `h` to the device
-    /// address `dst`.
-    fn copy_from_host(&self, h: usize, dst: u64) -> Result<()> {
+    /// Queues on `on` (the copy or the swap stream) a copy of host buffer
+    /// `h` to the device address `dst`.
+    fn copy_from_host(&self, h: usize, dst: u64, on: &CudaStream) -> Result<()> {
         let src = self.host.range(h * self.stride, self.used);
         // SAFETY: dst is a slot or ring slot of `used` bytes (addresses from this cache's allocations); the
-        // source is page-locked and not rewritten before the copy stream is synchronized (host fills wait for it).
-        unsafe { result::memcpy_htod_async(dst, src, self.copy.cu_stream()) }?;
+        // source is page-locked and not rewritten before both copy streams are synchronized (host fills wait
+        // for them).
+        unsafe { result::memcpy_htod_async(dst, src, on.cu_stream()) }?;
         Ok(())
     }
 
@@ -693,16 +756,15 @@ impl GpuExpertCache {
         }
     }
 
-    /// Carries out copies planned off the critical path (initial placement,
-    /// adaptive swaps): host fills, then slot fills; the compute stream
-    /// waits for them before its next kernel.
-    fn apply(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
-        let r = self.apply_fills(pack, fills);
-        self.poison_on(r)
-    }
-
-    fn apply_fills(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
+    /// Carries out copies planned off the critical path: host fills, then
+    /// slot fills. `swap` (adaptive swaps): the slot fills are queued on
+    /// the swap stream and stay pending (`queue_swaps`); else (the initial
+    /// placement) the compute stream waits for them before its next kernel.
+    fn apply_fills(&mut self, pack: &Pack, fills: &Fills, swap: bool) -> Result<()> {
         self.apply_host_fills(pack, fills)?;
+        if swap {
+            return self.queue_swaps(pack, fills);
+        }
         if !fills.slots.is_empty() {
             // The slots' last readers and writers on the compute stream (a
             // step's kernels, its promotions) come first, whether or not the
@@ -722,12 +784,13 @@ impl GpuExpertCache {
     }
 
     /// Host fills: blobs read from the pack into host buffers, after the
-    /// copies that may still read those buffers.
+    /// copies that may still read those buffers (on either copy stream).
     fn apply_host_fills(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
         if fills.host.is_empty() {
             return Ok(());
         }
         self.copy.synchronize()?;
+        self.swap_copy.synchronize()?;
         for f in &fills.host {
             let blob = self.blob(pack, f.key)?;
             self.host.range_mut(f.host * self.stride, self.used).copy_from_slice(&blob[..self.used]);
@@ -736,8 +799,8 @@ impl GpuExpertCache {
         Ok(())
     }
 
-    /// A forward of `tokens` tokens starts (mapped decode: swaps whose
-    /// copies are done take effect; a planned forward waits for them all).
+    /// A forward of `tokens` tokens starts: swaps whose copies are done
+    /// take effect; the others stay pending (no wait).
     pub fn begin_forward(&mut self, tokens: usize) -> Result<()> {
         self.check_usable()?;
         self.forget_pending_promotions();
@@ -751,11 +814,12 @@ impl GpuExpertCache {
                 self.poison_on(r)?;
             }
         }
-        self.finish_swaps(!decode)
+        self.finish_swaps()
     }
 
-    /// A forward ended: queues the adaptive swaps it triggers (they complete
-    /// before the next step's kernels, not before this returns).
+    /// A forward ended: queues the adaptive swaps it triggers. No step
+    /// waits for them; one that needs a swapped-in expert before its copy
+    /// has completed waits (on the device) for that copy alone.
     pub fn end_forward(&mut self, pack: &Pack, tokens: usize) -> Result<()> {
         self.check_usable()?;
         if trace_on() {
@@ -766,11 +830,12 @@ impl GpuExpertCache {
         let r = self.after_forward().and_then(|_| self.harvest_copy_spans());
         self.poison_on(r)?;
         let fills = self.planner.end_forward(tokens);
-        if self.mapped.is_some() {
-            let r = self.apply_mapped_swaps(pack, &fills);
-            return self.poison_on(r);
-        }
-        self.apply(pack, &fills)
+        let r = if self.mapped.is_some() {
+            self.apply_mapped_swaps(pack, &fills)
+        } else {
+            self.apply_fills(pack, &fills, true)
+        };
+        self.poison_on(r)
     }
 
     /// Adds host time to a phase of the forward's trace.
@@ -835,6 +900,18 @@ impl GpuExpertCache {
         }
         let gpu = self.gpu.clone();
         let stream = gpu.stream();
+        // Experts an adaptive swap is still copying into their slot: the
+        // step's kernels wait for those copies (and no others).
+        for &(_, place) in &plan.experts {
+            if let Place::Slot { slot, ready: false } = place {
+                let waited = match self.swaps.iter().find(|(s, _)| *s == slot) {
+                    Some((_, done)) => stream.wait(done).map_err(Error::from),
+                    None => Err(Error::Cuda(format!("expert cache: slot {slot} is pending with no copy in flight"))),
+                };
+                self.poison_on(waited)?;
+                self.planner.record_swap_wait();
+            }
+        }
         if !plan.fills.is_empty() {
             let waited = (|| -> Result<()> {
                 self.copied.record(&self.copy)?;

@@ -379,6 +379,10 @@ pub struct ExpertStats {
     pub swaps: u64,
     /// Host-buffer swaps made by adaptive placement.
     pub host_swaps: u64,
+    /// Lookups found in a slot whose adaptive swap copy was still in
+    /// flight: the step's kernels waited for that copy alone (GPU; swaps
+    /// never make a step wait otherwise). Counted in `hits`.
+    pub swap_waits: u64,
     /// Bytes copied into slots, the ring and host buffers (initial
     /// placement included).
     pub bytes_copied: u64,
@@ -393,9 +397,10 @@ pub struct ExpertStats {
     /// Measured, never used for a decision.
     pub wait_ns: u64,
     /// Time the host link spent copying, in ns: each run of copies queued
-    /// together on the copy stream, from its first copy starting to its
-    /// last ending (CUDA events; 0 on the CPU backend, whose copies are
-    /// simulated). `bytes_copied` over it is the link's rate while it
+    /// together on the copy stream or the swap stream, from its first copy
+    /// starting to its last ending (CUDA events; 0 on the CPU backend,
+    /// whose copies are simulated; runs of both streams that overlap both
+    /// count). `bytes_copied` over it is the link's rate while it
     /// streams. Measured, never used for a decision.
     pub copy_ns: u64,
 }
@@ -416,6 +421,7 @@ impl ExpertStats {
         self.evictions += o.evictions;
         self.swaps += o.swaps;
         self.host_swaps += o.host_swaps;
+        self.swap_waits += o.swap_waits;
         self.bytes_copied += o.bytes_copied;
         self.bytes_from_host += o.bytes_from_host;
         self.bytes_from_pack += o.bytes_from_pack;

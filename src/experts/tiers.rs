@@ -478,6 +478,12 @@ impl Planner {
         self.stats.wait_ns += ns;
     }
 
+    /// A step found an expert in a slot whose swap copy was still in
+    /// flight, and its kernels wait for that copy (GPU executor).
+    pub fn record_swap_wait(&mut self) {
+        self.stats.swap_waits += 1;
+    }
+
     /// Adds time the host link spent copying (executors measure it).
     pub fn record_copy_time(&mut self, ns: u64) {
         self.stats.copy_ns += ns;

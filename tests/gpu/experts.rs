@@ -17,6 +17,15 @@ use strata::session::SessionOptions;
 
 use super::common::{check_close, e, GpuTest};
 
+/// Holds each later batch of adaptive swap copies back `ms` milliseconds
+/// (a `test-hooks` build; without, the held cases are skipped).
+fn hold_swaps(ms: u64) {
+    #[cfg(feature = "test-hooks")]
+    strata::experts::gpu::hold_swaps_for(ms);
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = ms;
+}
+
 pub const TESTS: &[GpuTest] = &[
     ("experts_cache_paths_match_the_resident_engine", cache_paths),
     ("experts_cache_budget_is_refused_by_name", budget_refused),
@@ -69,21 +78,43 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
         let want = run(&resident, &tokens)?;
         let blob = strata::pack::Pack::open(&pack).map_err(e)?.layout().stride;
         type Check = fn(&ExpertStats) -> bool;
-        let cases: [(&str, ExpertCacheOptions, Check); 7] = [
-            ("every expert in a slot", ExpertCacheOptions { slots: Some(pairs), ..Default::default() }, |s| {
-                s.misses == 0 && s.hits > 0
-            }),
+        let swaps_half_in_host = ExpertCacheOptions {
+            slots: Some(2 * k),
+            ring_threshold: 2.0,
+            host_budget: Some(blob * (pairs as u64 / 2 + 4)),
+            adapt_every: 4,
+            adapt_swaps: 2,
+            ..Default::default()
+        };
+        let mapped_swaps = ExpertCacheOptions {
+            slots: Some(2 * k),
+            ring_threshold: 2.0,
+            host_budget: Some(blob * (pairs as u64 + 4)),
+            adapt_every: 2,
+            adapt_swaps: 2,
+            ..Default::default()
+        };
+        // (what, options, the statistics the path shows, ms each batch of swap copies is held back)
+        let cases: [(&str, ExpertCacheOptions, Check, u64); 9] = [
+            (
+                "every expert in a slot",
+                ExpertCacheOptions { slots: Some(pairs), ..Default::default() },
+                |s| s.misses == 0 && s.hits > 0,
+                0,
+            ),
             (
                 "minimum slots, misses from the pack",
                 ExpertCacheOptions { slots: Some(k), ring_threshold: 2.0, adapt_every: 0, ..Default::default() },
                 // Prefill steps needing more experts than the slots overflow into the ring.
                 |s| s.misses > s.streamed && s.evictions > 0 && s.bytes_from_pack > 0,
+                0,
             ),
             (
                 "a ring of one slot for every miss",
                 ExpertCacheOptions { slots: Some(k), ring_slots: Some(1), ring_threshold: 0.0, ..Default::default() },
                 // Hot streamed experts move from the ring into slots (device to device).
                 |s| s.streamed > 0 && s.promoted > 0,
+                0,
             ),
             (
                 "ring waves from page-locked host memory",
@@ -100,18 +131,13 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
                 // before computes (a wrong guess, for a decode step, is
                 // overwritten: both paths).
                 |s| s.streamed > 0 && s.bytes_from_host > 0 && s.mapped == 0 && s.prefetched > 0,
+                0,
             ),
             (
                 "mapped decode: misses read in place from host memory, swaps off the critical path",
-                ExpertCacheOptions {
-                    slots: Some(2 * k),
-                    ring_threshold: 2.0,
-                    host_budget: Some(blob * (pairs as u64 + 4)),
-                    adapt_every: 2,
-                    adapt_swaps: 2,
-                    ..Default::default()
-                },
+                mapped_swaps.clone(),
                 |s| s.mapped > 0 && s.bytes_mapped > 0 && s.swaps > 0 && s.hits > 0,
+                0,
             ),
             (
                 "every expert in a slot and host swaps (mapped decode through the slots)",
@@ -123,25 +149,45 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
                     ..Default::default()
                 },
                 |s| s.misses == 0 && s.mapped == 0 && s.host_swaps > 0,
+                0,
             ),
             (
                 "adaptive swaps, half the experts in host memory",
-                ExpertCacheOptions {
-                    slots: Some(2 * k),
-                    ring_threshold: 2.0,
-                    host_budget: Some(blob * (pairs as u64 / 2 + 4)),
-                    adapt_every: 4,
-                    adapt_swaps: 2,
-                    ..Default::default()
-                },
+                swaps_half_in_host.clone(),
                 |s| s.swaps > 0 && s.misses > 0 && s.bytes_from_host > 0,
+                0,
+            ),
+            // Swap copies held back 100 ms a batch (a slow link): the next
+            // forwards start while they are in flight (no step waits for
+            // them as a whole), and a step that needs a swapped-in expert
+            // waits on the device for its copy alone (`swap_waits`). A step
+            // that read the slot before its copy would compute with the
+            // evicted expert's weights.
+            (
+                "adaptive swaps held in flight, planned steps",
+                swaps_half_in_host,
+                |s| s.swaps > 0 && s.swap_waits > 0 && s.bytes_from_host > 0,
+                100,
+            ),
+            (
+                "adaptive swaps held in flight, mapped decode and planned prefill",
+                mapped_swaps,
+                |s| s.swaps > 0 && s.swap_waits > 0 && s.mapped > 0,
+                100,
             ),
         ];
-        for (what, opts, check) in cases {
+        for (what, opts, check, hold_ms) in cases {
             let what = format!("{set}/{model}: {what}");
+            if hold_ms > 0 && !cfg!(feature = "test-hooks") {
+                println!("    {what}: skipped (needs a test-hooks build to hold the swaps)");
+                continue;
+            }
             let engine = Engine::load(&pack, &EngineOptions { expert_cache: opts, ..cuda() })
                 .map_err(|x| format!("{what}: {x}"))?;
-            let got = run(&engine, &tokens)?;
+            hold_swaps(hold_ms);
+            let got = run(&engine, &tokens);
+            hold_swaps(0);
+            let got = got?;
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 check_close(&format!("{what}, run {i}"), g, w, TOL)?;
             }
