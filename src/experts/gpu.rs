@@ -28,9 +28,10 @@
 //! steps; they are set back to the mapped addresses after it.
 //!
 //! Adaptive swaps (both modes) copy on a stream of their own, after the
-//! steps queued before them; the planner keeps each swapped-in slot pending
-//! until its copy's event has completed (`finish_swaps`, at the start of a
-//! forward). A planned step that needs an expert still pending waits for
+//! steps queued before them, and read the pack into host buffers on a
+//! thread of their own (`HostFiller`); the planner keeps each swapped-in
+//! slot or host buffer pending until its copy is done (`finish_swaps`,
+//! `finish_host_fills`, at the start of a forward). A planned step that needs an expert still pending waits for
 //! that one copy on the device (`Place::Slot { ready: false }`), and a
 //! step's own copies never queue behind swaps: no step waits for the swaps
 //! as a whole.
@@ -134,6 +135,9 @@ pub struct GpuExpertCache {
     /// Slot fills of adaptive swaps in flight: (slot, its copy's event).
     /// The planner holds such a slot pending until the event completes.
     swaps: Vec<(usize, CudaEvent)>,
+    /// The thread that reads adaptive swaps' host fills from the pack
+    /// (started by the first of them).
+    filler: Option<HostFiller>,
     /// Recorded on the copy stream after a step's copies; the compute
     /// stream waits on it.
     copied: CudaEvent,
@@ -210,6 +214,96 @@ fn timing_event(gpu: &Gpu, stream: &CudaStream) -> Result<CudaEvent> {
     Ok(e)
 }
 
+/// A host buffer's first byte, written only by the filler thread while
+/// the planner holds that buffer pending.
+struct FillDst(*mut u8);
+
+// SAFETY: the pointer is into the cache's page-locked host buffers, which
+// outlive the thread (the cache joins it before freeing them); the planner
+// lets nothing else read or write a buffer while its fill is pending.
+unsafe impl Send for FillDst {}
+
+/// One host fill: `len` bytes at `offset` of the pack's experts file into
+/// host buffer `host`, once the copies queued before it (either copy
+/// stream's, which may read the buffer's old expert) are done.
+struct FillJob {
+    host: usize,
+    offset: usize,
+    len: usize,
+    dst: FillDst,
+    after: [CudaEvent; 2],
+    /// Tests: milliseconds to wait first (`hold_swaps_for`).
+    hold_ms: u64,
+}
+
+/// The thread that reads adaptive swaps' host fills from the pack, so the
+/// forward that triggers them returns at once: each filled buffer stays
+/// pending in the planner (copies of its expert read the pack) until
+/// `GpuExpertCache::finish_host_fills` sees it done. It maps the experts
+/// file itself (a pack is never rewritten), so it borrows nothing.
+struct HostFiller {
+    jobs: Option<std::sync::mpsc::Sender<FillJob>>,
+    done: std::sync::mpsc::Receiver<(usize, std::result::Result<(), String>)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HostFiller {
+    fn start(experts_file: std::path::PathBuf) -> Result<HostFiller> {
+        let (jobs, rx) = std::sync::mpsc::channel::<FillJob>();
+        let (tx, done) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("strata-host-fill".into())
+            .spawn(move || {
+                let map = std::fs::File::open(&experts_file).and_then(|f| {
+                    // SAFETY: a pack's files are written once and never changed while mapped (as Pack maps them).
+                    unsafe { memmap2::Mmap::map(&f) }
+                });
+                for job in rx {
+                    if job.hold_ms > 0 {
+                        std::thread::sleep(std::time::Duration::from_millis(job.hold_ms));
+                    }
+                    let r = (|| -> std::result::Result<(), String> {
+                        let map = map.as_ref().map_err(|e| format!("{}: {e}", experts_file.display()))?;
+                        for e in &job.after {
+                            e.synchronize().map_err(|e| e.to_string())?;
+                        }
+                        let src = map.get(job.offset..job.offset + job.len).ok_or_else(|| {
+                            format!("{}: blob at {} past the end", experts_file.display(), job.offset)
+                        })?;
+                        // SAFETY: dst is `len` bytes of a host buffer (FillDst) that nothing else touches until
+                        // this fill is reported done; src is the mapped file.
+                        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), job.dst.0, job.len) };
+                        Ok(())
+                    })();
+                    if tx.send((job.host, r)).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| Error::Cuda(format!("expert cache: cannot start the host-fill thread: {e}")))?;
+        Ok(HostFiller { jobs: Some(jobs), done, thread: Some(thread) })
+    }
+}
+
+impl Drop for HostFiller {
+    /// Lets the thread finish the fills queued (they write buffers the
+    /// cache frees after this) and joins it.
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// An event (no timing) recorded on `stream`: it completes when the
+/// stream reaches this point.
+fn marker_event(gpu: &Gpu, stream: &CudaStream) -> Result<CudaEvent> {
+    let e = gpu.context().new_event(None)?;
+    e.record(stream)?;
+    Ok(e)
+}
+
 /// Most rows of a mapped decode step: the engine's GEMV path (whose
 /// kernels take no row-tile offsets, so a table is all they need).
 pub const MAPPED_MAX_ROWS: usize = 8;
@@ -221,20 +315,23 @@ impl Drop for GpuExpertCache {
     /// Copies still queued (adaptive swaps are waited for by no step)
     /// read host buffers and write slots this drop frees: wait first.
     fn drop(&mut self) {
+        // Host fills write host buffers this drop frees: the thread ends first.
+        drop(self.filler.take());
         let _ = self.copy.synchronize();
         let _ = self.swap_copy.synchronize();
         let _ = self.gpu.stream().synchronize();
     }
 }
 
-/// Tests: milliseconds every batch of adaptive swaps waits on its stream
-/// before copying (0: none), so a test can run steps while swaps are still
-/// in flight (`hold_swaps_for`).
+/// Tests: milliseconds every batch of adaptive swaps waits before copying
+/// (slot fills on their stream, host fills on the filler thread; 0: none),
+/// so a test can run steps while swaps are still in flight
+/// (`hold_swaps_for`).
 #[cfg(feature = "test-hooks")]
 static SWAP_HOLD_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Tests: holds every later batch of adaptive swap copies on its stream for
-/// `ms` milliseconds (0: no more holds), as a slow link would.
+/// Tests: holds every later batch of adaptive swaps (slot and host fills)
+/// back `ms` milliseconds (0: no more holds), as a slow link or disk would.
 #[cfg(feature = "test-hooks")]
 pub fn hold_swaps_for(ms: u64) {
     SWAP_HOLD_MS.store(ms, std::sync::atomic::Ordering::Relaxed);
@@ -375,6 +472,7 @@ impl GpuExpertCache {
             copy: ctx.new_stream()?,
             swap_copy: ctx.new_stream()?,
             swaps: Vec::new(),
+            filler: None,
             copied: ctx.new_event(None)?,
             computed: [ctx.new_event(None)?, ctx.new_event(None)?],
             last_half: 0,
@@ -542,12 +640,10 @@ impl GpuExpertCache {
     /// compute stream), the copy waits for the steps queued before it, and
     /// `finish_swaps` points the entry at the slot once the copy is done.
     fn apply_mapped_swaps(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
-        if !fills.host.is_empty() {
-            // Only when every expert has a slot (with every expert in host
-            // memory there is nothing to swap in): no kernel reads a host
-            // buffer in place then, so they are filled as without mapping.
-            self.apply_host_fills(pack, fills)?;
-        }
+        // Host fills only when every expert has a slot (with every expert in
+        // host memory there is nothing to swap in): no kernel reads a host
+        // buffer in place then, so they are filled as without mapping.
+        self.queue_host_fills(pack, fills)?;
         let Some(m) = self.mapped.as_ref() else { return Ok(()) };
         let mut evicted = Vec::new();
         for f in &fills.slots {
@@ -761,10 +857,11 @@ impl GpuExpertCache {
     /// the swap stream and stay pending (`queue_swaps`); else (the initial
     /// placement) the compute stream waits for them before its next kernel.
     fn apply_fills(&mut self, pack: &Pack, fills: &Fills, swap: bool) -> Result<()> {
-        self.apply_host_fills(pack, fills)?;
         if swap {
+            self.queue_host_fills(pack, fills)?;
             return self.queue_swaps(pack, fills);
         }
+        self.apply_host_fills(pack, fills)?;
         if !fills.slots.is_empty() {
             // The slots' last readers and writers on the compute stream (a
             // step's kernels, its promotions) come first, whether or not the
@@ -783,8 +880,9 @@ impl GpuExpertCache {
         Ok(())
     }
 
-    /// Host fills: blobs read from the pack into host buffers, after the
-    /// copies that may still read those buffers (on either copy stream).
+    /// The initial placement's host fills, read from the pack here, after
+    /// the copies that may still read those buffers (on either copy
+    /// stream). Adaptive swaps' go to the filler thread (`queue_host_fills`).
     fn apply_host_fills(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
         if fills.host.is_empty() {
             return Ok(());
@@ -797,6 +895,50 @@ impl GpuExpertCache {
             self.planner.host_fill_done(f.host);
         }
         Ok(())
+    }
+
+    /// Adaptive swaps' host fills: queued to the filler thread, each after
+    /// the copies queued so far (which may read the buffer's old expert);
+    /// the buffers stay pending until `finish_host_fills` sees them done.
+    fn queue_host_fills(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
+        if fills.host.is_empty() {
+            return Ok(());
+        }
+        if self.filler.is_none() {
+            self.filler = Some(HostFiller::start(pack.dir().join(crate::pack::format::EXPERTS_FILE))?);
+        }
+        let (c, layout) = (pack.config(), pack.layout());
+        #[cfg(feature = "test-hooks")]
+        let hold_ms = SWAP_HOLD_MS.load(std::sync::atomic::Ordering::Relaxed);
+        #[cfg(not(feature = "test-hooks"))]
+        let hold_ms = 0;
+        for (i, f) in fills.host.iter().enumerate() {
+            // (A test's hold delays the batch, not each fill.)
+            let hold_ms = if i == 0 { hold_ms } else { 0 };
+            let offset = layout.blob_offset(c.num_experts, self.first_layer + f.key.layer, f.key.expert) as usize;
+            let after = [marker_event(&self.gpu, &self.copy)?, marker_event(&self.gpu, &self.swap_copy)?];
+            let dst = FillDst(self.host.range_mut(f.host * self.stride, self.used).as_mut_ptr());
+            let job = FillJob { host: f.host, offset, len: self.used, dst, after, hold_ms };
+            let sent = self.filler.as_ref().and_then(|h| h.jobs.as_ref()).map(|j| j.send(job).is_ok());
+            if sent != Some(true) {
+                return Err(Error::Cuda("expert cache: the host-fill thread has stopped".into()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Host fills the filler thread has done make their buffers ready (no
+    /// wait); a failed one poisons the cache.
+    fn finish_host_fills(&mut self) -> Result<()> {
+        let Some(f) = self.filler.as_ref() else { return Ok(()) };
+        let mut r = Ok(());
+        while let Ok((host, done)) = f.done.try_recv() {
+            match done {
+                Ok(()) => self.planner.host_fill_done(host),
+                Err(why) => r = Err(Error::Cuda(format!("expert cache: a host fill failed: {why}"))),
+            }
+        }
+        self.poison_on(r)
     }
 
     /// A forward of `tokens` tokens starts: swaps whose copies are done
@@ -814,6 +956,7 @@ impl GpuExpertCache {
                 self.poison_on(r)?;
             }
         }
+        self.finish_host_fills()?;
         self.finish_swaps()
     }
 

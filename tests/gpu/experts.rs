@@ -94,7 +94,7 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
             adapt_swaps: 2,
             ..Default::default()
         };
-        // (what, options, the statistics the path shows, ms each batch of swap copies is held back)
+        // (what, options, the statistics the path shows, ms each batch of swaps is held back)
         let cases: [(&str, ExpertCacheOptions, Check, u64); 9] = [
             (
                 "every expert in a slot",
@@ -157,16 +157,18 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
                 |s| s.swaps > 0 && s.misses > 0 && s.bytes_from_host > 0,
                 0,
             ),
-            // Swap copies held back 100 ms a batch (a slow link): the next
-            // forwards start while they are in flight (no step waits for
-            // them as a whole), and a step that needs a swapped-in expert
-            // waits on the device for its copy alone (`swap_waits`). A step
-            // that read the slot before its copy would compute with the
-            // evicted expert's weights.
+            // Swap copies and host fills held back 100 ms a batch (a slow
+            // link, a slow disk): the next forwards start while they are in
+            // flight (no step waits for them as a whole), a step that needs
+            // a swapped-in expert waits on the device for its copy alone
+            // (`swap_waits`), and copies read the pack for an expert whose
+            // host buffer is still being filled. A step that read a slot or
+            // a host buffer early would compute with the evicted expert's
+            // weights.
             (
                 "adaptive swaps held in flight, planned steps",
                 swaps_half_in_host,
-                |s| s.swaps > 0 && s.swap_waits > 0 && s.bytes_from_host > 0,
+                |s| s.swaps > 0 && s.host_swaps > 0 && s.swap_waits > 0 && s.bytes_from_host > 0,
                 100,
             ),
             (
