@@ -296,6 +296,10 @@ impl Drop for HostFiller {
     }
 }
 
+/// Bytes of a pack blob one pool thread reads into staging at a time
+/// (`copy_many`).
+const READ_PIECE: usize = 256 << 10;
+
 /// An event (no timing) recorded on `stream`: it completes when the
 /// stream reaches this point.
 fn marker_event(gpu: &Gpu, stream: &CudaStream) -> Result<CudaEvent> {
@@ -782,9 +786,17 @@ impl GpuExpertCache {
             for (_, done) in picked.iter() {
                 done.synchronize()?;
             }
-            picked.par_iter_mut().zip(batch).for_each(|(staging, (blob, _))| {
-                staging.0.range_mut(0, used).copy_from_slice(&blob[..used]);
-            });
+            // The reads in pieces, all of the batch's at once on the pool: a
+            // decode step misses a blob or two a layer, and one thread
+            // copying from the page cache is several times slower than many.
+            let pieces: Vec<(&mut [u8], &[u8])> = picked
+                .iter_mut()
+                .zip(batch)
+                .flat_map(|(staging, (blob, _))| {
+                    staging.0.range_mut(0, used).chunks_mut(READ_PIECE).zip(blob[..used].chunks(READ_PIECE))
+                })
+                .collect();
+            pieces.into_par_iter().for_each(|(dst, src)| dst.copy_from_slice(src));
             // (Its run starts after its host reads: link time only.)
             let start = timing_event(&self.gpu, &on)?;
             for (staging, &(_, dst)) in picked.iter_mut().zip(batch) {
