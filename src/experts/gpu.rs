@@ -31,10 +31,11 @@
 //! steps queued before them, and read the pack into host buffers on a
 //! thread of their own (`HostFiller`); the planner keeps each swapped-in
 //! slot or host buffer pending until its copy is done (`finish_swaps`,
-//! `finish_host_fills`, at the start of a forward). A planned step that needs an expert still pending waits for
-//! that one copy on the device (`Place::Slot { ready: false }`), and a
-//! step's own copies never queue behind swaps: no step waits for the swaps
-//! as a whole.
+//! `finish_host_fills`, at the start of a forward). A planned step that
+//! needs an expert still pending waits for that one copy on the device
+//! (`Place::Slot { ready: false }`), copies of an expert whose host buffer
+//! is pending read the pack, and a step's own copies never queue behind
+//! swaps: no step waits for the swaps as a whole.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -224,14 +225,14 @@ struct FillDst(*mut u8);
 unsafe impl Send for FillDst {}
 
 /// One host fill: `len` bytes at `offset` of the pack's experts file into
-/// host buffer `host`, once the copies queued before it (either copy
-/// stream's, which may read the buffer's old expert) are done.
+/// host buffer `host`, once the work queued before it on the copy, swap
+/// and compute streams (which may read the buffer's old expert) is done.
 struct FillJob {
     host: usize,
     offset: usize,
     len: usize,
     dst: FillDst,
-    after: [CudaEvent; 2],
+    after: [CudaEvent; 3],
     /// Tests: milliseconds to wait first (`hold_swaps_for`).
     hold_ms: u64,
 }
@@ -670,9 +671,7 @@ impl GpuExpertCache {
             return Ok(());
         }
         let ctx = self.gpu.context().clone();
-        let queued = ctx.new_event(None)?;
-        queued.record(self.gpu.stream())?;
-        self.swap_copy.wait(&queued)?;
+        self.swap_copy.wait(&marker_event(&self.gpu, self.gpu.stream())?)?;
         #[cfg(feature = "test-hooks")]
         hold_swaps(&self.swap_copy)?;
         for f in &fills.slots {
@@ -749,8 +748,8 @@ impl GpuExpertCache {
     /// Queues on the copy stream the copies of `(key, from, dst)`: each
     /// blob from its source to the device address `dst`. Host sources are
     /// sent as they are; pack sources are read into the staging blobs a
-    /// batch at a time (waiting for each blob's previous copy), the reads of
-    /// a batch in parallel (one pool worker per staging blob), then sent.
+    /// batch at a time (waiting for each blob's previous copy), the batch's
+    /// reads in `READ_PIECE` pieces in parallel on the pool, then sent.
     fn copy_many(&mut self, pack: &Pack, items: &[(ExpertKey, Source, u64)]) -> Result<()> {
         self.copy_many_on(pack, items, false)
     }
@@ -839,8 +838,8 @@ impl GpuExpertCache {
     fn copy_from_host(&self, h: usize, dst: u64, on: &CudaStream) -> Result<()> {
         let src = self.host.range(h * self.stride, self.used);
         // SAFETY: dst is a slot or ring slot of `used` bytes (addresses from this cache's allocations); the
-        // source is page-locked and not rewritten before both copy streams are synchronized (host fills wait
-        // for them).
+        // source is page-locked and not rewritten before this copy is done (a host fill waits for the copies
+        // queued before it on both streams: a synchronize at load, events on the filler thread).
         unsafe { result::memcpy_htod_async(dst, src, on.cu_stream()) }?;
         Ok(())
     }
@@ -910,7 +909,8 @@ impl GpuExpertCache {
     }
 
     /// Adaptive swaps' host fills: queued to the filler thread, each after
-    /// the copies queued so far (which may read the buffer's old expert);
+    /// the work queued so far on the copy, swap and compute streams (which
+    /// may read the buffer's old expert: copies, or kernels in place);
     /// the buffers stay pending until `finish_host_fills` sees them done.
     fn queue_host_fills(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
         if fills.host.is_empty() {
@@ -928,7 +928,11 @@ impl GpuExpertCache {
             // (A test's hold delays the batch, not each fill.)
             let hold_ms = if i == 0 { hold_ms } else { 0 };
             let offset = layout.blob_offset(c.num_experts, self.first_layer + f.key.layer, f.key.expert) as usize;
-            let after = [marker_event(&self.gpu, &self.copy)?, marker_event(&self.gpu, &self.swap_copy)?];
+            let after = [
+                marker_event(&self.gpu, &self.copy)?,
+                marker_event(&self.gpu, &self.swap_copy)?,
+                marker_event(&self.gpu, self.gpu.stream())?,
+            ];
             let dst = FillDst(self.host.range_mut(f.host * self.stride, self.used).as_mut_ptr());
             let job = FillJob { host: f.host, offset, len: self.used, dst, after, hold_ms };
             let sent = self.filler.as_ref().and_then(|h| h.jobs.as_ref()).map(|j| j.send(job).is_ok());
