@@ -22,7 +22,7 @@
 //! in a per-layer buffer read back once after the step (statistics, use
 //! counts). Nothing waits on the host between layers, so the step is a CUDA
 //! graph like the all-resident engine's. Adaptive swaps re-point the
-//! evicted expert at its host buffer, copy on the copy stream, and re-point
+//! evicted expert at its host buffer, copy on the swap stream, and re-point
 //! the new one at its slot at a later step once the copy is done: no step
 //! waits for them. A planned (prefill) forward rewrites the tables for its
 //! steps; they are set back to the mapped addresses after it.
@@ -34,8 +34,12 @@
 //! `finish_host_fills`, at the start of a forward). A planned step that
 //! needs an expert still pending waits for that one copy on the device
 //! (`Place::Slot { ready: false }`), copies of an expert whose host buffer
-//! is pending read the pack, and a step's own copies never queue behind
-//! swaps: no step waits for the swaps as a whole.
+//! is pending read the pack, and a step's copies do not queue behind swap
+//! copies on one stream. Slot swaps read from the pack (an expert in no
+//! host buffer) share the staging blobs with the steps' copies, so the
+//! forward that queues them, or a later step's pack read, may wait on the
+//! host for a swap copy to free a staging blob; swaps from host buffers
+//! never make anything wait.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -131,7 +135,7 @@ pub struct GpuExpertCache {
     next_staging: usize,
     copy: Arc<CudaStream>,
     /// The stream of adaptive swaps' slot fills (`queue_swaps`), so that a
-    /// step's copies on `copy` never queue behind them.
+    /// step's copies on `copy` do not queue behind them.
     swap_copy: Arc<CudaStream>,
     /// Slot fills of adaptive swaps in flight: (slot, its copy's event).
     /// The planner holds such a slot pending until the event completes.
@@ -305,6 +309,14 @@ const READ_PIECE: usize = 256 << 10;
 /// stream reaches this point.
 fn marker_event(gpu: &Gpu, stream: &CudaStream) -> Result<CudaEvent> {
     let e = gpu.context().new_event(None)?;
+    e.record(stream)?;
+    Ok(e)
+}
+
+/// `marker_event` that a host thread waits on without spinning a core
+/// (`CU_EVENT_BLOCKING_SYNC`): the filler thread's.
+fn blocking_marker(gpu: &Gpu, stream: &CudaStream) -> Result<CudaEvent> {
+    let e = gpu.context().new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
     e.record(stream)?;
     Ok(e)
 }
@@ -929,9 +941,9 @@ impl GpuExpertCache {
             let hold_ms = if i == 0 { hold_ms } else { 0 };
             let offset = layout.blob_offset(c.num_experts, self.first_layer + f.key.layer, f.key.expert) as usize;
             let after = [
-                marker_event(&self.gpu, &self.copy)?,
-                marker_event(&self.gpu, &self.swap_copy)?,
-                marker_event(&self.gpu, self.gpu.stream())?,
+                blocking_marker(&self.gpu, &self.copy)?,
+                blocking_marker(&self.gpu, &self.swap_copy)?,
+                blocking_marker(&self.gpu, self.gpu.stream())?,
             ];
             let dst = FillDst(self.host.range_mut(f.host * self.stride, self.used).as_mut_ptr());
             let job = FillJob { host: f.host, offset, len: self.used, dst, after, hold_ms };
@@ -948,10 +960,16 @@ impl GpuExpertCache {
     fn finish_host_fills(&mut self) -> Result<()> {
         let Some(f) = self.filler.as_ref() else { return Ok(()) };
         let mut r = Ok(());
-        while let Ok((host, done)) = f.done.try_recv() {
-            match done {
-                Ok(()) => self.planner.host_fill_done(host),
-                Err(why) => r = Err(Error::Cuda(format!("expert cache: a host fill failed: {why}"))),
+        loop {
+            match f.done.try_recv() {
+                Ok((host, Ok(()))) => self.planner.host_fill_done(host),
+                Ok((_, Err(why))) => r = Err(Error::Cuda(format!("expert cache: a host fill failed: {why}"))),
+                Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    // The thread is gone (it never stops on its own): fills it had may never be done.
+                    r = Err(Error::Cuda("expert cache: the host-fill thread has stopped".into()));
+                    break;
+                }
             }
         }
         self.poison_on(r)

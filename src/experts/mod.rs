@@ -379,9 +379,10 @@ pub struct ExpertStats {
     pub swaps: u64,
     /// Host-buffer swaps made by adaptive placement.
     pub host_swaps: u64,
-    /// Lookups found in a slot whose adaptive swap copy was still in
-    /// flight: the step's kernels waited for that copy alone (GPU; swaps
-    /// never make a step wait otherwise). Counted in `hits`.
+    /// Lookups found in a slot an adaptive swap was filling when the
+    /// forward began (its copy not yet seen done): the step's kernels
+    /// waited on the device for that copy alone, a no-op if it had
+    /// finished meanwhile (GPU). Counted in `hits`.
     pub swap_waits: u64,
     /// Bytes copied into slots, the ring and host buffers (initial
     /// placement included).

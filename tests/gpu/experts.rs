@@ -159,12 +159,13 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
             ),
             // Swap copies and host fills held back 100 ms a batch (a slow
             // link, a slow disk): the next forwards start while they are in
-            // flight (no step waits for them as a whole), a step that needs
-            // a swapped-in expert waits on the device for its copy alone
-            // (`swap_waits`), and copies read the pack for an expert whose
-            // host buffer is still being filled. A step that read a slot or
-            // a host buffer early would compute with the evicted expert's
-            // weights.
+            // flight, a step that needs a swapped-in expert waits on the
+            // device for its copy alone (`swap_waits`), and copies read the
+            // pack for an expert whose host buffer is still being filled. A
+            // step that read a slot or a host buffer early would compute
+            // with the evicted expert's weights. (Not timed: a slot swap
+            // read from the pack may still hold the host up for a staging
+            // blob, docs/expert-cache.md.)
             (
                 "adaptive swaps held in flight, planned steps",
                 swaps_half_in_host,
