@@ -73,8 +73,9 @@ pub struct ExpertCacheOptions {
     /// Page-locked host RAM for experts (`--resident-budget`), in bytes,
     /// `pool_workers` staging blobs included; `None`: no host tier.
     pub host_budget: Option<u64>,
-    /// Workers that read the mapped pack into page-locked staging; each
-    /// holds one staging blob in the host budget.
+    /// Page-locked staging blobs for reads of the mapped pack, each held
+    /// in the host budget: a batch of up to this many blobs is read at
+    /// once (GPU: in pieces on the thread pool), then sent.
     pub pool_workers: usize,
     /// Adaptive swaps every this many tokens (0: never; streamed steps
     /// still promote, `adapt_swaps`).
