@@ -305,22 +305,6 @@ impl Drop for HostFiller {
 /// (`copy_many`).
 const READ_PIECE: usize = 256 << 10;
 
-/// An event (no timing) recorded on `stream`: it completes when the
-/// stream reaches this point.
-fn marker_event(gpu: &Gpu, stream: &CudaStream) -> Result<CudaEvent> {
-    let e = gpu.context().new_event(None)?;
-    e.record(stream)?;
-    Ok(e)
-}
-
-/// `marker_event` that a host thread waits on without spinning a core
-/// (`CU_EVENT_BLOCKING_SYNC`): the filler thread's.
-fn blocking_marker(gpu: &Gpu, stream: &CudaStream) -> Result<CudaEvent> {
-    let e = gpu.context().new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
-    e.record(stream)?;
-    Ok(e)
-}
-
 /// Most rows of a mapped decode step: the engine's GEMV path (whose
 /// kernels take no row-tile offsets, so a table is all they need).
 pub const MAPPED_MAX_ROWS: usize = 8;
@@ -682,14 +666,12 @@ impl GpuExpertCache {
         if fills.slots.is_empty() {
             return Ok(());
         }
-        let ctx = self.gpu.context().clone();
-        self.swap_copy.wait(&marker_event(&self.gpu, self.gpu.stream())?)?;
+        self.swap_copy.wait(&self.gpu.stream().record_event(None)?)?;
         #[cfg(feature = "test-hooks")]
         hold_swaps(&self.swap_copy)?;
         for f in &fills.slots {
             self.copy_many_on(pack, &[(f.key, f.from, self.slot_addr(f.slot))], true)?;
-            let done = ctx.new_event(None)?;
-            done.record(&self.swap_copy)?;
+            let done = self.swap_copy.record_event(None)?;
             self.swaps.push((f.slot, done));
         }
         Ok(())
@@ -940,10 +922,12 @@ impl GpuExpertCache {
             // (A test's hold delays the batch, not each fill.)
             let hold_ms = if i == 0 { hold_ms } else { 0 };
             let offset = layout.blob_offset(c.num_experts, self.first_layer + f.key.layer, f.key.expert) as usize;
+            // (Blocking-sync events: the thread waits on them without spinning a core.)
+            let blocking = Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
             let after = [
-                blocking_marker(&self.gpu, &self.copy)?,
-                blocking_marker(&self.gpu, &self.swap_copy)?,
-                blocking_marker(&self.gpu, self.gpu.stream())?,
+                self.copy.record_event(blocking)?,
+                self.swap_copy.record_event(blocking)?,
+                self.gpu.stream().record_event(blocking)?,
             ];
             let dst = FillDst(self.host.range_mut(f.host * self.stride, self.used).as_mut_ptr());
             let job = FillJob { host: f.host, offset, len: self.used, dst, after, hold_ms };
