@@ -478,8 +478,8 @@ impl Planner {
         self.stats.wait_ns += ns;
     }
 
-    /// A step found an expert in a slot whose swap copy was still in
-    /// flight, and its kernels wait for that copy (GPU executor).
+    /// A step found its expert in a slot still pending (an adaptive swap
+    /// filling it), and its kernels wait for that copy (GPU executor).
     pub fn record_swap_wait(&mut self) {
         self.stats.swap_waits += 1;
     }
