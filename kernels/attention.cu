@@ -1830,12 +1830,9 @@ static __device__ __forceinline__ void attn_qkv_prep(const float* __restrict__ q
         float eps, const float* __restrict__ inv_freq, int half, float attention_factor, float* __restrict__ qn,  \
         float* __restrict__ gate, KV* __restrict__ kc, KV* __restrict__ vc, float* __restrict__ ks,               \
         float* __restrict__ vs, int rows, int heads, int kv_heads, int head_dim, int gated,                       \
-        unsigned long long start_pos, const int* __restrict__ step, int late_trigger, const void* ahead,          \
-        unsigned long long ahead_bytes) {                                                                         \
+        unsigned long long start_pos, const int* __restrict__ step, int late_trigger) {                           \
         /* late_trigger: the attention after it reads the cache before its wait, so it starts only after */       \
-        /* this one's wait (every kernel before this one has finished then). ahead: a weight the kernels */       \
-        /* after the attention read (o_proj), pulled into L2 while the attention waits on its own chain. */       \
-        strata_l2_ahead_grid(ahead, ahead_bytes);                                                                 \
+        /* this one's wait (every kernel before this one has finished then). */                                   \
         if (!late_trigger) strata_pdl_trigger();                                                                  \
         strata_pdl_wait();                                                                                        \
         if (late_trigger) strata_pdl_trigger();                                                                   \

@@ -54,36 +54,3 @@ static __device__ __forceinline__ void strata_rmsnorm_rope_row(const float* __re
     }
     for (int i = 2 * half + lane; i < head_dim; i += 32) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
 }
-
-// Requests share `part` of `parts` of bytes [0, n) at p into L2 for a later
-// kernel (cp.async.bulk.prefetch.L2, sm_90+; nothing before, nor for p null
-// or n 0): a decode kernel whose own reads leave HBM idle pulls in what the
-// next one will read, so that one reads L2. Shares are whole 16-byte units
-// from the first 16-byte boundary (a head and a tail under 16 bytes are left
-// out); warp 0's lanes issue a share in
-// pieces of STRATA_L2_PIECE bytes; the other threads do nothing. Only for
-// constant data (weights): nothing orders it after a writer.
-#define STRATA_L2_PIECE 16384u
-static __device__ __forceinline__ void strata_l2_ahead(const void* p, unsigned long long n, unsigned int part,
-                                                       unsigned int parts) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (p == nullptr || threadIdx.x >= 32 || parts == 0) return;
-    const unsigned long long skip = (16 - (reinterpret_cast<unsigned long long>(p) & 15)) & 15;  // to 16 bytes
-    if (n <= skip) return;
-    const unsigned long long units = (n - skip) >> 4, per = (units + parts - 1) / parts;
-    const unsigned long long lo = (unsigned long long)part * per * 16;
-    const unsigned long long hi = min(units, ((unsigned long long)part + 1) * per) * 16;
-    const char* base = static_cast<const char*>(p) + skip;
-    for (unsigned long long off = lo + (unsigned long long)threadIdx.x * STRATA_L2_PIECE; off < hi;
-         off += 32ull * STRATA_L2_PIECE) {
-        const unsigned int size = (unsigned int)min((unsigned long long)STRATA_L2_PIECE, hi - off);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + off), "r"(size) : "memory");
-    }
-#endif
-}
-
-// strata_l2_ahead with the whole grid's blocks as the parts.
-static __device__ __forceinline__ void strata_l2_ahead_grid(const void* p, unsigned long long n) {
-    const unsigned int part = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    strata_l2_ahead(p, n, part, gridDim.x * gridDim.y * gridDim.z);
-}

@@ -151,14 +151,6 @@ static __device__ __forceinline__ float moe_tail(const uint8_t* blob, const MoeB
     return __ldg(reinterpret_cast<const float*>(blob + L.tail) + m);
 }
 
-// The down matrix of a blob (codes and scales) into L2 for the down GEMV
-// after a gate/up GEMV: the block's share, blockIdx.y of gridDim.y (the
-// blocks of one assignment), of each (strata_l2_ahead).
-static __device__ __forceinline__ void moe_l2_ahead_down(const uint8_t* blob, const MoeBlobLayout& L) {
-    strata_l2_ahead(blob + L.down_codes, L.hidden * L.intermediate / 2, blockIdx.y, gridDim.y);
-    strata_l2_ahead(blob + L.down_scales, L.hidden * L.intermediate / 16, blockIdx.y, gridDim.y);
-}
-
 // Copies a row of n floats (n % 32 == 0) into shared memory in the "chunk
 // transposed" order: float4 q (0..7) of 32-element chunk c goes to
 // dst[q * (n / 32) + c], so lane c reading its chunk's q-th float4 is
@@ -435,8 +427,7 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 3)
     moe_gate_up_gemv(const float* __restrict__ x, const uint32_t* __restrict__ ids, const uint64_t* __restrict__ table,
                      int table_len, MoeBlobLayout L, int top_k, float* __restrict__ act,
                      const float* __restrict__ logits, int num_experts, int norm_topk_prob,
-                     uint32_t* __restrict__ ids_out, float* __restrict__ weights_out, int late_trigger,
-                     int ahead_down) {
+                     uint32_t* __restrict__ ids_out, float* __restrict__ weights_out, int late_trigger) {
     extern __shared__ float4 moe_gu_xs[];
     // Programmatic dependent launch: wait before any access. late_trigger:
     // the down GEMV after it routes from the logits before its own wait, so
@@ -454,7 +445,6 @@ extern "C" __global__ void __launch_bounds__(MOE_GU_WARPS * 32, 3)
         if (lane < MOE_GEMV_ROWS && row0 + lane < I) act_row[row0 + lane] = __int_as_float(0x7fc00000);
         return;
     }
-    if (ahead_down) moe_l2_ahead_down(blob, L);
     const size_t code_row = (size_t)H >> 1, scale_row = (size_t)H >> 4;
     // The warp's rows are row0, row0 + 1 (I is even); a row0 past I (none in
     // the wrapper's grid: I % 16 == 0) reads rows I - 2, I - 1 and writes
@@ -648,8 +638,7 @@ static __device__ __forceinline__ void moe_down_route(const float* __restrict__ 
 extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
     moe_down_gemv(const float* __restrict__ act, const uint32_t* __restrict__ ids, const float* __restrict__ weights,
                   const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k, float* __restrict__ out,
-                  int accumulate, const float* __restrict__ logits, int num_experts, int norm_topk_prob,
-                  const void* ahead, unsigned long long ahead_bytes) {
+                  int accumulate, const float* __restrict__ logits, int num_experts, int norm_topk_prob) {
     extern __shared__ float4 moe_down_acts[];
     __shared__ float red[MOE_MAX_TOP_K][MOE_DN_ROWS];
     __shared__ float coefs[MOE_MAX_TOP_K];
@@ -662,8 +651,6 @@ extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
     // Programmatic dependent launch: the routing, the blob addresses and the
     // first round of code loads (constant weights) come before the wait when
     // the kernel routes itself (logits non-null, see moe_down_route).
-    // ahead: the next layer's first weight, into L2 (strata_l2_ahead).
-    strata_l2_ahead_grid(ahead, ahead_bytes);
     strata_pdl_trigger();
     const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate, nchunk = I >> 5;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane & (MOE_DOWN_LANES - 1);
@@ -928,7 +915,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 3)
                         const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k,
                         float* __restrict__ act, const float* __restrict__ logits, int num_experts,
                         int norm_topk_prob, uint32_t* __restrict__ ids_out, float* __restrict__ weights_out,
-                        int late_trigger, int ahead_down) {
+                        int late_trigger) {
     __shared__ uint4 xs[MOE_TC_GU_WARPS][64];
     __shared__ float red[MOE_TC_GU_WARPS][2][16];
     if (!late_trigger) strata_pdl_trigger();  // as moe_gate_up_gemv
@@ -944,7 +931,6 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 3)
         if (threadIdx.x < 16) act_row[threadIdx.x] = __int_as_float(0x7fc00000);
         return;
     }
-    if (ahead_down) moe_l2_ahead_down(blob, L);
     const size_t code_row = (size_t)H >> 1, scale_row = (size_t)H >> 4;
     const size_t row = (size_t)16 * blockIdx.y + g;
     float acc[2][2] = {};  // [gate, up][row g, g + 8], lanes t4 == 0
@@ -999,7 +985,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_DN_MAX_WARPS * 32)
     moe_down_gemv_tc(const float* __restrict__ act, const uint32_t* __restrict__ ids, const float* __restrict__ weights,
                      const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k,
                      float* __restrict__ out, int accumulate, const float* __restrict__ logits, int num_experts,
-                     int norm_topk_prob, const void* ahead, unsigned long long ahead_bytes) {
+                     int norm_topk_prob) {
     extern __shared__ uint4 moe_dn_tc_xs[];
     __shared__ float red[MOE_TC_DN_MAX_PARTS][16];
     __shared__ float coefs[MOE_MAX_TOP_K];
@@ -1008,8 +994,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_DN_MAX_WARPS * 32)
     __shared__ float w_s[MOE_MAX_TOP_K];
     // Programmatic dependent launch: as moe_down_gemv, the routing and each
     // warp's first part of code loads come before the wait when the kernel
-    // routes itself (logits non-null). ahead: as moe_down_gemv.
-    strata_l2_ahead_grid(ahead, ahead_bytes);
+    // routes itself (logits non-null).
     strata_pdl_trigger();
     const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate, parts = I / MOE_TC_SLICE;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;

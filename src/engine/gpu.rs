@@ -38,7 +38,7 @@ use crate::backend::cuda::deltanet::{
 };
 use crate::backend::cuda::dense::{self, GemmPrecision, NormIn, RopeTable, Write};
 use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping, GroupedPrecision};
-use crate::backend::cuda::{CudaEvent, CudaSlice, DevicePtr, Gpu, L2Ahead, L2_AHEAD_NEXT, L2_AHEAD_OPROJ};
+use crate::backend::cuda::{CudaEvent, CudaSlice, DevicePtr, Gpu};
 use crate::backend::{AttentionShape, DeltaNetState, Rope};
 use crate::error::{Error, Result};
 use crate::experts::gpu::{GpuExpertCache, TracePhase};
@@ -1161,22 +1161,6 @@ impl GpuStage {
         })
     }
 
-    /// What a decode step's down GEMV of layer `l` requests into L2 (`t`
-    /// rows, one for a decode step): the first weight of layer `l + 1`
-    /// (its q/k/v or in_proj_qkvz projection), when this stage holds it.
-    fn next_weight(&self, l: usize, t: usize) -> L2Ahead {
-        let next = self.layers.get(l + 1 - self.range.start);
-        match next.map(|n| &n.mixer) {
-            Some(GpuMixer::Attention { qkv, .. }) if t == 1 && self.gpu.l2_ahead(L2_AHEAD_NEXT) => {
-                L2Ahead::of(&self.gpu, qkv)
-            }
-            Some(GpuMixer::Linear { in_proj_qkvz, .. }) if t == 1 && self.gpu.l2_ahead(L2_AHEAD_NEXT) => {
-                L2Ahead::of(&self.gpu, in_proj_qkvz)
-            }
-            _ => L2Ahead::NONE,
-        }
-    }
-
     /// The expert table of layer `l` (without an expert cache).
     fn table(&self, l: usize) -> &CudaSlice<u64> {
         &self.tables[l - self.range.start]
@@ -1388,10 +1372,7 @@ impl GpuStage {
             }
             Some(st) => {
                 if !skipped(t, "prep") {
-                    // o_proj's weight into L2 while the attention runs on its own chain.
-                    let ahead =
-                        if t == 1 && gpu.l2_ahead(L2_AHEAD_OPROJ) { L2Ahead::of(gpu, o_proj) } else { L2Ahead::NONE };
-                    attention::qkv_prepare_at(gpu, &prep, &s.qkv, t, kv, &st.pos, &mut s.qn, gate, ahead)?;
+                    attention::qkv_prepare_at(gpu, &prep, &s.qkv, t, kv, &st.pos, &mut s.qn, gate)?;
                 }
                 if !skipped(t, "attn") {
                     let (plan, pos, split) = (&st.plan, &st.pos, &mut s.attn_split);
@@ -1478,10 +1459,8 @@ impl GpuStage {
             if !skipped(t, "down") {
                 let logits = route_logits(c, &s.router, t);
                 // Misses are read from host memory in place: the CUDA-core GEMVs (host_blobs).
-                let (act, w, ahead) = (&s.moe.act, &s.weights, self.next_weight(l, t));
-                moe::expert_down_gemv_routed(
-                    gpu, act, &ids, w, logits, true, table, layout, t, k, &mut s.x, true, ahead,
-                )?;
+                let (act, w) = (&s.moe.act, &s.weights);
+                moe::expert_down_gemv_routed(gpu, act, &ids, w, logits, true, table, layout, t, k, &mut s.x, true)?;
             }
         } else if let Some(x) = experts {
             // (A helper only for grouped rows: decode-size steps run the GEMVs.)
@@ -1509,10 +1488,8 @@ impl GpuStage {
             if !skipped(t, "down") {
                 let logits = route_logits(c, &s.router, t);
                 let (ids, w) = (&s.ids, &s.weights);
-                let (act, ahead) = (&s.moe.act, self.next_weight(l, t));
-                moe::expert_down_gemv_routed(
-                    gpu, act, ids, w, logits, false, table, layout, t, k, &mut s.x, true, ahead,
-                )?;
+                let act = &s.moe.act;
+                moe::expert_down_gemv_routed(gpu, act, ids, w, logits, false, table, layout, t, k, &mut s.x, true)?;
             }
         } else if let Some(help) = help {
             moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;

@@ -16,7 +16,7 @@ use strata::backend::cuda::attention::{
     QkvPrep, StepPlan, StepPos,
 };
 use strata::backend::cuda::dense::{self, RopeTable};
-use strata::backend::cuda::{CudaSlice, Gpu, L2Ahead};
+use strata::backend::cuda::{CudaSlice, Gpu};
 use strata::backend::{AttentionShape, Rope};
 
 use super::common::{check_close, e, poisoned, rand_f32, GpuTest};
@@ -1083,9 +1083,7 @@ fn qkv_prepare_exact(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
                     pos.set(gpu, start, 1).map_err(e)?;
                     let mut qn_at = poisoned(gpu, rows * qd)?;
                     let mut gate_at = if gated { Some(poisoned(gpu, rows * qd)?) } else { None };
-                    // (Also requesting a buffer into L2 on the way: it must not change a bit.)
-                    let ahead = L2Ahead::of(gpu, &qkv_d);
-                    qkv_prepare_at(gpu, &prep, &qkv_d, rows, &mut kv_at, &pos, &mut qn_at, gate_at.as_mut(), ahead)
+                    qkv_prepare_at(gpu, &prep, &qkv_d, rows, &mut kv_at, &pos, &mut qn_at, gate_at.as_mut())
                         .map_err(e)?;
 
                     let qn_want = gpu.download(&qn_ref).map_err(e)?;
@@ -1182,10 +1180,7 @@ fn qkv_prepare_rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
             qkv_prepare(gpu, &gated, &qkv, rows, &mut kv, 0, &mut qn, Some(&mut gate_short)).is_ok(),
         ),
         ("positions past the capacity", qkv_prepare(gpu, &plain, &qkv, rows, &mut kv, 6, &mut qn, None).is_ok()),
-        (
-            "(at) rows past the capacity",
-            qkv_prepare_at(gpu, &plain, &qkv9, 9, &mut kv, &pos, &mut qn9, None, L2Ahead::NONE).is_ok(),
-        ),
+        ("(at) rows past the capacity", qkv_prepare_at(gpu, &plain, &qkv9, 9, &mut kv, &pos, &mut qn9, None).is_ok()),
     ];
     failures.extend(cases.iter().filter(|c| c.1).map(|c| format!("accepted: {}", c.0)));
     if failures.is_empty() {

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use strata::backend::cpu::ops::{expert_ffn, expert_ffn_row, silu};
 use strata::backend::cuda::moe::{self as gm, BlobLayout, GroupedPrecision};
-use strata::backend::cuda::{CudaSlice, DevicePtr, Gpu, L2Ahead, PREWAIT_DOWN};
+use strata::backend::cuda::{CudaSlice, DevicePtr, Gpu, PREWAIT_DOWN};
 use strata::backend::{Backend, CpuBackend, ExpertRows, Matrix};
 use strata::moe::{self, ExpertSource, MoeLayer, Routing};
 use strata::pack::format::ExpertLayout;
@@ -776,7 +776,6 @@ fn routed_gemvs(
             k,
             &mut out,
             false,
-            L2Ahead::of(gpu, x), // requested into L2 on the way: it must not change a bit
         )
     })();
     #[cfg(feature = "test-hooks")]

@@ -5,7 +5,7 @@
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute_enum};
 
-use super::{CudaFunction, CudaSlice, Gpu, KernelArgs, L2Ahead, LaunchConfig, PushKernelArg, PREWAIT_ATTN};
+use super::{CudaFunction, CudaSlice, Gpu, KernelArgs, LaunchConfig, PushKernelArg, PREWAIT_ATTN};
 use crate::backend::AttentionShape;
 use crate::error::{Error, Result};
 
@@ -271,7 +271,7 @@ pub fn qkv_prepare(
             kv.capacity
         )));
     }
-    qkv_prep_launch(gpu, p, qkv, rows, kv, start_pos as u64, None, qn, gate, L2Ahead::NONE)
+    qkv_prep_launch(gpu, p, qkv, rows, kv, start_pos as u64, None, qn, gate)
 }
 
 /// `qkv_prepare` with start_pos read from `pos.buf[0]` on the device (a captured decode step): positions
@@ -287,7 +287,6 @@ pub fn qkv_prepare_at(
     pos: &StepPos,
     qn: &mut CudaSlice<f32>,
     gate: Option<&mut CudaSlice<f32>>,
-    ahead: L2Ahead,
 ) -> Result<()> {
     check_qkv_prep("qkv_prepare_at", p, qkv, rows, kv, qn, gate.as_deref())?;
     if rows > kv.capacity || pos.buf.is_empty() {
@@ -297,7 +296,7 @@ pub fn qkv_prepare_at(
             pos.buf.len()
         )));
     }
-    qkv_prep_launch(gpu, p, qkv, rows, kv, 0, Some(&pos.buf), qn, gate, ahead)
+    qkv_prep_launch(gpu, p, qkv, rows, kv, 0, Some(&pos.buf), qn, gate)
 }
 
 /// The shape and length checks of `qkv_prepare` (everything but the positions).
@@ -351,7 +350,6 @@ fn qkv_prep_launch(
     step: Option<&CudaSlice<i32>>,
     qn: &mut CudaSlice<f32>,
     gate: Option<&mut CudaSlice<f32>>,
-    ahead: L2Ahead,
 ) -> Result<()> {
     if rows == 0 {
         return Ok(());
@@ -383,12 +381,11 @@ fn qkv_prep_launch(
     };
     // Triggers the attention after it only after its own wait when that one (the one-row kernel) reads keys before
     // its wait.
-    a.val((nr == 1 && gpu.prewait(PREWAIT_ATTN)) as i32).ahead(ahead);
+    a.val((nr == 1 && gpu.prewait(PREWAIT_ATTN)) as i32);
     // SAFETY: attn_qkv_prep_{i8,bf16}(const float* qkv, const float* q_norm, const float* k_norm, float eps,
     // const float* inv_freq, int half, float attention_factor, float* qn, float* gate, KV* kc, KV* vc, float* ks,
     // float* vs, int rows, int heads, int kv_heads, int head_dim, int gated, u64 start_pos, const int* step,
-    // int late_trigger, const void* ahead, u64 ahead_bytes) (ahead: device memory the caller keeps alive, only
-    // prefetched): one
+    // int late_trigger): one
     // warp per (row, head) reads rows*W floats of qkv, head_dim of each norm, half (<= head_dim / 2) frequencies,
     // and writes rows*heads*head_dim of qn and (gated, else null and untouched) gate (all checked by
     // check_qkv_prep), and positions start_pos..start_pos+rows (<= capacity: checked by qkv_prepare, kept by

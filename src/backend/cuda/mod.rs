@@ -132,31 +132,6 @@ impl KernelArgs {
     pub fn null(&mut self) -> &mut Self {
         self.val(0u64)
     }
-
-    /// An `L2Ahead`: the kernel's `(const void* ahead, unsigned long long ahead_bytes)`.
-    pub fn ahead(&mut self, a: L2Ahead) -> &mut Self {
-        self.val(a.ptr).val(a.bytes)
-    }
-}
-
-/// Device memory a decode kernel requests into L2 for a later kernel
-/// (`strata_l2_ahead` in kernels/common.cuh): constant data only (weights),
-/// alive as long as any launch or captured graph that names it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct L2Ahead {
-    ptr: u64,
-    bytes: u64,
-}
-
-impl L2Ahead {
-    /// Nothing to request.
-    pub const NONE: L2Ahead = L2Ahead { ptr: 0, bytes: 0 };
-
-    /// All of `b`.
-    pub fn of<T>(gpu: &Gpu, b: &CudaSlice<T>) -> L2Ahead {
-        let (ptr, _sync) = b.device_ptr(gpu.stream());
-        L2Ahead { ptr, bytes: (b.len() * std::mem::size_of::<T>()) as u64 }
-    }
 }
 
 /// Checks that device `cuda:ordinal` exists without opening it: `Error::NoCuda`
@@ -194,29 +169,6 @@ pub struct Gpu {
     /// wait (`PREWAIT_ATTN | PREWAIT_DOWN` unless `STRATA_PREWAIT` says
     /// otherwise; tests may switch it: `set_prewait`).
     prewait: AtomicU8,
-    /// Which decode kernels request a later kernel's weights into L2
-    /// (`L2_AHEAD_*`; all unless `STRATA_L2_AHEAD` says otherwise; tests may
-    /// switch it: `set_l2_ahead`).
-    l2_ahead: AtomicU8,
-}
-
-/// `Gpu::l2_ahead`: `attn_qkv_prep` requests the layer's o_proj weight.
-pub const L2_AHEAD_OPROJ: u8 = 1;
-/// `Gpu::l2_ahead`: the decode down GEMV requests the next layer's first weight.
-pub const L2_AHEAD_NEXT: u8 = 2;
-/// `Gpu::l2_ahead`: the decode gate/up GEMV requests its experts' down matrices.
-pub const L2_AHEAD_DOWN: u8 = 4;
-const L2_AHEAD_ALL: u8 = L2_AHEAD_OPROJ | L2_AHEAD_NEXT | L2_AHEAD_DOWN;
-
-/// The `l2_ahead` mask of `STRATA_L2_AHEAD`: unset or `all`: every one; `0`,
-/// `none`, `off` or `false`: none; a number 1-7: that mask of
-/// `L2_AHEAD_*`. Anything else: every one.
-pub fn l2_ahead_from_env(v: Option<&str>) -> u8 {
-    match v.map(str::trim) {
-        Some("none") | Some("off") | Some("false") => 0,
-        Some(n) => n.parse::<u8>().ok().filter(|m| *m <= L2_AHEAD_ALL).unwrap_or(L2_AHEAD_ALL),
-        None => L2_AHEAD_ALL,
-    }
 }
 
 /// `Gpu::prewait`: the one-row attention's first key tile before its wait.
@@ -288,7 +240,6 @@ impl Gpu {
             pdl: major >= 9 && std::env::var("STRATA_PDL").map_or(true, |v| v != "0"),
             tc_gemv: AtomicBool::new(major >= 8 && std::env::var("STRATA_TC_GEMV").map_or(true, |v| v != "0")),
             prewait: AtomicU8::new(prewait_from_env(std::env::var("STRATA_PREWAIT").ok().as_deref())),
-            l2_ahead: AtomicU8::new(l2_ahead_from_env(std::env::var("STRATA_L2_AHEAD").ok().as_deref())),
         }))
     }
 
@@ -338,21 +289,6 @@ impl Gpu {
     #[cfg(feature = "test-hooks")]
     pub fn set_prewait(&self, mask: u8) -> u8 {
         self.prewait.swap(mask & (PREWAIT_ATTN | PREWAIT_DOWN), Ordering::Relaxed)
-    }
-
-    /// Whether `what` (an `L2_AHEAD_*`) is requested into L2 ahead of the
-    /// kernel that reads it in a decode step (sm_90+; `STRATA_L2_AHEAD`, see
-    /// `l2_ahead_from_env`).
-    pub fn l2_ahead(&self, what: u8) -> bool {
-        self.compute_capability.0 >= 9 && self.l2_ahead.load(Ordering::Relaxed) & what != 0
-    }
-
-    /// Tests (`test-hooks`): sets the `l2_ahead` mask from the next launch on
-    /// (a decode step's CUDA graph keeps what it captured); returns the
-    /// previous one.
-    #[cfg(feature = "test-hooks")]
-    pub fn set_l2_ahead(&self, mask: u8) -> u8 {
-        self.l2_ahead.swap(mask & L2_AHEAD_ALL, Ordering::Relaxed)
     }
 
     /// Number of streaming multiprocessors (sizes persistent grids).

@@ -28,8 +28,7 @@
 //! also on tensor-core devices (f32 throughout).
 
 use super::{
-    CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, Gpu, KernelArgs, L2Ahead, LaunchConfig, PushKernelArg,
-    L2_AHEAD_DOWN, PREWAIT_DOWN,
+    CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, Gpu, KernelArgs, LaunchConfig, PushKernelArg, PREWAIT_DOWN,
 };
 use crate::error::{Error, Result};
 use crate::pack::format::ExpertLayout;
@@ -409,15 +408,11 @@ fn gate_up_gemv_launch<G: DevicePtr<u32>, R: DevicePtrMut<u32>>(
         // The down GEMV after a routed one may route before its wait (expert_down_gemv_routed): then trigger it
         // only after this kernel's wait, when the router's logits are final.
         a.val((routed && gpu.prewait(PREWAIT_DOWN)) as i32);
-        // Each block requests its share of its expert's down matrix into L2 for the down GEMV (not from host
-        // memory: that would start link reads the down GEMV may not need yet).
-        a.val((!host_blobs && gpu.l2_ahead(L2_AHEAD_DOWN)) as i32);
         // SAFETY: moe_gate_up_gemv[_tc](const float* x [T, H], const unsigned* ids [T*k] or null, const u64* table
         // [table_len], int table_len, MoeBlobLayout, int k, float* act [T*k, I], const float* logits [T, E] or
-        // null, int E, int norm, unsigned* ids_out [T*k], float* weights_out [T*k], int late_trigger,
-        // int ahead_down) (null ids exactly when logits are given); lengths checked above and by the callers; ids
-        // past the table give NaN rows; the kernel waits for its predecessor (strata_pdl_wait) before touching
-        // memory (ahead_down only prefetches the blob it reads).
+        // null, int E, int norm, unsigned* ids_out [T*k], float* weights_out [T*k], int late_trigger) (null ids exactly when logits
+        // are given); lengths checked above and by the callers; ids past the table give NaN rows; the kernel waits
+        // for its predecessor (strata_pdl_wait) before touching memory.
         unsafe { gpu.launch(&f, cfg, &mut a) }?;
         return Ok(());
     }
@@ -450,8 +445,7 @@ pub fn expert_down_gemv(
     out: &mut CudaSlice<f32>,
     accumulate: bool,
 ) -> Result<()> {
-    let (routed, ahead) = (None, L2Ahead::NONE);
-    expert_down_gemv_routed(gpu, act, ids, weights, routed, false, table, layout, tokens, top_k, out, accumulate, ahead)
+    expert_down_gemv_routed(gpu, act, ids, weights, None, false, table, layout, tokens, top_k, out, accumulate)
 }
 
 /// The router logits a decode down GEMV may route from itself
@@ -481,10 +475,6 @@ pub struct Logits<'a> {
 /// tensor-core ones read 64-byte pieces of 8 rows, which the host link
 /// serves slower (H200, 25% of the experts in slots: 20.4 ms a step
 /// against 17.6 ms; docs/performance.md).
-///
-/// `ahead`: a weight a later kernel reads (the next layer's first), which
-/// the blocks request into L2 as they start (`L2Ahead`; the CUDA-core and
-/// tensor-core kernels).
 #[allow(clippy::too_many_arguments)]
 pub fn expert_down_gemv_routed(
     gpu: &Gpu,
@@ -499,7 +489,6 @@ pub fn expert_down_gemv_routed(
     top_k: usize,
     out: &mut CudaSlice<f32>,
     accumulate: bool,
-    ahead: L2Ahead,
 ) -> Result<()> {
     let (h, i) = layout.check()?;
     check_top_k(tokens, top_k)?;
@@ -567,10 +556,8 @@ pub fn expert_down_gemv_routed(
             Some(l) => a.buf(gpu, l.logits).val(l.num_experts as i32).val(l.norm_topk_prob as i32),
             None => a.null().val(0i32).val(0i32),
         };
-        a.ahead(ahead);
-        // SAFETY: moe_down_gemv / moe_down_gemv_tc take moe_down_gemv16's arguments (below) plus (const float*
-        // logits [T, E] or null, int E, int norm, const void* ahead, u64 ahead_bytes) (E <= MOE_FUSED_ROUTE_MAX,
-        // top_k <= E, length checked above; ahead: device memory the caller keeps alive, only prefetched); both wait for their predecessor
+        // SAFETY: moe_down_gemv / moe_down_gemv_tc take moe_down_gemv16's arguments (below) plus (const float* logits [T, E] or null, int E,
+        // int norm) (E <= MOE_FUSED_ROUTE_MAX, top_k <= E, length checked above); both wait for their predecessor
         // (strata_pdl_wait) before touching memory, except (logits given) the logits, the table and the expert
         // blobs (codes, scales, tails): the caller's predecessor is the routed gate/up GEMV, which triggers only
         // after its own wait.
