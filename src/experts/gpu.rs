@@ -28,18 +28,18 @@
 //! steps; they are set back to the mapped addresses after it.
 //!
 //! Adaptive swaps (both modes) copy on a stream of their own, after the
-//! steps queued before them, and read the pack into host buffers on a
-//! thread of their own (`HostFiller`); the planner keeps each swapped-in
-//! slot or host buffer pending until its copy is done (`finish_swaps`,
-//! `finish_host_fills`, at the start of a forward). A planned step that
-//! needs an expert still pending waits for that one copy on the device
-//! (`Place::Slot { ready: false }`), copies of an expert whose host buffer
-//! is pending read the pack, and a step's copies do not queue behind swap
-//! copies on one stream. Slot swaps read from the pack (an expert in no
-//! host buffer) share the staging blobs with the steps' copies, so the
-//! forward that queues them, or a later step's pack read, may wait on the
-//! host for a swap copy to free a staging blob; swaps from host buffers
-//! never make anything wait.
+//! steps queued before them, and read the pack on a thread of their own
+//! (`HostFiller`: into host buffers, and into its own staging blob for
+//! slot fills of experts in no host buffer); the planner keeps each
+//! swapped-in slot or host buffer pending until its copy is done
+//! (`finish_swaps`, `finish_host_fills`, at the start of a forward). A
+//! planned step that needs an expert still pending waits for that one copy
+//! on the device (`Place::Slot { ready: false }`; first on the host if the
+//! thread has yet to queue it), copies of an expert whose host buffer is
+//! pending read the pack, and a step's copies do not queue behind swap
+//! copies on one stream nor wait for a staging blob a swap holds. (The
+//! exception: a cache with one staging blob in all, `pool_workers` 1 with a
+//! host budget, reads swaps from the pack into it on the calling thread.)
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -130,7 +130,8 @@ pub struct GpuExpertCache {
     ring_base: u64,
     table_addrs: Vec<u64>,
     host: Pinned,
-    /// One staging blob per pool worker, and the event of its last copy.
+    /// The steps' staging blobs (a pool worker's each, but the one
+    /// `swap_staging` takes), and the event of each one's last copy.
     staging: Vec<(Pinned, CudaEvent)>,
     next_staging: usize,
     copy: Arc<CudaStream>,
@@ -140,8 +141,15 @@ pub struct GpuExpertCache {
     /// Slot fills of adaptive swaps in flight: (slot, its copy's event).
     /// The planner holds such a slot pending until the event completes.
     swaps: Vec<(usize, CudaEvent)>,
-    /// The thread that reads adaptive swaps' host fills from the pack
-    /// (started by the first of them).
+    /// Slot fills of adaptive swaps from the pack sent to the filler
+    /// thread and not yet reported queued (pending in the planner too).
+    swaps_sent: Vec<usize>,
+    /// The staging blob of the filler thread's slot fills, until it starts
+    /// (`None` when the cache has one staging blob in all: swaps from the
+    /// pack then share it with the steps).
+    swap_staging: Option<Pinned>,
+    /// The thread that reads adaptive swaps from the pack (started by the
+    /// first of them).
     filler: Option<HostFiller>,
     /// Recorded on the copy stream after a step's copies; the compute
     /// stream waits on it.
@@ -228,34 +236,84 @@ struct FillDst(*mut u8);
 // lets nothing else read or write a buffer while its fill is pending.
 unsafe impl Send for FillDst {}
 
-/// One host fill: `len` bytes at `offset` of the pack's experts file into
-/// host buffer `host`, once the work queued before it on the copy, swap
-/// and compute streams (which may read the buffer's old expert) is done.
-struct FillJob {
-    host: usize,
-    offset: usize,
-    len: usize,
-    dst: FillDst,
-    after: [CudaEvent; 3],
-    /// Tests: milliseconds to wait first (`hold_swaps_for`).
-    hold_ms: u64,
+/// A job of the filler thread (`HostFiller`).
+enum FillJob {
+    /// A host fill: `len` bytes at `offset` of the pack's experts file
+    /// into host buffer `host`, once the work queued before it on the
+    /// copy, swap and compute streams (which may read the buffer's old
+    /// expert) is done.
+    Host {
+        host: usize,
+        offset: usize,
+        len: usize,
+        dst: FillDst,
+        after: [CudaEvent; 3],
+        /// Tests: milliseconds to wait first (`hold_swaps_for`).
+        hold_ms: u64,
+    },
+    /// An adaptive swap's slot fill from the pack: `len` bytes at `offset`
+    /// read into the thread's own staging blob, then copied to the device
+    /// address `dst` on the swap stream (after what the cache queued there
+    /// before sending the job: the wait for the steps that read the slot).
+    Slot { slot: usize, offset: usize, len: usize, dst: u64 },
 }
 
-/// The thread that reads adaptive swaps' host fills from the pack, so the
-/// forward that triggers them returns at once: each filled buffer stays
-/// pending in the planner (copies of its expert read the pack) until
-/// `GpuExpertCache::finish_host_fills` sees it done. It maps the experts
-/// file itself (a pack is never rewritten), so it borrows nothing.
+/// What the filler thread reports of a job.
+enum FillDone {
+    Host(usize, std::result::Result<(), String>),
+    /// The slot's copy is queued: its timing events (start, end) and the
+    /// event that completes with it.
+    Slot(usize, std::result::Result<(CudaEvent, CudaEvent, CudaEvent), String>),
+}
+
+/// The filler thread's staging blob for slot fills, and the event after
+/// its last copy (the blob is rewritten only once that has completed).
+struct SwapStaging {
+    stream: Arc<CudaStream>,
+    blob: Pinned,
+    last: Option<CudaEvent>,
+}
+
+impl SwapStaging {
+    /// Reads `src` into the blob once its last copy is done, queues its copy
+    /// to `dst` on the swap stream: (start, end, done) events.
+    fn send(&mut self, src: &[u8], dst: u64) -> Result<(CudaEvent, CudaEvent, CudaEvent)> {
+        if let Some(prev) = self.last.take() {
+            prev.synchronize()?;
+        }
+        self.blob.range_mut(0, src.len()).copy_from_slice(src);
+        self.stream.context().bind_to_thread()?;
+        let start = self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        // SAFETY: dst is a slot of at least src.len() bytes (the cache's `slot_addr`, alive until the cache
+        // has joined this thread and synchronized the swap stream); the blob is rewritten only after `last`.
+        unsafe { result::memcpy_htod_async(dst, self.blob.range(0, src.len()), self.stream.cu_stream()) }?;
+        let end = self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        let done = self.stream.record_event(None)?;
+        self.last = Some(self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?);
+        Ok((start, end, done))
+    }
+}
+
+/// The thread that reads adaptive swaps from the pack, so the forward that
+/// triggers them returns at once: host fills (each filled buffer stays
+/// pending in the planner, copies of its expert read the pack, until
+/// `GpuExpertCache::finish_host_fills` sees it done) and, given a staging
+/// blob of its own, slot fills (read into that blob and copied on the swap
+/// stream; the slot stays pending until the copy is done). It maps the
+/// experts file itself (a pack is never rewritten), so it borrows nothing.
 struct HostFiller {
     jobs: Option<std::sync::mpsc::Sender<FillJob>>,
-    done: std::sync::mpsc::Receiver<(usize, std::result::Result<(), String>)>,
+    done: std::sync::mpsc::Receiver<FillDone>,
+    /// Whether it takes `FillJob::Slot` (it holds a staging blob).
+    slots: bool,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl HostFiller {
-    fn start(experts_file: std::path::PathBuf) -> Result<HostFiller> {
+    fn start(experts_file: std::path::PathBuf, mut staging: Option<SwapStaging>) -> Result<HostFiller> {
         let (jobs, rx) = std::sync::mpsc::channel::<FillJob>();
         let (tx, done) = std::sync::mpsc::channel();
+        let slots = staging.is_some();
         let thread = std::thread::Builder::new()
             .name("strata-host-fill".into())
             .spawn(move || {
@@ -263,30 +321,50 @@ impl HostFiller {
                     // SAFETY: a pack's files are written once and never changed while mapped (as Pack maps them).
                     unsafe { memmap2::Mmap::map(&f) }
                 });
+                let read = |offset: usize, len: usize| -> std::result::Result<&[u8], String> {
+                    let map = map.as_ref().map_err(|e| format!("{}: {e}", experts_file.display()))?;
+                    map.get(offset..offset + len)
+                        .ok_or_else(|| format!("{}: blob at {offset} past the end", experts_file.display()))
+                };
                 for job in rx {
-                    if job.hold_ms > 0 {
-                        std::thread::sleep(std::time::Duration::from_millis(job.hold_ms));
-                    }
-                    let r = (|| -> std::result::Result<(), String> {
-                        let map = map.as_ref().map_err(|e| format!("{}: {e}", experts_file.display()))?;
-                        for e in &job.after {
-                            e.synchronize().map_err(|e| e.to_string())?;
+                    let report = match job {
+                        FillJob::Host { host, offset, len, dst, after, hold_ms } => {
+                            if hold_ms > 0 {
+                                std::thread::sleep(std::time::Duration::from_millis(hold_ms));
+                            }
+                            let r = (|| -> std::result::Result<(), String> {
+                                for e in &after {
+                                    e.synchronize().map_err(|e| e.to_string())?;
+                                }
+                                let src = read(offset, len)?;
+                                // SAFETY: dst is `len` bytes of a host buffer (FillDst) that nothing else touches
+                                // until this fill is reported done; src is the mapped file.
+                                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.0, len) };
+                                Ok(())
+                            })();
+                            FillDone::Host(host, r)
                         }
-                        let src = map.get(job.offset..job.offset + job.len).ok_or_else(|| {
-                            format!("{}: blob at {} past the end", experts_file.display(), job.offset)
-                        })?;
-                        // SAFETY: dst is `len` bytes of a host buffer (FillDst) that nothing else touches until
-                        // this fill is reported done; src is the mapped file.
-                        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), job.dst.0, job.len) };
-                        Ok(())
-                    })();
-                    if tx.send((job.host, r)).is_err() {
-                        return;
+                        FillJob::Slot { slot, offset, len, dst } => {
+                            let r = match staging.as_mut() {
+                                Some(st) => {
+                                    read(offset, len).and_then(|src| st.send(src, dst).map_err(|e| e.to_string()))
+                                }
+                                None => Err("a slot fill sent to a filler without staging".to_string()),
+                            };
+                            FillDone::Slot(slot, r)
+                        }
+                    };
+                    if tx.send(report).is_err() {
+                        break;
                     }
+                }
+                // The staging blob is freed with this thread: its last copy first.
+                if let Some(last) = staging.as_mut().and_then(|st| st.last.take()) {
+                    let _ = last.synchronize();
                 }
             })
             .map_err(|e| Error::Cuda(format!("expert cache: cannot start the host-fill thread: {e}")))?;
-        Ok(HostFiller { jobs: Some(jobs), done, thread: Some(thread) })
+        Ok(HostFiller { jobs: Some(jobs), done, slots, thread: Some(thread) })
     }
 }
 
@@ -443,10 +521,20 @@ impl GpuExpertCache {
         }
         let (layers, experts) = (layers.len(), c.num_experts);
         let ctx = gpu.context();
-        let mut staging = Vec::with_capacity(cap.staging_blobs.max(1));
-        for _ in 0..cap.staging_blobs.max(1) {
+        // Adaptive swaps from the pack read into a staging blob of their own
+        // (the filler thread's), so a step's pack reads never wait for a
+        // swap's copy: one of the pool's blobs when it has two or more; with
+        // no host tier (no budget) one more besides the steps'.
+        let (step_blobs, swap_blob) = match cap.staging_blobs {
+            0 => (1, true),
+            1 => (1, false),
+            n => (n - 1, true),
+        };
+        let mut staging = Vec::with_capacity(step_blobs);
+        for _ in 0..step_blobs {
             staging.push((Pinned::new(gpu, used)?, ctx.new_event(None)?));
         }
+        let swap_staging = if swap_blob { Some(Pinned::new(gpu, used)?) } else { None };
         let slots = gpu.alloc_zeros::<u8>(cap.slots * stride)?;
         let ring = gpu.alloc_zeros::<u8>(cap.ring_slots * stride)?;
         let mut tables = Vec::with_capacity(layers);
@@ -473,6 +561,8 @@ impl GpuExpertCache {
             copy: ctx.new_stream()?,
             swap_copy: ctx.new_stream()?,
             swaps: Vec::new(),
+            swaps_sent: Vec::new(),
+            swap_staging,
             filler: None,
             copied: ctx.new_event(None)?,
             computed: [ctx.new_event(None)?, ctx.new_event(None)?],
@@ -669,10 +759,47 @@ impl GpuExpertCache {
         self.swap_copy.wait(&self.gpu.stream().record_event(None)?)?;
         #[cfg(feature = "test-hooks")]
         hold_swaps(&self.swap_copy)?;
+        let filler_slots = self.filler(pack)?.slots;
+        let (c, layout) = (pack.config(), pack.layout());
+        if trace_on() {
+            let sent = fills.slots.iter().filter(|f| f.from == Source::Pack && filler_slots).count();
+            eprintln!(
+                "strata: expert cache, swaps: {} slot fills ({sent} read by the filler thread)",
+                fills.slots.len()
+            );
+        }
         for f in &fills.slots {
-            self.copy_many_on(pack, &[(f.key, f.from, self.slot_addr(f.slot))], true)?;
+            let dst = self.slot_addr(f.slot);
+            if f.from == Source::Pack && filler_slots {
+                // Read and copied by the filler thread: `finish_host_fills` takes its report.
+                let offset = layout.blob_offset(c.num_experts, self.first_layer + f.key.layer, f.key.expert) as usize;
+                self.send_fill(FillJob::Slot { slot: f.slot, offset, len: self.used, dst })?;
+                self.swaps_sent.push(f.slot);
+                continue;
+            }
+            self.copy_many_on(pack, &[(f.key, f.from, dst)], true)?;
             let done = self.swap_copy.record_event(None)?;
             self.swaps.push((f.slot, done));
+        }
+        Ok(())
+    }
+
+    /// The filler thread, started by the first adaptive swap that needs it
+    /// (with the swap staging blob, when the cache has one).
+    fn filler(&mut self, pack: &Pack) -> Result<&HostFiller> {
+        if self.filler.is_none() {
+            let staging =
+                self.swap_staging.take().map(|blob| SwapStaging { stream: self.swap_copy.clone(), blob, last: None });
+            let file = pack.dir().join(crate::pack::format::EXPERTS_FILE);
+            self.filler = Some(HostFiller::start(file, staging)?);
+        }
+        Ok(self.filler.as_ref().expect("started above"))
+    }
+
+    fn send_fill(&self, job: FillJob) -> Result<()> {
+        let sent = self.filler.as_ref().and_then(|h| h.jobs.as_ref()).map(|j| j.send(job).is_ok());
+        if sent != Some(true) {
+            return Err(Error::Cuda("expert cache: the host-fill thread has stopped".into()));
         }
         Ok(())
     }
@@ -910,9 +1037,7 @@ impl GpuExpertCache {
         if fills.host.is_empty() {
             return Ok(());
         }
-        if self.filler.is_none() {
-            self.filler = Some(HostFiller::start(pack.dir().join(crate::pack::format::EXPERTS_FILE))?);
-        }
+        self.filler(pack)?;
         let (c, layout) = (pack.config(), pack.layout());
         #[cfg(feature = "test-hooks")]
         let hold_ms = SWAP_HOLD_MS.load(std::sync::atomic::Ordering::Relaxed);
@@ -930,33 +1055,61 @@ impl GpuExpertCache {
                 self.gpu.stream().record_event(blocking)?,
             ];
             let dst = FillDst(self.host.range_mut(f.host * self.stride, self.used).as_mut_ptr());
-            let job = FillJob { host: f.host, offset, len: self.used, dst, after, hold_ms };
-            let sent = self.filler.as_ref().and_then(|h| h.jobs.as_ref()).map(|j| j.send(job).is_ok());
-            if sent != Some(true) {
-                return Err(Error::Cuda("expert cache: the host-fill thread has stopped".into()));
-            }
+            self.send_fill(FillJob::Host { host: f.host, offset, len: self.used, dst, after, hold_ms })?;
         }
         Ok(())
     }
 
-    /// Host fills the filler thread has done make their buffers ready (no
-    /// wait); a failed one poisons the cache.
+    /// Takes the filler thread's reports without waiting: host fills done
+    /// make their buffers ready; slot fills queued join `swaps` (pending
+    /// until their copy completes, `finish_swaps`). A failed one poisons
+    /// the cache.
     fn finish_host_fills(&mut self) -> Result<()> {
-        let Some(f) = self.filler.as_ref() else { return Ok(()) };
         let mut r = Ok(());
-        loop {
-            match f.done.try_recv() {
-                Ok((host, Ok(()))) => self.planner.host_fill_done(host),
-                Ok((_, Err(why))) => r = Err(Error::Cuda(format!("expert cache: a host fill failed: {why}"))),
+        while let Some(f) = self.filler.as_ref() {
+            let done = match f.done.try_recv() {
+                Ok(done) => done,
                 Err(std::sync::mpsc::TryRecvError::Empty) => break,
                 Err(std::sync::mpsc::TryRecvError::Disconnected) => {
                     // The thread is gone (it never stops on its own): fills it had may never be done.
                     r = Err(Error::Cuda("expert cache: the host-fill thread has stopped".into()));
                     break;
                 }
+            };
+            if let Err(x) = self.take_fill_report(done) {
+                r = Err(x);
             }
         }
         self.poison_on(r)
+    }
+
+    fn take_fill_report(&mut self, done: FillDone) -> Result<()> {
+        match done {
+            FillDone::Host(host, Ok(())) => self.planner.host_fill_done(host),
+            FillDone::Host(_, Err(why)) => return Err(Error::Cuda(format!("expert cache: a host fill failed: {why}"))),
+            FillDone::Slot(slot, r) => {
+                self.swaps_sent.retain(|&s| s != slot);
+                let (start, end, copied) =
+                    r.map_err(|why| Error::Cuda(format!("expert cache: a swap's slot fill failed: {why}")))?;
+                self.copy_spans.push((start, end));
+                self.swaps.push((slot, copied));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits on the host until the filler thread has queued the copy into
+    /// `slot` (a step needs that expert now), taking its other reports on
+    /// the way.
+    fn await_sent_swap(&mut self, slot: usize) -> Result<()> {
+        while self.swaps_sent.contains(&slot) {
+            let done = match self.filler.as_ref().map(|f| f.done.recv()) {
+                Some(Ok(done)) => done,
+                _ => return Err(Error::Cuda("expert cache: the host-fill thread has stopped".into())),
+            };
+            self.take_fill_report(done)?;
+        }
+        Ok(())
     }
 
     /// A forward of `tokens` tokens starts: swaps whose copies are done
@@ -1065,6 +1218,9 @@ impl GpuExpertCache {
         // step's kernels wait for those copies (and no others).
         for &(_, place) in &plan.experts {
             if let Place::Slot { slot, ready: false } = place {
+                // (A copy the filler thread has yet to queue: until it has.)
+                let sent = self.await_sent_swap(slot);
+                self.poison_on(sent)?;
                 let waited = match self.swaps.iter().find(|(s, _)| *s == slot) {
                     Some((_, done)) => stream.wait(done).map_err(Error::from),
                     None => Err(Error::Cuda(format!("expert cache: slot {slot} is pending with no copy in flight"))),

@@ -163,9 +163,9 @@ fn cache_paths(_gpu: &Arc<Gpu>) -> Result<(), String> {
             // device for its copy alone (`swap_waits`), and copies read the
             // pack for an expert whose host buffer is still being filled. A
             // step that read a slot or a host buffer early would compute
-            // with the evicted expert's weights. (Not timed: a slot swap
-            // read from the pack may still hold the host up for a staging
-            // blob, docs/expert-cache.md.)
+            // with the evicted expert's weights. Slot swaps of experts in
+            // no host buffer are read and queued by the filler thread (the
+            // trace, STRATA_TRACE_FORWARD=1, counts them).
             (
                 "adaptive swaps held in flight, planned steps",
                 swaps_half_in_host,
