@@ -759,7 +759,8 @@ impl GpuExpertCache {
         self.swap_copy.wait(&self.gpu.stream().record_event(None)?)?;
         #[cfg(feature = "test-hooks")]
         hold_swaps(&self.swap_copy)?;
-        let filler_slots = self.filler(pack)?.slots;
+        // (The filler thread starts only for a swap it reads.)
+        let filler_slots = fills.slots.iter().any(|f| f.from == Source::Pack) && self.filler(pack)?.slots;
         let (c, layout) = (pack.config(), pack.layout());
         if trace_on() {
             let sent = fills.slots.iter().filter(|f| f.from == Source::Pack && filler_slots).count();
