@@ -38,8 +38,7 @@ pub struct ExpertCacheArgs {
     /// measured crossover; hot streamed experts are promoted into slots).
     #[arg(long, default_value_t = ExpertCacheOptions::default().ring_threshold)]
     ring_threshold: f64,
-    /// Page-locked staging blobs for reads of the mapped pack (each in the host budget; with 2 or more, one is
-    /// for adaptive swaps alone).
+    /// Page-locked staging blobs for reads of the mapped pack (each in the host budget).
     #[arg(long, default_value_t = 4)]
     pool_workers: usize,
     /// Tokens between adaptive swaps (0: never).

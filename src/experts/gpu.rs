@@ -29,17 +29,16 @@
 //!
 //! Adaptive swaps (both modes) copy on a stream of their own, after the
 //! steps queued before them, and read the pack on a thread of their own
-//! (`HostFiller`: into host buffers, and into its own staging blob for
-//! slot fills of experts in no host buffer); the planner keeps each
-//! swapped-in slot or host buffer pending until its copy is done
-//! (`finish_swaps`, `finish_host_fills`, at the start of a forward). A
-//! planned step that needs an expert still pending waits for that one copy
-//! on the device (`Place::Slot { ready: false }`; first on the host if the
-//! thread has yet to queue it), copies of an expert whose host buffer is
-//! pending read the pack, and a step's copies do not queue behind swap
-//! copies on one stream nor wait for a staging blob a swap holds. (The
-//! exception: a cache with one staging blob in all, `pool_workers` 1 with a
-//! host budget, reads swaps from the pack into it on the calling thread.)
+//! (`HostFiller`: into host buffers, and, for slot fills of experts in no
+//! host buffer, straight from its map of the pack, which the driver
+//! stages); the planner keeps each swapped-in slot or host buffer pending
+//! until its copy is done (`finish_swaps`, `finish_host_fills`, at the
+//! start of a forward). A planned step that needs an expert still pending
+//! waits for that one copy on the device (`Place::Slot { ready: false }`;
+//! first on the host if the thread has yet to queue it), copies of an
+//! expert whose host buffer is pending read the pack, and a step's copies
+//! neither queue behind swap copies on one stream nor wait for a staging
+//! blob: swaps use none.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -130,8 +129,7 @@ pub struct GpuExpertCache {
     ring_base: u64,
     table_addrs: Vec<u64>,
     host: Pinned,
-    /// The steps' staging blobs (a pool worker's each, but the one
-    /// `swap_staging` takes), and the event of each one's last copy.
+    /// One staging blob per pool worker, and the event of its last copy.
     staging: Vec<(Pinned, CudaEvent)>,
     next_staging: usize,
     copy: Arc<CudaStream>,
@@ -144,10 +142,6 @@ pub struct GpuExpertCache {
     /// Slot fills of adaptive swaps from the pack sent to the filler
     /// thread and not yet reported queued (pending in the planner too).
     swaps_sent: Vec<usize>,
-    /// The staging blob of the filler thread's slot fills, until it starts
-    /// (`None` when the cache has one staging blob in all: swaps from the
-    /// pack then share it with the steps).
-    swap_staging: Option<Pinned>,
     /// The thread that reads adaptive swaps from the pack (started by the
     /// first of them).
     filler: Option<HostFiller>,
@@ -252,9 +246,9 @@ enum FillJob {
         hold_ms: u64,
     },
     /// An adaptive swap's slot fill from the pack: `len` bytes at `offset`
-    /// read into the thread's own staging blob, then copied to the device
-    /// address `dst` on the swap stream (after what the cache queued there
-    /// before sending the job: the wait for the steps that read the slot).
+    /// copied from the thread's map to the device address `dst` on the swap
+    /// stream (after what the cache queued there before sending the job:
+    /// the wait for the steps that read the slot).
     Slot { slot: usize, offset: usize, len: usize, dst: u64 },
 }
 
@@ -266,54 +260,39 @@ enum FillDone {
     Slot(usize, std::result::Result<(CudaEvent, CudaEvent, CudaEvent), String>),
 }
 
-/// The filler thread's staging blob for slot fills, and the event after
-/// its last copy (the blob is rewritten only once that has completed).
-struct SwapStaging {
-    stream: Arc<CudaStream>,
-    blob: Pinned,
-    last: Option<CudaEvent>,
-}
-
-impl SwapStaging {
-    /// Reads `src` into the blob once its last copy is done, queues its copy
-    /// to `dst` on the swap stream: (start, end, done) events.
-    fn send(&mut self, src: &[u8], dst: u64) -> Result<(CudaEvent, CudaEvent, CudaEvent)> {
-        if let Some(prev) = self.last.take() {
-            prev.synchronize()?;
-        }
-        self.blob.range_mut(0, src.len()).copy_from_slice(src);
-        self.stream.context().bind_to_thread()?;
-        let start = self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-        // SAFETY: dst is a slot of at least src.len() bytes (the cache's `slot_addr`, alive until the cache
-        // has joined this thread and synchronized the swap stream); the blob is rewritten only after `last`.
-        unsafe { result::memcpy_htod_async(dst, self.blob.range(0, src.len()), self.stream.cu_stream()) }?;
-        let end = self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
-        let done = self.stream.record_event(None)?;
-        self.last = Some(self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?);
-        Ok((start, end, done))
-    }
+/// Queues on `stream` the copy of `src` (pageable: the mapped pack) to the
+/// device address `dst`: (start, end, done) events. The driver stages a
+/// pageable source itself: the call waits for the work queued on `stream`
+/// before it, and returns once `src` has been read (the filler thread's
+/// time, no one else's).
+fn copy_pageable(stream: &CudaStream, src: &[u8], dst: u64) -> Result<(CudaEvent, CudaEvent, CudaEvent)> {
+    stream.context().bind_to_thread()?;
+    let start = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    // SAFETY: dst is a slot of at least src.len() bytes (the cache's `slot_addr`, alive until the cache has
+    // joined the filler thread and synchronized the swap stream); src is the mapped pack, never rewritten.
+    unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }?;
+    let end = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    Ok((start, end, stream.record_event(None)?))
 }
 
 /// The thread that reads adaptive swaps from the pack, so the forward that
 /// triggers them returns at once: host fills (each filled buffer stays
 /// pending in the planner, copies of its expert read the pack, until
-/// `GpuExpertCache::finish_host_fills` sees it done) and, given a staging
-/// blob of its own, slot fills (read into that blob and copied on the swap
-/// stream; the slot stays pending until the copy is done). It maps the
-/// experts file itself (a pack is never rewritten), so it borrows nothing.
+/// `GpuExpertCache::finish_host_fills` sees it done) and slot fills (copied
+/// from its map of the pack on the swap stream, `copy_pageable`; the slot
+/// stays pending until the copy is done). It maps the experts file itself
+/// (a pack is never rewritten), so it borrows nothing.
 struct HostFiller {
     jobs: Option<std::sync::mpsc::Sender<FillJob>>,
     done: std::sync::mpsc::Receiver<FillDone>,
-    /// Whether it takes `FillJob::Slot` (it holds a staging blob).
-    slots: bool,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl HostFiller {
-    fn start(experts_file: std::path::PathBuf, mut staging: Option<SwapStaging>) -> Result<HostFiller> {
+    /// Starts the thread; `swap` is the stream of slot fills.
+    fn start(experts_file: std::path::PathBuf, swap: Arc<CudaStream>) -> Result<HostFiller> {
         let (jobs, rx) = std::sync::mpsc::channel::<FillJob>();
         let (tx, done) = std::sync::mpsc::channel();
-        let slots = staging.is_some();
         let thread = std::thread::Builder::new()
             .name("strata-host-fill".into())
             .spawn(move || {
@@ -345,12 +324,8 @@ impl HostFiller {
                             FillDone::Host(host, r)
                         }
                         FillJob::Slot { slot, offset, len, dst } => {
-                            let r = match staging.as_mut() {
-                                Some(st) => {
-                                    read(offset, len).and_then(|src| st.send(src, dst).map_err(|e| e.to_string()))
-                                }
-                                None => Err("a slot fill sent to a filler without staging".to_string()),
-                            };
+                            let r = read(offset, len)
+                                .and_then(|src| copy_pageable(&swap, src, dst).map_err(|e| e.to_string()));
                             FillDone::Slot(slot, r)
                         }
                     };
@@ -358,13 +333,9 @@ impl HostFiller {
                         break;
                     }
                 }
-                // The staging blob is freed with this thread: its last copy first.
-                if let Some(last) = staging.as_mut().and_then(|st| st.last.take()) {
-                    let _ = last.synchronize();
-                }
             })
             .map_err(|e| Error::Cuda(format!("expert cache: cannot start the host-fill thread: {e}")))?;
-        Ok(HostFiller { jobs: Some(jobs), done, slots, thread: Some(thread) })
+        Ok(HostFiller { jobs: Some(jobs), done, thread: Some(thread) })
     }
 }
 
@@ -521,20 +492,10 @@ impl GpuExpertCache {
         }
         let (layers, experts) = (layers.len(), c.num_experts);
         let ctx = gpu.context();
-        // Adaptive swaps from the pack read into a staging blob of their own
-        // (the filler thread's), so a step's pack reads never wait for a
-        // swap's copy: one of the pool's blobs when it has two or more; with
-        // no host tier (no budget) one more besides the steps'.
-        let (step_blobs, swap_blob) = match cap.staging_blobs {
-            0 => (1, true),
-            1 => (1, false),
-            n => (n - 1, true),
-        };
-        let mut staging = Vec::with_capacity(step_blobs);
-        for _ in 0..step_blobs {
+        let mut staging = Vec::with_capacity(cap.staging_blobs.max(1));
+        for _ in 0..cap.staging_blobs.max(1) {
             staging.push((Pinned::new(gpu, used)?, ctx.new_event(None)?));
         }
-        let swap_staging = if swap_blob { Some(Pinned::new(gpu, used)?) } else { None };
         let slots = gpu.alloc_zeros::<u8>(cap.slots * stride)?;
         let ring = gpu.alloc_zeros::<u8>(cap.ring_slots * stride)?;
         let mut tables = Vec::with_capacity(layers);
@@ -562,7 +523,6 @@ impl GpuExpertCache {
             swap_copy: ctx.new_stream()?,
             swaps: Vec::new(),
             swaps_sent: Vec::new(),
-            swap_staging,
             filler: None,
             copied: ctx.new_event(None)?,
             computed: [ctx.new_event(None)?, ctx.new_event(None)?],
@@ -759,11 +719,9 @@ impl GpuExpertCache {
         self.swap_copy.wait(&self.gpu.stream().record_event(None)?)?;
         #[cfg(feature = "test-hooks")]
         hold_swaps(&self.swap_copy)?;
-        // (The filler thread starts only for a swap it reads.)
-        let filler_slots = fills.slots.iter().any(|f| f.from == Source::Pack) && self.filler(pack)?.slots;
         let (c, layout) = (pack.config(), pack.layout());
         if trace_on() {
-            let sent = fills.slots.iter().filter(|f| f.from == Source::Pack && filler_slots).count();
+            let sent = fills.slots.iter().filter(|f| f.from == Source::Pack).count();
             eprintln!(
                 "strata: expert cache, swaps: {} slot fills ({sent} read by the filler thread)",
                 fills.slots.len()
@@ -771,8 +729,9 @@ impl GpuExpertCache {
         }
         for f in &fills.slots {
             let dst = self.slot_addr(f.slot);
-            if f.from == Source::Pack && filler_slots {
+            if f.from == Source::Pack {
                 // Read and copied by the filler thread: `finish_host_fills` takes its report.
+                self.filler(pack)?;
                 let offset = layout.blob_offset(c.num_experts, self.first_layer + f.key.layer, f.key.expert) as usize;
                 self.send_fill(FillJob::Slot { slot: f.slot, offset, len: self.used, dst })?;
                 self.swaps_sent.push(f.slot);
@@ -785,14 +744,11 @@ impl GpuExpertCache {
         Ok(())
     }
 
-    /// The filler thread, started by the first adaptive swap that needs it
-    /// (with the swap staging blob, when the cache has one).
+    /// The filler thread, started by the first adaptive swap it reads.
     fn filler(&mut self, pack: &Pack) -> Result<&HostFiller> {
         if self.filler.is_none() {
-            let staging =
-                self.swap_staging.take().map(|blob| SwapStaging { stream: self.swap_copy.clone(), blob, last: None });
             let file = pack.dir().join(crate::pack::format::EXPERTS_FILE);
-            self.filler = Some(HostFiller::start(file, staging)?);
+            self.filler = Some(HostFiller::start(file, self.swap_copy.clone())?);
         }
         Ok(self.filler.as_ref().expect("started above"))
     }

@@ -75,8 +75,7 @@ pub struct ExpertCacheOptions {
     pub host_budget: Option<u64>,
     /// Page-locked staging blobs for reads of the mapped pack, each held
     /// in the host budget: a batch of up to this many blobs is read at
-    /// once (GPU: in pieces on the thread pool), then sent. GPU: with two
-    /// or more, one is for adaptive swaps alone (docs/expert-cache.md).
+    /// once (GPU: in pieces on the thread pool), then sent.
     pub pool_workers: usize,
     /// Adaptive swaps every this many tokens (0: never; streamed steps
     /// still promote, `adapt_swaps`).
