@@ -540,7 +540,7 @@ impl GpuExpertCache {
             mapped: None,
         };
         // The placement is complete before the first step: no slot pending.
-        let placed = cache.apply_fills(pack, &fills, false);
+        let placed = cache.apply_fills(pack, &fills);
         cache.poison_on(placed)?;
         // The placement's copies are timed here, at load, with its bytes (not in the first forward's).
         cache.copy.synchronize()?;
@@ -727,19 +727,30 @@ impl GpuExpertCache {
                 fills.slots.len()
             );
         }
+        // The copies from host buffers, queued here, are one timed run (`copy_spans`).
+        let mut run_start = None;
         for f in &fills.slots {
             let dst = self.slot_addr(f.slot);
-            if f.from == Source::Pack {
-                // Read and copied by the filler thread: `finish_host_fills` takes its report.
-                self.filler(pack)?;
-                let offset = layout.blob_offset(c.num_experts, self.first_layer + f.key.layer, f.key.expert) as usize;
-                self.send_fill(FillJob::Slot { slot: f.slot, offset, len: self.used, dst })?;
-                self.swaps_sent.push(f.slot);
-                continue;
+            match f.from {
+                Source::Pack => {
+                    // Read and copied by the filler thread: `finish_host_fills` takes its report.
+                    self.filler(pack)?;
+                    let (l, e) = (self.first_layer + f.key.layer, f.key.expert);
+                    let offset = layout.blob_offset(c.num_experts, l, e) as usize;
+                    self.send_fill(FillJob::Slot { slot: f.slot, offset, len: self.used, dst })?;
+                    self.swaps_sent.push(f.slot);
+                }
+                Source::Host(h) => {
+                    if run_start.is_none() {
+                        run_start = Some(timing_event(&self.gpu, &self.swap_copy)?);
+                    }
+                    self.copy_from_host(h, dst, &self.swap_copy)?;
+                    self.swaps.push((f.slot, self.swap_copy.record_event(None)?));
+                }
             }
-            self.copy_many_on(pack, &[(f.key, f.from, dst)], true)?;
-            let done = self.swap_copy.record_event(None)?;
-            self.swaps.push((f.slot, done));
+        }
+        if let Some(start) = run_start {
+            self.copy_spans.push((start, timing_event(&self.gpu, &self.swap_copy)?));
         }
         Ok(())
     }
@@ -829,13 +840,7 @@ impl GpuExpertCache {
     /// batch at a time (waiting for each blob's previous copy), the batch's
     /// reads in `READ_PIECE` pieces in parallel on the pool, then sent.
     fn copy_many(&mut self, pack: &Pack, items: &[(ExpertKey, Source, u64)]) -> Result<()> {
-        self.copy_many_on(pack, items, false)
-    }
-
-    /// `copy_many` on the copy stream, or on the swap stream (`swap`).
-    fn copy_many_on(&mut self, pack: &Pack, items: &[(ExpertKey, Source, u64)], swap: bool) -> Result<()> {
         use rayon::prelude::*;
-        let on = if swap { self.swap_copy.clone() } else { self.copy.clone() };
         let mut from_pack = Vec::new();
         let mut from_host = Vec::new();
         for &(key, from, dst) in items {
@@ -846,13 +851,13 @@ impl GpuExpertCache {
         }
         // Each run of copies queued together is timed (`copy_spans`).
         if !from_host.is_empty() {
-            let start = timing_event(&self.gpu, &on)?;
+            let start = timing_event(&self.gpu, &self.copy)?;
             for &(h, dst) in &from_host {
-                self.copy_from_host(h, dst, &on)?;
+                self.copy_from_host(h, dst, &self.copy)?;
             }
-            self.copy_spans.push((start, timing_event(&self.gpu, &on)?));
+            self.copy_spans.push((start, timing_event(&self.gpu, &self.copy)?));
         }
-        let (n, used, stream) = (self.staging.len(), self.used, on.cu_stream());
+        let (n, used, stream) = (self.staging.len(), self.used, self.copy.cu_stream());
         for batch in from_pack.chunks(n) {
             let first = self.next_staging;
             self.next_staging = (first + batch.len()) % n;
@@ -875,14 +880,14 @@ impl GpuExpertCache {
                 .collect();
             pieces.into_par_iter().for_each(|(dst, src)| dst.copy_from_slice(src));
             // (Its run starts after its host reads: link time only.)
-            let start = timing_event(&self.gpu, &on)?;
+            let start = timing_event(&self.gpu, &self.copy)?;
             for (staging, &(_, dst)) in picked.iter_mut().zip(batch) {
                 // SAFETY: dst is a slot or ring slot of `used` bytes (addresses from this cache's allocations);
                 // the staging blob is rewritten only after `done` (recorded below) has completed.
                 unsafe { result::memcpy_htod_async(dst, staging.0.range(0, used), stream) }?;
-                staging.1.record(&on)?;
+                staging.1.record(&self.copy)?;
             }
-            self.copy_spans.push((start, timing_event(&self.gpu, &on)?));
+            self.copy_spans.push((start, timing_event(&self.gpu, &self.copy)?));
         }
         Ok(())
     }
@@ -941,15 +946,10 @@ impl GpuExpertCache {
         }
     }
 
-    /// Carries out copies planned off the critical path: host fills, then
-    /// slot fills. `swap` (adaptive swaps): the slot fills are queued on
-    /// the swap stream and stay pending (`queue_swaps`); else (the initial
-    /// placement) the compute stream waits for them before its next kernel.
-    fn apply_fills(&mut self, pack: &Pack, fills: &Fills, swap: bool) -> Result<()> {
-        if swap {
-            self.queue_host_fills(pack, fills)?;
-            return self.queue_swaps(pack, fills);
-        }
+    /// Carries out the initial placement: host fills, then slot fills, which
+    /// the compute stream waits for before its next kernel. (Adaptive
+    /// swaps: `queue_host_fills`, `queue_swaps`.)
+    fn apply_fills(&mut self, pack: &Pack, fills: &Fills) -> Result<()> {
         self.apply_host_fills(pack, fills)?;
         if !fills.slots.is_empty() {
             // The slots' last readers and writers on the compute stream (a
@@ -1104,7 +1104,7 @@ impl GpuExpertCache {
         let r = if self.mapped.is_some() {
             self.apply_mapped_swaps(pack, &fills)
         } else {
-            self.apply_fills(pack, &fills, true)
+            self.queue_host_fills(pack, &fills).and_then(|()| self.queue_swaps(pack, &fills))
         };
         self.poison_on(r)
     }
