@@ -47,6 +47,9 @@ pub const TESTS: &[GpuTest] = &[
     ("dense_first_nonfinite_guard", first_nonfinite_guard),
     ("dense_argmax_ties_lowest_index", argmax_ties_lowest_index),
     ("dense_timing", timing),
+    ("dense_gemv_prefetch_matches", gemv_prefetch_matches),
+    ("dense_gemv_prefetch_chain_timing", gemv_prefetch_chain_timing),
+    ("dense_gemv_flagged_chain", gemv_flagged_chain),
 ];
 
 /// Random weights `[n, k]` as bf16 and their exact f32 values.
@@ -849,6 +852,268 @@ fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
     );
     if gpu.download(&out).map_err(e)?.iter().any(|v| !v.is_finite()) {
         return Err("GEMM timing: non-finite output".into());
+    }
+    Ok(())
+}
+
+/// `dense::gemv_prefetch` (the weights fetched into shared memory before the
+/// programmatic wait) against the CPU (1e-5, as the GEMVs): shapes with one
+/// and several ring refills, a last stage of fewer rows, a last block of
+/// fewer rows, Store and Add; bad shapes rejected.
+fn gemv_prefetch_matches(gpu: &Arc<Gpu>) -> Result<(), String> {
+    if gpu.compute_capability().0 < 9 {
+        println!("    gemv_prefetch needs sm_90");
+        return Ok(());
+    }
+    for (i, (n, k)) in [(4096, 2048), (2048, 4096), (5120, 2048), (128, 2048), (1001, 2048), (333, 8192), (7, 4096)]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 900 + 10 * i as u64;
+        let (w, m) = bf16_weights(seed, n, k, 0.5);
+        let x = rand_f32(seed + 1, k, 1.0);
+        let base = rand_f32(seed + 2, n, 1.0);
+        let mut want = vec![0.0f32; n];
+        ops::matmul(&x, &m, &mut want);
+        let wd = gpu.upload(&w).map_err(e)?;
+        let xd = gpu.upload(&x).map_err(e)?;
+        let mut out = poisoned(gpu, n)?;
+        dense::gemv_prefetch(gpu, &xd, &wd, n, k, &mut out, Write::Store, None).map_err(e)?;
+        check_close(&format!("gemv_prefetch [{n}, {k}]"), &gpu.download(&out).map_err(e)?, &want, 1e-5)?;
+        let mut out = gpu.upload(&base).map_err(e)?;
+        dense::gemv_prefetch(gpu, &xd, &wd, n, k, &mut out, Write::Add, None).map_err(e)?;
+        let want_add: Vec<f32> = base.iter().zip(&want).map(|(b, w)| b + w).collect();
+        check_close(&format!("gemv_prefetch [{n}, {k}] added"), &gpu.download(&out).map_err(e)?, &want_add, 1e-5)?;
+    }
+    for k in [1024, 6144] {
+        let (w, _) = bf16_weights(1, 64, k, 0.5);
+        let (wd, xd) = (gpu.upload(&w).map_err(e)?, gpu.upload(&rand_f32(2, k, 1.0)).map_err(e)?);
+        let mut out = poisoned(gpu, 64)?;
+        if dense::gemv_prefetch(gpu, &xd, &wd, 64, k, &mut out, Write::Store, None).is_ok() {
+            return Err(format!("gemv_prefetch took K = {k} (its stages need K 2048, 4096 or 8192)"));
+        }
+    }
+    let n = 41 * gpu.sm_count() as usize;
+    let (wd, xd) = (gpu.alloc_zeros::<bf16>(n * 2048).map_err(e)?, gpu.upload(&rand_f32(3, 2048, 1.0)).map_err(e)?);
+    let mut out = poisoned(gpu, n)?;
+    if dense::gemv_prefetch(gpu, &xd, &wd, n, 2048, &mut out, Write::Store, None).is_ok() {
+        return Err(format!("gemv_prefetch took N = {n}: 41 rows a block, past its 40"));
+    }
+    Ok(())
+}
+
+/// Chains of 48 one-row GEMVs (`y_{m+1} = W_m y_m`, each captured in a CUDA
+/// graph of programmatic launches): `dense::gemv` against
+/// `dense::gemv_prefetch`, and the two alternating, per GEMV against the
+/// bytes' floor at the measured HBM bandwidth. Medians of 5 x 5 replays.
+fn gemv_prefetch_chain_timing(gpu: &Arc<Gpu>) -> Result<(), String> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    if gpu.compute_capability().0 < 9 {
+        println!("    gemv_prefetch needs sm_90");
+        return Ok(());
+    }
+    let hbm = strata::backend::cuda::ceilings::hbm_bandwidth(gpu).map_err(e)?;
+    let (mut ya, mut yb) = (gpu.upload(&rand_f32(8, 8192, 1.0)).map_err(e)?, poisoned(gpu, 8192)?);
+    let shapes: [(&str, [(usize, usize); 2]); 3] = [
+        ("[4096, 2048] / [2048, 4096] (16.8 MB)", [(4096, 2048), (2048, 4096)]),
+        ("[5120, 2048] / [2048, 4096] (q/k/v, o_proj)", [(5120, 2048), (2048, 4096)]),
+        ("[2048, 2048] / [2048, 2048] (8.4 MB)", [(2048, 2048), (2048, 2048)]),
+    ];
+    for (name, pair) in shapes {
+        let mats: Vec<(CudaSlice<bf16>, usize, usize)> = (0..48)
+            .map(|m| {
+                let (n, k) = pair[m % 2];
+                let mut w = gpu.alloc_zeros::<bf16>(n * k).map_err(e)?;
+                gpu.fill_uniform_bf16(&mut w, 70 + m as u64).map_err(e)?;
+                Ok((w, n, k))
+            })
+            .collect::<Result<_, String>>()?;
+        let bytes: usize = mats.iter().map(|(_, n, k)| 2 * n * k).sum();
+        let floor = bytes as f64 / hbm / 48.0;
+        let mut line = format!("     48 GEMVs {name}: floor {:.2} us a GEMV", floor * 1e6);
+        // 0: every GEMV `gemv`; 1: every GEMV prefetching; 2: the odd ones
+        // (after a `gemv`, whose blocks fill the registers) prefetching.
+        let sms = gpu.sm_count() as usize;
+        let mut traces: Vec<CudaSlice<u64>> =
+            (0..48).map(|_| gpu.alloc_zeros::<u64>(6 * sms)).collect::<Result<_, _>>().map_err(e)?;
+        let mut timeline = String::new();
+        for mode in 0..4 {
+            // Mode 3: mode 1 again, each block's times recorded (the timeline below).
+            let traced = mode == 3;
+            let stream = gpu.stream().clone();
+            gpu.sync().map_err(e)?;
+            stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(e)?;
+            let captured = (|| -> Result<(), String> {
+                for ((m, (w, n, k)), tr) in mats.iter().enumerate().zip(traces.iter_mut()) {
+                    let (x, out) = if m % 2 == 0 { (&ya, &mut yb) } else { (&yb, &mut ya) };
+                    if mode == 1 || mode == 3 || (mode == 2 && m % 2 == 1) {
+                        let tr = traced.then_some(tr);
+                        dense::gemv_prefetch(gpu, x, w, *n, *k, out, Write::Store, tr).map_err(e)?;
+                    } else {
+                        dense::gemv(gpu, x, w, 1, *n, *k, out, Write::Store).map_err(e)?;
+                    }
+                }
+                Ok(())
+            })();
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(e)?;
+            captured?;
+            let graph = graph.ok_or("the capture gave no graph")?;
+            graph.launch().map_err(e)?;
+            gpu.sync().map_err(e)?;
+            let mut v = Vec::new();
+            for _ in 0..5 {
+                let t = Instant::now();
+                for _ in 0..5 {
+                    graph.launch().map_err(e)?;
+                }
+                gpu.sync().map_err(e)?;
+                v.push(t.elapsed().as_secs_f64() / 5.0 / 48.0);
+            }
+            v.sort_by(f64::total_cmp);
+            if traced {
+                // GEMVs 20..24 of the last replay: each block's start, return
+                // from the wait and end, as min-max ranges in us from GEMV
+                // 20's first start (a block of GEMV m + 1 that starts before
+                // GEMV m's blocks end sits beside them).
+                let t: Vec<Vec<u64>> =
+                    traces[20..24].iter().map(|tr| gpu.download(tr)).collect::<Result<_, _>>().map_err(e)?;
+                let t0 = t[0].chunks(6).map(|b| b[0]).filter(|&v| v != 0).min().unwrap_or(0);
+                for (i, tr) in t.iter().enumerate() {
+                    let blocks: Vec<&[u64]> = tr.chunks(6).filter(|b| b[0] != 0).collect();
+                    let range = |j: usize| {
+                        let lo = blocks.iter().map(|b| b[j]).min().unwrap_or(0).saturating_sub(t0);
+                        let hi = blocks.iter().map(|b| b[j]).max().unwrap_or(0).saturating_sub(t0);
+                        format!("{:.2}-{:.2}", lo as f64 / 1e3, hi as f64 / 1e3)
+                    };
+                    timeline += &format!(
+                        "\n       GEMV {} ({} blocks): start {}, wait returned {}, first stage {}, products {}, barrier {}, \
+                         end {} us",
+                        20 + i,
+                        blocks.len(),
+                        range(0),
+                        range(1),
+                        range(2),
+                        range(3),
+                        range(4),
+                        range(5)
+                    );
+                }
+                continue;
+            }
+            line += &format!(
+                "; {} {:.2} us ({:.2}x)",
+                ["gemv", "prefetching", "alternating"][mode],
+                v[2] * 1e6,
+                v[2] / floor
+            );
+        }
+        // One GEMV alone (the device idle before it): its own latencies.
+        gpu.sync().map_err(e)?;
+        let (w, n, k) = &mats[0];
+        dense::gemv_prefetch(gpu, &ya, w, *n, *k, &mut yb, Write::Store, Some(&mut traces[0])).map_err(e)?;
+        let t = gpu.download(&traces[0]).map_err(e)?;
+        let blocks: Vec<&[u64]> = t.chunks(6).filter(|b| b[0] != 0).collect();
+        let t0 = blocks.iter().map(|b| b[0]).min().unwrap_or(0);
+        let range = |j: usize| {
+            let lo = blocks.iter().map(|b| b[j]).min().unwrap_or(0).saturating_sub(t0);
+            let hi = blocks.iter().map(|b| b[j]).max().unwrap_or(0).saturating_sub(t0);
+            format!("{:.2}-{:.2}", lo as f64 / 1e3, hi as f64 / 1e3)
+        };
+        timeline += &format!(
+            "\n       alone [{n}, {k}]: start {}, wait returned {}, first stage {}, products {}, barrier {}, end {} us",
+            range(0),
+            range(1),
+            range(2),
+            range(3),
+            range(4),
+            range(5)
+        );
+        println!("{line}{timeline}");
+    }
+    Ok(())
+}
+
+/// Chains of 48 one-row GEMVs captured in a CUDA graph: `dense::gemv`
+/// (programmatic launches, each waiting for its predecessor's grid) against
+/// `dense::gemv_flagged` (each waiting for its predecessor's blocks to have
+/// counted themselves; the counts zeroed by a memset at the graph's start).
+/// The flagged chain's result against the plain one's (1e-5: the same sums),
+/// then the times per GEMV against the bytes' floor. Medians of 5 x 5 replays.
+fn gemv_flagged_chain(gpu: &Arc<Gpu>) -> Result<(), String> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    if gpu.compute_capability().0 < 7 {
+        println!("    skipped below sm_70");
+        return Ok(());
+    }
+    let hbm = strata::backend::cuda::ceilings::hbm_bandwidth(gpu).map_err(e)?;
+    let x0 = rand_f32(8, 8192, 1.0);
+    for (name, pair) in [
+        ("[4096, 2048] / [2048, 4096] (16.8 MB)", [(4096usize, 2048usize), (2048, 4096)]),
+        ("[5120, 2048] / [2048, 4096] (q/k/v, o_proj)", [(5120, 2048), (2048, 4096)]),
+        ("[2048, 2048] (8.4 MB)", [(2048, 2048), (2048, 2048)]),
+        ("[512, 2048] / [2048, 512] (2.1 MB)", [(512, 2048), (2048, 512)]),
+    ] {
+        let mats: Vec<(CudaSlice<bf16>, usize, usize)> = (0..48)
+            .map(|m| {
+                let (n, k) = pair[m % 2];
+                // Uniform +-sqrt(3 / k) keeps |y| about the same along the chain.
+                let scale = (3.0f32 / k as f32).sqrt();
+                let w: Vec<bf16> = rand_f32(300 + m as u64, n * k, scale).into_iter().map(bf16::from_f32).collect();
+                Ok((gpu.upload(&w).map_err(e)?, n, k))
+            })
+            .collect::<Result<_, String>>()?;
+        let bytes: usize = mats.iter().map(|(_, n, k)| 2 * n * k).sum();
+        let floor = bytes as f64 / hbm / 48.0;
+        let mut counts = gpu.alloc_zeros::<u32>(48).map_err(e)?;
+        let mut results = Vec::new();
+        let mut line = format!("     48 GEMVs {name}: floor {:.2} us a GEMV", floor * 1e6);
+        for flagged in [false, true] {
+            let (mut ya, mut yb) = (gpu.upload(&x0).map_err(e)?, poisoned(gpu, 8192)?);
+            let stream = gpu.stream().clone();
+            gpu.sync().map_err(e)?;
+            stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(e)?;
+            let captured = (|| -> Result<(), String> {
+                if flagged {
+                    stream.memset_zeros(&mut counts).map_err(e)?;
+                }
+                let mut prev: Option<u32> = None;
+                for (m, (w, n, k)) in mats.iter().enumerate() {
+                    let (x, out) = if m % 2 == 0 { (&ya, &mut yb) } else { (&yb, &mut ya) };
+                    if flagged {
+                        let wait = prev.map(|blocks| (m - 1, blocks));
+                        prev = Some(dense::gemv_flagged(gpu, x, w, *n, *k, out, &mut counts, wait, m).map_err(e)?);
+                    } else {
+                        dense::gemv(gpu, x, w, 1, *n, *k, out, Write::Store).map_err(e)?;
+                    }
+                }
+                Ok(())
+            })();
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(e)?;
+            captured?;
+            let graph = graph.ok_or("the capture gave no graph")?;
+            // Reset the input, run once, keep the result.
+            stream.memcpy_htod(&x0, &mut ya).map_err(e)?;
+            graph.launch().map_err(e)?;
+            gpu.sync().map_err(e)?;
+            results.push(gpu.download(&ya).map_err(e)?[..pair[0].1].to_vec());
+            let mut v = Vec::new();
+            for _ in 0..5 {
+                let t = Instant::now();
+                for _ in 0..5 {
+                    graph.launch().map_err(e)?;
+                }
+                gpu.sync().map_err(e)?;
+                v.push(t.elapsed().as_secs_f64() / 5.0 / 48.0);
+            }
+            v.sort_by(f64::total_cmp);
+            line +=
+                &format!("; {} {:.2} us ({:.2}x)", if flagged { "flagged" } else { "gemv" }, v[2] * 1e6, v[2] / floor);
+        }
+        check_close(&format!("flagged chain {name}"), &results[1], &results[0], 1e-5)?;
+        if results[0].iter().fold(0.0f32, |m, v| m.max(v.abs())) < 1e-3 {
+            return Err(format!("{name}: the chain's output vanished: the check cannot tell"));
+        }
+        println!("{line}");
     }
     Ok(())
 }

@@ -264,6 +264,125 @@ pub fn gemv(
     Ok(())
 }
 
+/// `out [1, N] (+)= x [1, K] * W^T` by `dense_gemv_t1_flag` (experiment):
+/// `dense_gemv_t1` whose blocks wait until `counts[wait.0] >= wait.1` (the
+/// blocks of the kernel that wrote x, counted) instead of the programmatic
+/// wait, and count themselves in `counts[done]` when their rows are stored.
+/// Returns the number of blocks (what a reader of `out` waits for).
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_flagged(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<bf16>,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+    counts: &mut CudaSlice<u32>,
+    wait: Option<(usize, u32)>,
+    done: usize,
+) -> Result<u32> {
+    check_matmul(x, w, 1, n, k, out)?;
+    if k % 8 != 0 {
+        return Err(invalid(format!("gemv_flagged: K = {k}, a multiple of 8")));
+    }
+    need("gemv_flagged: counts", counts.len(), done.max(wait.map_or(0, |w| w.0)) + 1)?;
+    let ks = gemv_ksplit(n, k, gpu.sm_count() as usize);
+    let rows_per_block = GEMV_WARPS / ks * GEMV_ROWS_PER_GROUP;
+    let blocks = n.div_ceil(rows_per_block);
+    let f = gpu.function("dense_gemv_t1_flag")?;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let base = {
+        let (p, _sync) = counts.device_ptr_mut(gpu.stream());
+        p
+    };
+    let mut a = KernelArgs::new();
+    a.buf(gpu, x).buf(gpu, w).buf_mut(gpu, out).val(n as i32).val(k as i32).val(ks as i32).val(0i32);
+    match wait {
+        Some((i, target)) => a.val(base + 4 * i as u64).val(target),
+        None => a.val(0u64).val(0u32),
+    };
+    a.val(base + 4 * done as u64);
+    // SAFETY: dense_gemv_t1_flag(const float* x [K], const bf16* w [N,K], float* out [N], int N, int K, int ksplit,
+    // int accumulate, const u32* wait (null or one count), u32 target, u32* done (one count)); lengths and the
+    // counts' indices checked above. Its blocks read x only after *wait >= target (with no wait, x is written by
+    // no kernel it may overlap); the caller makes `target` the writer's block count and zeroes the counts before
+    // the kernels run.
+    unsafe { gpu.launch(&f, cfg, &mut a) }?;
+    Ok(blocks as u32)
+}
+
+/// Bytes of `dense_gemv_pf`'s shared-memory ring (DENSE_PF_STAGES x DENSE_PF_CHUNK).
+const GEMV_PF_RING: usize = 6 * 16384;
+/// Rows of W a `dense_gemv_pf` block may own (DENSE_PF_MAX_ROWS).
+const GEMV_PF_MAX_ROWS: usize = 40;
+
+/// `out [1, N] (+)= x [1, K] * W^T` by `dense_gemv_pf` (sm_90+, K 2048,
+/// 4096 or 8192; experiment): one block per SM at most, each
+/// fetching its contiguous rows of W into a 96 KB shared-memory ring with
+/// the bulk-copy unit before its programmatic wait, small enough to sit
+/// beside the previous kernel's block. The sums run in another order than
+/// `gemv`'s (equal up to f32 rounding).
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_prefetch(
+    gpu: &Gpu,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<bf16>,
+    n: usize,
+    k: usize,
+    out: &mut CudaSlice<f32>,
+    write: Write,
+    trace: Option<&mut CudaSlice<u64>>,
+) -> Result<()> {
+    check_matmul(x, w, 1, n, k, out)?;
+    if gpu.compute_capability().0 < 9 {
+        return Err(invalid("gemv_prefetch: needs sm_90 (bulk copies, programmatic launch)".to_string()));
+    }
+    if ![2048, 4096, 8192].contains(&k) {
+        return Err(invalid(format!("gemv_prefetch: K = {k}, not 2048, 4096 or 8192")));
+    }
+    let rows_per_block = n.div_ceil(gpu.sm_count() as usize);
+    if rows_per_block > GEMV_PF_MAX_ROWS {
+        return Err(invalid(format!(
+            "gemv_prefetch: N = {n} needs {rows_per_block} rows a block on {} SMs, at most {GEMV_PF_MAX_ROWS}",
+            gpu.sm_count()
+        )));
+    }
+    let grid = n.div_ceil(rows_per_block);
+    if let Some(t) = &trace {
+        need("gemv_prefetch: trace", t.len(), 6 * grid)?;
+    }
+    let f = gpu.function("dense_gemv_pf")?;
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        GEMV_PF_RING as i32,
+    )?;
+    // The largest carveout, so two blocks (this and the next kernel's) fit an SM.
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        100,
+    )?;
+    let cfg =
+        LaunchConfig { grid_dim: (grid as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: GEMV_PF_RING as u32 };
+    let mut a = KernelArgs::new();
+    a.buf(gpu, x).buf(gpu, w).buf_mut(gpu, out).val(n as i32).val(k as i32).val(rows_per_block as i32);
+    a.val((write == Write::Add) as i32);
+    match trace {
+        Some(t) => a.buf_mut(gpu, t),
+        None => a.val(0u64),
+    };
+    // SAFETY: dense_gemv_pf(const float* x [K], const bf16* w [N,K], float* out [N], int N, int K,
+    // int rows_per_block, int accumulate, u64* trace (null or [6 grid]: each block's times: start, wait, x,
+    // products, barrier, end)); lengths checked above; rows_per_block <= DENSE_PF_MAX_ROWS; K is 2048, 4096 or 8192 (its stage
+    // map); every block owns at least one row (grid = ceil(N / rows_per_block)); only W is read before
+    // strata_pdl_wait; the ring is the dynamic shared memory set above.
+    unsafe { gpu.launch(&f, cfg, &mut a) }?;
+    Ok(())
+}
+
 /// The RMSNorm a projection of a decode row applies to its input
 /// (`gemv_rmsnorm`): `rmsnorm(x, w, eps)`, and optionally the non-finite
 /// guard of x (`check`: flags and slot, as `rmsnorm_checked`).
