@@ -75,41 +75,11 @@ struct DenseNormIn {
     float* normed;
 };
 
-// The experiment of dense_gemv_t1_flag (`dense::gemv_flagged`): the wait for
-// the previous kernel's x is a count of its blocks that have finished
-// (wait: spin until *count >= target, acquire) instead of the programmatic
-// wait for its whole grid; each block then counts itself in done (release).
-struct DenseFlags {
-    const unsigned int* wait;
-    unsigned int target;
-    unsigned int* done;
-};
-
-static __device__ __forceinline__ void dense_flag_wait(const DenseFlags& f) {
-    if (threadIdx.x == 0) {
-        unsigned int v;
-        for (;;) {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(f.wait) : "memory");
-            if (v >= f.target) break;
-            __nanosleep(20);
-        }
-    }
-    __syncthreads();
-}
-
-static __device__ __forceinline__ void dense_flag_done(const DenseFlags& f) {
-    __syncthreads();  // every thread's stores of this block are issued
-    if (threadIdx.x == 0) {
-        __threadfence();
-        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(f.done) : "memory");
-    }
-}
-
-template <int T, int ROWS, int UNROLL, bool NORM, bool FLAG = false>
+template <int T, int ROWS, int UNROLL, bool NORM>
 static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__ x,
                                                        const __nv_bfloat16* __restrict__ w,
                                                        float* __restrict__ out, int N, int K, int ksplit,
-                                                       int accumulate, DenseNormIn nin, DenseFlags fl = {}) {
+                                                       int accumulate, DenseNormIn nin) {
     static_assert(!NORM || T == 1, "the fused norm is for one row");
     __shared__ float red[DENSE_GEMV_WARPS][ROWS * T];
     __shared__ float norm_scratch[32];
@@ -142,11 +112,7 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
             for (int r = 0; r < ROWS; ++r) asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow[r] + v));
         }
     }
-    if (FLAG) {
-        if (fl.wait != nullptr) dense_flag_wait(fl);
-    } else {
-        strata_pdl_wait();
-    }
+    strata_pdl_wait();
     const float4* x4 = reinterpret_cast<const float4*>(x);
     const int xstride4 = K >> 2;
     const int v_first = part * 32 + lane, v_step = ksplit * 32;
@@ -194,11 +160,8 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
     auto step = [&](int v, const uint4(&wv)[ROWS]) {
 #pragma unroll
         for (int t = 0; t < T; ++t) {
-            // (FLAG: through L2, not the non-coherent path: this SM may hold
-            // lines of x from a kernel before the one that wrote it.)
-            float4 xa = FLAG ? __ldcg(x4 + (long long)t * xstride4 + 2 * v) : __ldg(x4 + (long long)t * xstride4 + 2 * v);
-            float4 xb = FLAG ? __ldcg(x4 + (long long)t * xstride4 + 2 * v + 1)
-                             : __ldg(x4 + (long long)t * xstride4 + 2 * v + 1);
+            float4 xa = __ldg(x4 + (long long)t * xstride4 + 2 * v);
+            float4 xb = __ldg(x4 + (long long)t * xstride4 + 2 * v + 1);
             if (NORM) {
                 const float4 ga = __ldg(reinterpret_cast<const float4*>(nin.g) + 2 * v);
                 const float4 gb = __ldg(reinterpret_cast<const float4*>(nin.g) + 2 * v + 1);
@@ -253,7 +216,6 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
             *o = accumulate ? __fadd_rn(*o, s) : s;
         }
     }
-    if (FLAG) dense_flag_done(fl);
 }
 
 // Four rows of W per warp group (GEMV_ROWS_PER_GROUP in dense.rs). T <= 2:
@@ -275,15 +237,6 @@ DENSE_GEMV_KERNEL(6, 4, 1, 2)
 DENSE_GEMV_KERNEL(7, 4, 1, 2)
 DENSE_GEMV_KERNEL(8, 4, 1, 2)
 
-// dense_gemv_t1 synchronized by block counts (DenseFlags; experiment).
-extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, 4)
-    dense_gemv_t1_flag(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w, float* __restrict__ out,
-                       int N, int K, int ksplit, int accumulate, const unsigned int* wait, unsigned int target,
-                       unsigned int* done) {
-    dense_gemv_body<1, 4, 2, false, true>(x, w, out, N, K, ksplit, accumulate, DenseNormIn{},
-                                          DenseFlags{wait, target, done});
-}
-
 // dense_gemv_t1 of rmsnorm(x) (DenseNormIn above): a decode step's input
 // norm costs no launch of its own.
 extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, 4)
@@ -292,179 +245,6 @@ extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, 4)
                        const __nv_bfloat16* __restrict__ w, float* __restrict__ out, int N, int K, int ksplit,
                        int accumulate) {
     dense_gemv_body<1, 4, 2, true>(x, w, out, N, K, ksplit, accumulate, DenseNormIn{g, eps, flags, slot, normed});
-}
-
-// ---------------------------------------------------------------------------
-// dense_gemv_pf: a one-row GEMV whose weights arrive in shared memory before
-// its programmatic wait (sm_90+; experiment, `dense::gemv_prefetch`).
-//
-// A launch boundary costs a dependent kernel its ramp-up: its blocks find
-// room only as its predecessor's leave, and its first loads start after its
-// wait. Here a block is small enough (256 threads, <= 64 registers, a 96 KB
-// ring) to sit beside the predecessor's block on every SM, triggers at once,
-// and fills its ring with the bulk-copy unit (cp.async.bulk, one thread,
-// mbarrier completion) while the predecessor still runs; after the wait it
-// reads x and multiplies what is already there, refilling the ring for the
-// rest of its rows. Block b owns rows [b R, b R + R) (one contiguous slice
-// of W, R = rows_per_block); a ring stage is 16 KB of whole rows (8192 / K
-// rows, K in {2048, 4096, 8192}: so a thread's four 16-byte vectors a stage
-// are fixed: row q / (K / 2048), vector tid + 256 (q % (K / 2048))).
-// Sums: per thread over its vectors, a warp butterfly, the 8 warps in warp
-// order (deterministic).
-#define DENSE_PF_THREADS 256
-#define DENSE_PF_CHUNK 16384
-#define DENSE_PF_STAGES 6
-
-static __device__ __forceinline__ bool dense_mbar_try(uint32_t bar, uint32_t phase) {
-    uint32_t ok = 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-        : "=r"(ok)
-        : "r"(bar), "r"(phase)
-        : "memory");
-#endif
-    return ok != 0;
-}
-
-// Stage s of chunk c: rows [c rpc, c rpc + r) of the block's slice.
-static __device__ __forceinline__ void dense_pf_issue(uint32_t ring, uint32_t bar, const unsigned char* src,
-                                                      uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(ring),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-#endif
-}
-
-// VPR = K / 2048: a thread's 16-byte vectors of a row (1, 2, 4), so every
-// index below is a constant (no local-memory arrays); a block owns at most
-// DENSE_PF_MAX_ROWS rows.
-#define DENSE_PF_MAX_ROWS 40
-
-static __device__ __forceinline__ unsigned long long dense_globaltimer() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    return t;
-}
-
-template <int VPR>
-static __device__ __forceinline__ void dense_gemv_pf_body(const float* __restrict__ x,
-                                                          const __nv_bfloat16* __restrict__ w,
-                                                          float* __restrict__ out, int N, int rows_per_block,
-                                                          int accumulate, unsigned long long* __restrict__ trace) {
-    constexpr int K = 2048 * VPR;
-    constexpr int RPC = 4 / VPR;  // rows per stage (DENSE_PF_CHUNK / row bytes)
-    constexpr size_t ROW_BYTES = (size_t)K * 2;
-    extern __shared__ __align__(128) unsigned char dense_pf_ring[];
-    __shared__ __align__(8) uint64_t bars[DENSE_PF_STAGES];
-    __shared__ float red_s[DENSE_PF_MAX_ROWS * 8];
-    strata_pdl_trigger();  // the next kernel may take its place beside this one at once
-    const unsigned long long t0 = trace != nullptr ? dense_globaltimer() : 0ull;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int row0 = blockIdx.x * rows_per_block;
-    const int rows = min(rows_per_block, N - row0);
-    const int nchunks = (rows + RPC - 1) / RPC;
-    const unsigned char* src = reinterpret_cast<const unsigned char*>(w) + (size_t)row0 * ROW_BYTES;
-    const uint32_t ring = (uint32_t)__cvta_generic_to_shared(dense_pf_ring);
-    const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
-    auto issue = [&](int c) {
-        const int s = c % DENSE_PF_STAGES;
-        const uint32_t bytes = (uint32_t)(min(RPC, rows - c * RPC) * ROW_BYTES);
-        dense_pf_issue(ring + s * DENSE_PF_CHUNK, bar0 + 8 * s, src + (size_t)c * RPC * ROW_BYTES, bytes);
-    };
-    if (tid == 0) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        for (int s = 0; s < DENSE_PF_STAGES; ++s)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * s) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-        for (int c = 0; c < min(nchunks, DENSE_PF_STAGES); ++c) issue(c);
-    }
-    __syncthreads();
-    strata_pdl_wait();
-    const unsigned long long t1 = trace != nullptr ? dense_globaltimer() : 0ull;
-    // x of this thread's vectors (through L2: the previous kernel wrote it).
-    float4 xa[VPR], xb[VPR];
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-#pragma unroll
-    for (int j = 0; j < VPR; ++j) {
-        xa[j] = __ldcg(x4 + 2 * (tid + 256 * j));
-        xb[j] = __ldcg(x4 + 2 * (tid + 256 * j) + 1);
-    }
-    unsigned long long t2 = 0, t3 = 0, t4 = 0;
-    // Each stage's rows reduced at once (warp sums into red_s[row][warp]): a
-    // rolled loop, so a block's code stays small (it runs once per block,
-    // and cold instruction fetches are what a one-pass kernel waits on).
-#pragma unroll 1
-    for (int c = 0; c < nchunks; ++c) {
-        const int s = c % DENSE_PF_STAGES;
-        while (!dense_mbar_try(bar0 + 8 * s, (uint32_t)(c / DENSE_PF_STAGES) & 1u)) {
-        }
-        if (c == 0 && trace != nullptr) t2 = dense_globaltimer();  // (the first stage is in)
-        const uint4* st = reinterpret_cast<const uint4*>(dense_pf_ring + s * DENSE_PF_CHUNK);
-        float part[RPC];
-#pragma unroll
-        for (int r = 0; r < RPC; ++r) part[r] = 0.0f;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const int r = q / VPR, j = q % VPR;
-            // (A stage's rows past the block's last read stale bytes: never stored.)
-            const uint4 wv = st[r * (K / 8) + tid + 256 * j];
-            float a = part[r];
-            a = fmaf(dense_bf16_lo(wv.x), xa[j].x, a);
-            a = fmaf(dense_bf16_hi(wv.x), xa[j].y, a);
-            a = fmaf(dense_bf16_lo(wv.y), xa[j].z, a);
-            a = fmaf(dense_bf16_hi(wv.y), xa[j].w, a);
-            a = fmaf(dense_bf16_lo(wv.z), xb[j].x, a);
-            a = fmaf(dense_bf16_hi(wv.z), xb[j].y, a);
-            a = fmaf(dense_bf16_lo(wv.w), xb[j].z, a);
-            a = fmaf(dense_bf16_hi(wv.w), xb[j].w, a);
-            part[r] = a;
-        }
-#pragma unroll
-        for (int r = 0; r < RPC; ++r) {
-            const float v = dense_warp_sum(part[r]);
-            if (lane == 0 && c * RPC + r < rows) red_s[(c * RPC + r) * 8 + warp] = v;
-        }
-        if (c + DENSE_PF_STAGES < nchunks) {  // block-uniform: refill stage s once every warp has read it
-            __syncthreads();
-            if (tid == 0) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads before the bulk write
-#endif
-                issue(c + DENSE_PF_STAGES);
-            }
-        }
-    }
-    if (trace != nullptr) t3 = dense_globaltimer();
-    __syncthreads();
-    if (trace != nullptr) t4 = dense_globaltimer();
-    if (tid < rows) {  // row tid: its 8 warps' sums in warp order
-        float v = 0.0f;
-#pragma unroll
-        for (int w8 = 0; w8 < 8; ++w8) v += red_s[tid * 8 + w8];
-        float* o = out + row0 + tid;
-        *o = accumulate ? __fadd_rn(*o, v) : v;
-    }
-    if (trace != nullptr && tid == 0) {
-        unsigned long long* tr = trace + 6 * blockIdx.x;
-        tr[0] = t0;
-        tr[1] = t1;
-        tr[2] = t2;
-        tr[3] = t3;
-        tr[4] = t4;
-        tr[5] = dense_globaltimer();
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(DENSE_PF_THREADS, 1)
-    dense_gemv_pf(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w, float* __restrict__ out, int N,
-                  int K, int rows_per_block, int accumulate, unsigned long long* __restrict__ trace) {
-    if (K == 2048) dense_gemv_pf_body<1>(x, w, out, N, rows_per_block, accumulate, trace);
-    else if (K == 4096) dense_gemv_pf_body<2>(x, w, out, N, rows_per_block, accumulate, trace);
-    else dense_gemv_pf_body<4>(x, w, out, N, rows_per_block, accumulate, trace);
 }
 
 // The simple path for any K (K % 8 != 0): one warp per output (t, n), lanes

@@ -176,19 +176,6 @@ pub const PREWAIT_ATTN: u8 = 1;
 /// `Gpu::prewait`: the decode down GEMV's routing and first weights before its wait.
 pub const PREWAIT_DOWN: u8 = 2;
 
-/// `STRATA_CARVEOUT` (0..=100): the preferred shared-memory carveout, in
-/// percent of the largest, every kernel is given when first looked up
-/// (experiment; unset: the driver's choice per kernel).
-fn carveout_from_env() -> Option<i32> {
-    static PCT: OnceLock<Option<i32>> = OnceLock::new();
-    *PCT.get_or_init(|| {
-        std::env::var("STRATA_CARVEOUT")
-            .ok()
-            .and_then(|v| v.trim().parse::<i32>().ok())
-            .filter(|p| (0..=100).contains(p))
-    })
-}
-
 /// The `prewait` mask of `STRATA_PREWAIT`: unset, `all` or `3`: both; `0`,
 /// `none`, `off` or `false`: neither; `attn` (1) or `down` (2): that one.
 /// Anything else: both.
@@ -333,11 +320,6 @@ impl Gpu {
             .module
             .load_function(name)
             .map_err(|e| Error::Cuda(format!("kernel {name} is not in the embedded kernels (kernels/*.cu): {e}")))?;
-        if let Some(pct) = carveout_from_env() {
-            // Experiment (STRATA_CARVEOUT): one shared-memory carveout for
-            // every kernel, so consecutive kernels' blocks may share an SM.
-            f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, pct)?;
-        }
         functions.insert(name.to_string(), f.clone());
         Ok(f)
     }
