@@ -354,26 +354,6 @@ impl Drop for HostFiller {
 /// (`copy_many`).
 const READ_PIECE: usize = 256 << 10;
 
-/// A staging blob's first byte, shared by the pool tasks that write its
-/// pieces and the thread that sends each run of written pieces
-/// (`copy_many`).
-#[derive(Clone, Copy)]
-struct StagingPtr(*mut u8);
-
-impl StagingPtr {
-    /// Byte `off` of the blob (a method, so a closure takes the whole
-    /// `StagingPtr`, not its raw field).
-    fn at(self, off: usize) -> *mut u8 {
-        self.0.wrapping_add(off)
-    }
-}
-
-// SAFETY: each piece of the blob is written by one task and read (by its
-// copy) only after that task has reported it over a channel; the blob
-// outlives the batch (the cache owns it and waits for the tasks).
-unsafe impl Send for StagingPtr {}
-unsafe impl Sync for StagingPtr {}
-
 /// Most rows of a mapped decode step: the engine's GEMV path (whose
 /// kernels take no row-tile offsets, so a table is all they need).
 pub const MAPPED_MAX_ROWS: usize = 8;
@@ -858,9 +838,9 @@ impl GpuExpertCache {
     /// blob from its source to the device address `dst`. Host sources are
     /// sent as they are; pack sources are read into the staging blobs a
     /// batch at a time (waiting for each blob's previous copy), the batch's
-    /// reads in `READ_PIECE` pieces in parallel on the pool, each blob sent
-    /// in runs of at least 4 pieces as they are read (one timed span each).
+    /// reads in `READ_PIECE` pieces in parallel on the pool, then sent.
     fn copy_many(&mut self, pack: &Pack, items: &[(ExpertKey, Source, u64)]) -> Result<()> {
+        use rayon::prelude::*;
         let mut from_pack = Vec::new();
         let mut from_host = Vec::new();
         for &(key, from, dst) in items {
@@ -878,7 +858,6 @@ impl GpuExpertCache {
             self.copy_spans.push((start, timing_event(&self.gpu, &self.copy)?));
         }
         let (n, used, stream) = (self.staging.len(), self.used, self.copy.cu_stream());
-        let pieces = used.div_ceil(READ_PIECE);
         for batch in from_pack.chunks(n) {
             let first = self.next_staging;
             self.next_staging = (first + batch.len()) % n;
@@ -889,88 +868,26 @@ impl GpuExpertCache {
             for (_, done) in picked.iter() {
                 done.synchronize()?;
             }
-            // The reads in pieces, all of the batch's at once on the pool (a
+            // The reads in pieces, all of the batch's at once on the pool: a
             // decode step misses a blob or two a layer, and one thread
-            // copying from the page cache is several times slower than
-            // many), each blob's copy sent in runs as its pieces come in:
-            // the link starts on a blob's first piece, not after its last
-            // read. (Each run is timed on its own: link time only.)
-            let bases: Vec<StagingPtr> =
-                picked.iter_mut().map(|s| StagingPtr(s.0.range_mut(0, used).as_mut_ptr())).collect();
-            let (tx, rx) = std::sync::mpsc::channel::<(usize, usize)>();
-            let mut spans = Vec::new();
-            let gpu = &self.gpu;
-            let copy = &self.copy;
-            let sent: Result<()> = rayon::in_place_scope_fifo(|scope| {
-                for (j, &(blob, _)) in batch.iter().enumerate() {
-                    let base = bases[j];
-                    for p in 0..pieces {
-                        let (off, len) = (p * READ_PIECE, READ_PIECE.min(used - p * READ_PIECE));
-                        let (src, tx) = (&blob[off..off + len], tx.clone());
-                        scope.spawn_fifo(move |_| {
-                            // SAFETY: bytes [off, off + len) of a staging blob of `used` bytes, written by
-                            // this task alone; nothing reads them before it reports the piece (below).
-                            let dst = unsafe { std::slice::from_raw_parts_mut(base.at(off), len) };
-                            dst.copy_from_slice(src);
-                            let _ = tx.send((j, p));
-                        });
-                    }
-                }
-                drop(tx);
-                // Every task reports once: the loop ends when all have.
-                // Blob j's pieces [0, next) are in, [0, sent) sent.
-                let mut ready = vec![vec![false; pieces]; batch.len()];
-                let (mut next, mut sent) = (vec![0usize; batch.len()], vec![0usize; batch.len()]);
-                let mut r = Ok(());
-                loop {
-                    let (j, p) = match rx.try_recv() {
-                        Ok(m) => m,
-                        Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
-                        // On a pool thread this one runs pieces too (or a
-                        // one-thread pool would never run them); elsewhere it
-                        // blocks.
-                        Err(std::sync::mpsc::TryRecvError::Empty) => match rayon::yield_now() {
-                            None => match rx.recv() {
-                                Ok(m) => m,
-                                Err(_) => break,
-                            },
-                            Some(rayon::Yield::Idle) => {
-                                std::thread::yield_now();
-                                continue;
-                            }
-                            Some(rayon::Yield::Executed) => continue,
-                        },
-                    };
-                    ready[j][p] = true;
-                    while next[j] < pieces && ready[j][next[j]] {
-                        next[j] += 1;
-                    }
-                    // A run once 4 pieces are in, or the blob's last ones.
-                    let from = sent[j];
-                    if r.is_err() || next[j] == from || (next[j] - from < 4 && next[j] < pieces) {
-                        continue;
-                    }
-                    sent[j] = next[j];
-                    let (off, end) = (from * READ_PIECE, (next[j] * READ_PIECE).min(used));
-                    r = (|| -> Result<()> {
-                        let start = timing_event(gpu, copy)?;
-                        // SAFETY: pieces [from, next) of this staging blob are written and reported (their
-                        // tasks write nothing more); dst is a slot or ring slot of `used` bytes (addresses
-                        // from this cache's allocations); the staging blob is rewritten only after its
-                        // `done` event (recorded after the batch) has completed.
-                        let src = unsafe { std::slice::from_raw_parts(bases[j].at(off), end - off) };
-                        unsafe { result::memcpy_htod_async(batch[j].1 + off as u64, src, stream) }?;
-                        spans.push((start, timing_event(gpu, copy)?));
-                        Ok(())
-                    })();
-                }
-                r
-            });
-            self.copy_spans.append(&mut spans);
-            sent?;
-            for (staging, _) in picked.iter_mut().zip(batch) {
+            // copying from the page cache is several times slower than many.
+            let pieces: Vec<(&mut [u8], &[u8])> = picked
+                .iter_mut()
+                .zip(batch)
+                .flat_map(|(staging, (blob, _))| {
+                    staging.0.range_mut(0, used).chunks_mut(READ_PIECE).zip(blob[..used].chunks(READ_PIECE))
+                })
+                .collect();
+            pieces.into_par_iter().for_each(|(dst, src)| dst.copy_from_slice(src));
+            // (Its run starts after its host reads: link time only.)
+            let start = timing_event(&self.gpu, &self.copy)?;
+            for (staging, &(_, dst)) in picked.iter_mut().zip(batch) {
+                // SAFETY: dst is a slot or ring slot of `used` bytes (addresses from this cache's allocations);
+                // the staging blob is rewritten only after `done` (recorded below) has completed.
+                unsafe { result::memcpy_htod_async(dst, staging.0.range(0, used), stream) }?;
                 staging.1.record(&self.copy)?;
             }
+            self.copy_spans.push((start, timing_event(&self.gpu, &self.copy)?));
         }
         Ok(())
     }
