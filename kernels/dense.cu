@@ -75,22 +75,18 @@ struct DenseNormIn {
     float* normed;
 };
 
-// `block` is the block's index in the GEMV (blockIdx.x, or a task number
-// when another kernel runs the GEMV in its tail); L2X: x is read through L2
-// only (written by other blocks of the same kernel, which this SM's
-// non-coherent path may hold stale).
-template <int T, int ROWS, int UNROLL, bool NORM, bool L2X = false>
+template <int T, int ROWS, int UNROLL, bool NORM>
 static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__ x,
                                                        const __nv_bfloat16* __restrict__ w,
                                                        float* __restrict__ out, int N, int K, int ksplit,
-                                                       int accumulate, DenseNormIn nin, int block) {
+                                                       int accumulate, DenseNormIn nin) {
     static_assert(!NORM || T == 1, "the fused norm is for one row");
     __shared__ float red[DENSE_GEMV_WARPS][ROWS * T];
     __shared__ float norm_scratch[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int groups = DENSE_GEMV_WARPS / ksplit;
     const int group = warp / ksplit, part = warp % ksplit;
-    const long long row0 = ((long long)block * groups + group) * ROWS;
+    const long long row0 = ((long long)blockIdx.x * groups + group) * ROWS;
 
     const uint4* wrow[ROWS];
 #pragma unroll
@@ -134,7 +130,7 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
         float ss = 0.0f;
         unsigned int bad = 0xffffffffu;
         for (int i = threadIdx.x; i < xstride4; i += blockDim.x) {
-            const float4 v = L2X ? __ldcg(x4 + i) : x4[i];
+            const float4 v = x4[i];
             ss = fmaf(v.x, v.x, ss);
             ss = fmaf(v.y, v.y, ss);
             ss = fmaf(v.z, v.z, ss);
@@ -147,13 +143,13 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
                 else if (!isfinite(v.w)) bad = base + 3u;
             }
         }
-        if (nin.flags != nullptr && block == 0 && bad != 0xffffffffu) atomicMin(nin.flags + nin.slot, bad);
+        if (nin.flags != nullptr && blockIdx.x == 0 && bad != 0xffffffffu) atomicMin(nin.flags + nin.slot, bad);
         ss = dense_block_sum(ss, norm_scratch);
         inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)K), nin.eps)));
-        if (nin.normed != nullptr && block == 0) {
+        if (nin.normed != nullptr && blockIdx.x == 0) {
             const float4* g4 = reinterpret_cast<const float4*>(nin.g);
             for (int i = threadIdx.x; i < xstride4; i += blockDim.x) {
-                const float4 v = L2X ? __ldcg(x4 + i) : x4[i], g = __ldg(g4 + i);
+                const float4 v = x4[i], g = __ldg(g4 + i);
                 reinterpret_cast<float4*>(nin.normed)[i] =
                     make_float4(__fmul_rn(__fmul_rn(v.x, inv), g.x), __fmul_rn(__fmul_rn(v.y, inv), g.y),
                                 __fmul_rn(__fmul_rn(v.z, inv), g.z), __fmul_rn(__fmul_rn(v.w, inv), g.w));
@@ -164,9 +160,8 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
     auto step = [&](int v, const uint4(&wv)[ROWS]) {
 #pragma unroll
         for (int t = 0; t < T; ++t) {
-            float4 xa = L2X ? __ldcg(x4 + (long long)t * xstride4 + 2 * v) : __ldg(x4 + (long long)t * xstride4 + 2 * v);
-            float4 xb =
-                L2X ? __ldcg(x4 + (long long)t * xstride4 + 2 * v + 1) : __ldg(x4 + (long long)t * xstride4 + 2 * v + 1);
+            float4 xa = __ldg(x4 + (long long)t * xstride4 + 2 * v);
+            float4 xb = __ldg(x4 + (long long)t * xstride4 + 2 * v + 1);
             if (NORM) {
                 const float4 ga = __ldg(reinterpret_cast<const float4*>(nin.g) + 2 * v);
                 const float4 gb = __ldg(reinterpret_cast<const float4*>(nin.g) + 2 * v + 1);
@@ -215,7 +210,7 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
         const int r = rt / T, t = rt % T;
         float s = 0.0f;
         for (int p = 0; p < ksplit; ++p) s += red[g * ksplit + p][rt];
-        const long long n = ((long long)block * groups + g) * ROWS + r;
+        const long long n = ((long long)blockIdx.x * groups + g) * ROWS + r;
         if (n < N) {
             float* o = out + (long long)t * N + n;
             *o = accumulate ? __fadd_rn(*o, s) : s;
@@ -231,7 +226,7 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
     extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, MINB)                                \
         dense_gemv_t##T(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,                    \
                         float* __restrict__ out, int N, int K, int ksplit, int accumulate) {                 \
-        dense_gemv_body<T, ROWS, UNROLL, false>(x, w, out, N, K, ksplit, accumulate, DenseNormIn{}, blockIdx.x); \
+        dense_gemv_body<T, ROWS, UNROLL, false>(x, w, out, N, K, ksplit, accumulate, DenseNormIn{});          \
     }
 DENSE_GEMV_KERNEL(1, 4, 2, 4)
 DENSE_GEMV_KERNEL(2, 4, 2, 3)
@@ -249,52 +244,7 @@ extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, 4)
                        unsigned int* __restrict__ flags, int slot, float* __restrict__ normed,
                        const __nv_bfloat16* __restrict__ w, float* __restrict__ out, int N, int K, int ksplit,
                        int accumulate) {
-    dense_gemv_body<1, 4, 2, true>(x, w, out, N, K, ksplit, accumulate, DenseNormIn{g, eps, flags, slot, normed},
-                                   blockIdx.x);
-}
-
-// A decode row's o_proj and the router GEMV after it in one launch
-// (`dense::gemv_add_router`): the blocks run dense_gemv_t1 of the
-// attention output into the residual x (accumulating, ksplit), then count
-// themselves (counts[0], after a fence); the last `tasks` to arrive wait
-// until every block has (all of x is written), and task i runs block i of
-// dense_gemv_norm_t1 over x with the router's weights (rksplit): the same
-// operations as the two launches, so the same bits, and one kernel
-// boundary fewer a layer. The last task to finish zeroes both counts for
-// the next launch. Only the last `tasks` arrivals wait, and every block
-// has started before any arrives late (a programmatic successor starts
-// only once all of them have), so the waiters cannot keep a block from
-// its SM. tasks <= gridDim.x (the wrapper's check).
-extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, 4)
-    dense_gemv_t1_router(const float* __restrict__ attn, const __nv_bfloat16* __restrict__ w_o, float* x, int H,
-                         int K_o, int ksplit, const float* __restrict__ g, float eps, float* __restrict__ normed,
-                         const __nv_bfloat16* __restrict__ w_r, float* __restrict__ logits, int E, int rksplit,
-                         int tasks, unsigned int* __restrict__ counts) {
-    __shared__ unsigned int ticket_s;
-    dense_gemv_body<1, 4, 2, false>(attn, w_o, x, H, K_o, ksplit, 1, DenseNormIn{}, blockIdx.x);
-    __syncthreads();  // every row of this block is stored
-    if (threadIdx.x == 0) {
-        __threadfence();
-        ticket_s = atomicAdd(counts, 1u);
-    }
-    __syncthreads();
-    const unsigned int nb = gridDim.x, ticket = ticket_s;
-    if (ticket + (unsigned int)tasks < nb) return;
-    const int task = (int)(ticket - (nb - (unsigned int)tasks));
-    if (threadIdx.x == 0) {
-        unsigned int v;
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counts) : "memory");
-        } while (v < nb);
-    }
-    __syncthreads();  // x is complete for every thread of the block
-    dense_gemv_body<1, 4, 2, true, true>(x, w_r, logits, E, H, rksplit, 0,
-                                         DenseNormIn{g, eps, nullptr, 0, normed}, task);
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(counts + 1, 1u) == (unsigned int)tasks - 1u) {
-        counts[0] = 0u;  // every block has arrived and every task has passed its wait
-        counts[1] = 0u;
-    }
+    dense_gemv_body<1, 4, 2, true>(x, w, out, N, K, ksplit, accumulate, DenseNormIn{g, eps, flags, slot, normed});
 }
 
 // The simple path for any K (K % 8 != 0): one warp per output (t, n), lanes

@@ -60,13 +60,6 @@ const _: () = assert!(MOE_GEMV_MAX_ROWS == crate::experts::gpu::MAPPED_MAX_ROWS)
 /// `STRATA_TRACE_FORWARD=1`: each forward prints how long queueing its
 /// layers took on the host and how long the whole forward took, which
 /// tells a host-bound step (launch overhead) from a device-bound one.
-/// Whether a decode row's o_proj and router run as one launch
-/// (`GpuStage::oproj_router`): on unless `STRATA_FUSE_ROUTER=0`.
-fn fuse_router() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("STRATA_FUSE_ROUTER").map_or(true, |v| v != "0"))
-}
-
 fn trace_forward() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("STRATA_TRACE_FORWARD").is_ok_and(|v| v == "1"))
@@ -1315,19 +1308,11 @@ impl GpuStage {
             // (the projections and expert kernels accumulate).
             // The input norm runs in the mixer's first projection; layer
             // l - 1's output is checked for NaN/inf there (slot l - 1).
-            // A decode row's o_proj and router are one launch where they can be.
-            let fuse = t == 1 && fuse_router() && !skipped(t, "oproj") && !skipped(t, "router");
-            let routed = match &lw.mixer {
-                GpuMixer::Attention { .. } => {
-                    self.attention(l, lw, cache, s, start, step, !fuse)?;
-                    fuse && self.oproj_router(lw, cache, s)?
-                }
-                GpuMixer::Linear { .. } => {
-                    self.linear(l, lw, cache, s)?;
-                    false
-                }
-            };
-            self.moe(engine, l, lw, s, experts.as_deref_mut(), help.as_mut(), cache, routed)?;
+            match &lw.mixer {
+                GpuMixer::Attention { .. } => self.attention(l, lw, cache, s, start, step)?,
+                GpuMixer::Linear { .. } => self.linear(l, lw, cache, s)?,
+            }
+            self.moe(engine, l, lw, s, experts.as_deref_mut(), help.as_mut(), cache)?;
             #[cfg(any(test, feature = "test-hooks"))]
             if let Some(row) = engine.take_nan(l, start, t) {
                 gpu.stream().memcpy_htod(&[f32::NAN], &mut s.x.slice_mut(row * h..row * h + 1))?;
@@ -1356,7 +1341,6 @@ impl GpuStage {
         s: &mut Scratch,
         start: usize,
         step: Option<&Step>,
-        o_proj_too: bool,
     ) -> Result<()> {
         let c = &self.config;
         let gpu = &*self.gpu;
@@ -1399,28 +1383,10 @@ impl GpuStage {
         if c.has_attention_gate() {
             dense::output_gate(gpu, &mut s.attn, &s.gate)?;
         }
-        if skipped(t, "oproj") || !o_proj_too {
+        if skipped(t, "oproj") {
             return Ok(());
         }
         self.proj(Write::Add, &s.attn, o_proj, t, h, qd, &mut s.x, &mut s.bf)
-    }
-
-    /// A decode row's `x += o_proj(attn)` and the MoE router after it
-    /// (`s.h` = the normed x, `s.router` = its logits) in one launch
-    /// (`dense::gemv_add_router`: the two launches' bits). Returns whether
-    /// the router ran; where the shapes take another path, only o_proj ran.
-    fn oproj_router(&self, lw: &GpuLayer, cache: &mut StageCache, s: &mut Scratch) -> Result<bool> {
-        let c = &self.config;
-        let GpuMixer::Attention { o_proj, .. } = &lw.mixer else { unreachable!("o_proj of a linear layer") };
-        let (h, qd, e) = (c.hidden_size, attention_shape(c).q_dim(), c.num_experts);
-        let norm = NormIn { w: &lw.post_attn_norm, eps: c.rms_norm_eps as f32, check: None };
-        let (x, normed, logits) = (&mut s.x, &mut s.h, &mut s.router);
-        let counts = &mut cache.router_counts;
-        if dense::gemv_add_router(&self.gpu, &s.attn, o_proj, h, qd, x, &norm, normed, &lw.router, e, logits, counts)? {
-            return Ok(true);
-        }
-        self.proj(Write::Add, &s.attn, o_proj, 1, h, qd, &mut s.x, &mut s.bf)?;
-        Ok(false)
     }
 
     /// `x += out_proj(gated_deltanet(...))` of the normed rows in `s.h`.
@@ -1465,14 +1431,12 @@ impl GpuStage {
         mut experts: Option<&mut GpuExpertCache>,
         help: Option<&mut StageHelp<'_>>,
         cache: &mut StageCache,
-        routed: bool,
     ) -> Result<()> {
         let c = &self.config;
         let gpu = &*self.gpu;
         let (t, h, e, k) = (s.t, c.hidden_size, c.num_experts, c.num_experts_per_tok);
         let norm = NormIn { w: &lw.post_attn_norm, eps: c.rms_norm_eps as f32, check: None };
-        // (routed: the o_proj launch ran the router: `oproj_router`.)
-        if !skipped(t, "router") && !routed {
+        if !skipped(t, "router") {
             self.normed_proj(norm, &s.x, &mut s.h, true, &lw.router, t, e, h, &mut s.router, &mut s.bf)?;
         }
         let p = self.grouped_precision();
@@ -2228,9 +2192,6 @@ struct StageCache {
     /// sets the slots of the layers before its own and, last stage, the
     /// last layer's and the logits').
     flags: CudaSlice<u32>,
-    /// The two block counts of the fused o_proj + router launch
-    /// (`dense::gemv_add_router`; zero between its launches).
-    router_counts: CudaSlice<u32>,
     /// The scratch of the last forward of more than one row.
     scratch: Option<Scratch>,
     /// The scratch of one-row forwards (decode), kept apart so that a
@@ -2459,7 +2420,6 @@ impl StageCache {
             delta: states(&gpu)?,
             spare: states(&gpu)?,
             flags: gpu.alloc_zeros(c.num_hidden_layers + 1)?,
-            router_counts: gpu.alloc_zeros(2)?,
             clock: StageClock::new(&gpu, split)?,
             gpu,
             range,

@@ -347,65 +347,6 @@ pub fn gemv_rmsnorm(
     Ok(())
 }
 
-/// A decode row's `x += attn W_o^T` then `logits = rmsnorm(x) W_r^T` (and
-/// `normed = rmsnorm(x)`) in one launch (`dense_gemv_t1_router`): the same
-/// operations, so the same bits, as `gemv` (Write::Add) then
-/// `gemv_rmsnorm` (store_normed, no guard), one kernel boundary fewer.
-/// `counts` (two u32, zero, this kernel's alone) is left zero. Returns
-/// `Ok(false)`, launching nothing, where the shapes take another path
-/// (K of either product not a multiple of 8, or more router blocks than
-/// o_proj blocks): the caller runs the two launches.
-#[allow(clippy::too_many_arguments)]
-pub fn gemv_add_router(
-    gpu: &Gpu,
-    attn: &CudaSlice<f32>,
-    w_o: &CudaSlice<bf16>,
-    h: usize,
-    k_o: usize,
-    x: &mut CudaSlice<f32>,
-    norm: &NormIn<'_>,
-    normed: &mut CudaSlice<f32>,
-    w_r: &CudaSlice<bf16>,
-    e: usize,
-    logits: &mut CudaSlice<f32>,
-    counts: &mut CudaSlice<u32>,
-) -> Result<bool> {
-    if k_o % 8 != 0 || h % 8 != 0 || norm.w.len() != h || norm.check.is_some() {
-        return Ok(false);
-    }
-    check_matmul(attn, w_o, 1, h, k_o, x)?;
-    check_matmul(x, w_r, 1, e, h, logits)?;
-    same("gemv_add_router: x", x.len(), h)?;
-    same("gemv_add_router: normed", normed.len(), h)?;
-    need("gemv_add_router: counts", counts.len(), 2)?;
-    let sm = gpu.sm_count() as usize;
-    let ks = gemv_ksplit(h, k_o, sm);
-    let blocks = h.div_ceil(GEMV_WARPS / ks * GEMV_ROWS_PER_GROUP);
-    let rks = gemv_ksplit(e, h, sm);
-    let tasks = e.div_ceil(GEMV_WARPS / rks * GEMV_ROWS_PER_GROUP);
-    if tasks > blocks {
-        return Ok(false);
-    }
-    let f = gpu.function("dense_gemv_t1_router")?;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut a = KernelArgs::new();
-    a.buf(gpu, attn).buf(gpu, w_o).buf_mut(gpu, x).val(h as i32).val(k_o as i32).val(ks as i32);
-    a.buf(gpu, norm.w).val(norm.eps).buf_mut(gpu, normed).buf(gpu, w_r).buf_mut(gpu, logits);
-    a.val(e as i32).val(rks as i32).val(tasks as i32).buf_mut(gpu, counts);
-    // SAFETY: dense_gemv_t1_router(const float* attn [K_o], const bf16* w_o [H,K_o], float* x [H], int H, int K_o,
-    // int ksplit, const float* g [H], float eps, float* normed [H], const bf16* w_r [E,H], float* logits [E],
-    // int E, int rksplit, int tasks, u32* counts [2]); lengths checked above; K_o and H multiples of 8 (the
-    // GEMVs' 16-byte loads); tasks <= the grid (its late arrivals wait for the others, which have all started:
-    // see the kernel). Only W_o is read before strata_pdl_wait; counts are zero between launches (the kernel
-    // leaves them so; the caller allocates them zeroed and gives them to no other kernel).
-    unsafe { gpu.launch(&f, cfg, &mut a) }?;
-    Ok(true)
-}
-
 /// `out [T, N] (+)= bf16(x) [T, K] * W^T` through cuBLAS (bf16 inputs, f32
 /// compute and output; `Write::Add` is beta = 1) for any T: x is first
 /// rounded to bf16 into `scratch` (at least `T * K` elements), so results
