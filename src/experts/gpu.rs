@@ -719,7 +719,6 @@ impl GpuExpertCache {
         self.swap_copy.wait(&self.gpu.stream().record_event(None)?)?;
         #[cfg(feature = "test-hooks")]
         hold_swaps(&self.swap_copy)?;
-        let (c, layout) = (pack.config(), pack.layout());
         if trace_on() {
             let sent = fills.slots.iter().filter(|f| f.from == Source::Pack).count();
             eprintln!(
@@ -735,8 +734,7 @@ impl GpuExpertCache {
                 Source::Pack => {
                     // Read and copied by the filler thread: `finish_host_fills` takes its report.
                     self.filler(pack)?;
-                    let (l, e) = (self.first_layer + f.key.layer, f.key.expert);
-                    let offset = layout.blob_offset(c.num_experts, l, e) as usize;
+                    let offset = self.file_offset(pack, f.key);
                     self.send_fill(FillJob::Slot { slot: f.slot, offset, len: self.used, dst })?;
                     self.swaps_sent.push(f.slot);
                 }
@@ -820,6 +818,12 @@ impl GpuExpertCache {
     /// The pack's expert blob of the planner's `key`.
     fn blob<'p>(&self, pack: &'p Pack, key: ExpertKey) -> Result<&'p [u8]> {
         Ok(pack.expert(self.first_layer + key.layer, key.expert)?.blob)
+    }
+
+    /// Where the planner's `key` lies in the pack's experts file (what the
+    /// filler thread reads from its own map of it).
+    fn file_offset(&self, pack: &Pack, key: ExpertKey) -> usize {
+        pack.layout().blob_offset(pack.config().num_experts, self.first_layer + key.layer, key.expert) as usize
     }
 
     fn slot_addr(&self, slot: usize) -> u64 {
@@ -995,7 +999,6 @@ impl GpuExpertCache {
             return Ok(());
         }
         self.filler(pack)?;
-        let (c, layout) = (pack.config(), pack.layout());
         #[cfg(feature = "test-hooks")]
         let hold_ms = SWAP_HOLD_MS.load(std::sync::atomic::Ordering::Relaxed);
         #[cfg(not(feature = "test-hooks"))]
@@ -1003,7 +1006,7 @@ impl GpuExpertCache {
         for (i, f) in fills.host.iter().enumerate() {
             // (A test's hold delays the batch, not each fill.)
             let hold_ms = if i == 0 { hold_ms } else { 0 };
-            let offset = layout.blob_offset(c.num_experts, self.first_layer + f.key.layer, f.key.expert) as usize;
+            let offset = self.file_offset(pack, f.key);
             // (Blocking-sync events: the thread waits on them without spinning a core.)
             let blocking = Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
             let after = [
