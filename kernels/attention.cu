@@ -1482,8 +1482,8 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     uint4 kr[NLD], vr[NLD];
     float ksr = 1.0f, vsr = 1.0f;
     // The keys [max(k0, lo), min(k0 + TK, hi)) of the tile at k0 (zeros
-    // elsewhere when lo == k0), read through L2 (__ldcg: also before the
-    // wait, see below).
+    // elsewhere when lo == k0), read through L2 (as __ldcg: also before the
+    // wait, see below), evict-first: a step reads its KV once.
     auto load_keys = [&](int k0, int lo, int hi) {
 #pragma unroll
         for (int j = 0; j < NLD; ++j) {  // K first: the scores need it first
@@ -1491,11 +1491,11 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
             const int r = i / ROWV, c = i % ROWV;
             if (lo == k0) kr[j] = make_uint4(0u, 0u, 0u, 0u);
             if (k0 + r >= lo && k0 + r < hi)
-                kr[j] = __ldcg(reinterpret_cast<const uint4*>(kc + ((size_t)(k0 + r) * (size_t)kv_heads + kvh) * HD) + c);
+                kr[j] = strata_ldcg_stream_u4(reinterpret_cast<const uint4*>(kc + ((size_t)(k0 + r) * (size_t)kv_heads + kvh) * HD) + c);
         }
         if (I8 && tid < TK) {
             if (lo == k0) ksr = 0.0f;
-            if (k0 + tid >= lo && k0 + tid < hi) ksr = __ldcg(ks + (size_t)(k0 + tid) * (size_t)kv_heads + kvh);
+            if (k0 + tid >= lo && k0 + tid < hi) ksr = strata_ldcg_stream_f32(ks + (size_t)(k0 + tid) * (size_t)kv_heads + kvh);
         }
 #pragma unroll
         for (int j = 0; j < NLD; ++j) {
@@ -1503,11 +1503,11 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
             const int r = i / ROWV, c = i % ROWV;
             if (lo == k0) vr[j] = make_uint4(0u, 0u, 0u, 0u);
             if (k0 + r >= lo && k0 + r < hi)
-                vr[j] = __ldcg(reinterpret_cast<const uint4*>(vc + ((size_t)(k0 + r) * (size_t)kv_heads + kvh) * HD) + c);
+                vr[j] = strata_ldcg_stream_u4(reinterpret_cast<const uint4*>(vc + ((size_t)(k0 + r) * (size_t)kv_heads + kvh) * HD) + c);
         }
         if (I8 && tid < TK) {
             if (lo == k0) vsr = 0.0f;
-            if (k0 + tid >= lo && k0 + tid < hi) vsr = __ldcg(vs + (size_t)(k0 + tid) * (size_t)kv_heads + kvh);
+            if (k0 + tid >= lo && k0 + tid < hi) vsr = strata_ldcg_stream_f32(vs + (size_t)(k0 + tid) * (size_t)kv_heads + kvh);
         }
     };
     auto load_tile = [&](int k0) { load_keys(k0, k0, kstop); };

@@ -54,3 +54,98 @@ static __device__ __forceinline__ void strata_rmsnorm_rope_row(const float* __re
     }
     for (int i = 2 * half + lane; i < head_dim; i += 32) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
 }
+
+// L2 priority of data a decode step reads once (STRATA_L2_STREAM, default
+// on): the large dense GEMVs' weights, the tensor-core expert GEMVs' codes
+// and block scales and the one-row attention's KV cache are loaded with an
+// evict-first policy, so the gigabytes a step streams through L2 evict each
+// other before what the next layer reads again: the kernels' machine code,
+// the activations, the norm weights, the routers, the blob tables and the
+// experts' global scales (kernels/README.md; measured in docs/performance.md,
+// fifteenth session).
+#ifndef STRATA_L2_STREAM
+#define STRATA_L2_STREAM 1
+#endif
+
+// The evict-first policy, and the default (evict-normal) one (sm_80+; 0
+// before, and the loads below then carry no hint).
+static __device__ __forceinline__ uint64_t strata_stream_policy() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && STRATA_L2_STREAM
+    uint64_t p;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+#else
+    return 0;
+#endif
+}
+
+static __device__ __forceinline__ uint64_t strata_normal_policy() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && STRATA_L2_STREAM
+    uint64_t p;
+    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
+    return p;
+#else
+    return 0;
+#endif
+}
+
+// 16 bytes through the read-only path (as __ldg) under the L2 policy pol;
+// NO_L1: not allocated in L1 either.
+template <bool NO_L1>
+static __device__ __forceinline__ uint4 strata_ld_hint_u4(const void* p, uint64_t pol) {
+    uint4 v;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && STRATA_L2_STREAM
+    if (NO_L1)
+        asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+            : "l"(p), "l"(pol));
+    else
+        asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+            : "l"(p), "l"(pol));
+#else
+    (void)pol;
+    if (NO_L1)
+        asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+            : "l"(p));
+    else
+        v = __ldg(reinterpret_cast<const uint4*>(p));
+#endif
+    return v;
+}
+
+// A u16 through the read-only path, L2 evict-first.
+static __device__ __forceinline__ uint32_t strata_ld_stream_u16(const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && STRATA_L2_STREAM
+    unsigned short v;
+    asm("ld.global.nc.L2::cache_hint.u16 %0, [%1], %2;" : "=h"(v) : "l"(p), "l"(strata_stream_policy()));
+    return v;
+#else
+    return __ldg(reinterpret_cast<const unsigned short*>(p));
+#endif
+}
+
+// 16 bytes / a float through L2 only (as __ldcg: data other kernels wrote),
+// evict-first. volatile: kept in order with strata_pdl_wait.
+static __device__ __forceinline__ uint4 strata_ldcg_stream_u4(const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && STRATA_L2_STREAM
+    uint4 v;
+    asm volatile("ld.global.cg.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(strata_stream_policy()));
+    return v;
+#else
+    return __ldcg(reinterpret_cast<const uint4*>(p));
+#endif
+}
+
+static __device__ __forceinline__ float strata_ldcg_stream_f32(const float* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && STRATA_L2_STREAM
+    float v;
+    asm volatile("ld.global.cg.L2::cache_hint.f32 %0, [%1], %2;" : "=f"(v) : "l"(p), "l"(strata_stream_policy()));
+    return v;
+#else
+    return __ldcg(p);
+#endif
+}

@@ -34,14 +34,22 @@ static __device__ __forceinline__ float dense_sigmoid_f(float x) {
     return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
 }
 
-// 16 bytes of a weight row, read once: no L1 allocation (x stays in L1).
-static __device__ __forceinline__ uint4 dense_ld_stream(const uint4* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
+// 16 bytes of a weight row, read once: no L1 allocation (x stays in L1),
+// under the L2 policy pol (dense_gemv_body's).
+static __device__ __forceinline__ uint4 dense_ld_stream(const uint4* p, uint64_t pol) {
+    return strata_ld_hint_u4<true>(p, pol);
 }
+
+// Matrices of at least this many weights are streamed (L2 evict-first, see
+// common.cuh); smaller ones (a router: E x H) keep the default priority, so
+// they can stay in L2 from one step to the next.
+#define DENSE_STREAM_MIN_WEIGHTS (1ll << 20)
+
+// Steps of the k loop whose weights a GEMV warp loads before its
+// programmatic wait.
+#ifndef DENSE_PRE_STEPS
+#define DENSE_PRE_STEPS 1
+#endif
 
 // bf16 element 2j of a word is its low half (little endian).
 static __device__ __forceinline__ float dense_bf16_lo(unsigned int u) { return __uint_as_float(u << 16); }
@@ -102,29 +110,34 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
         for (int t = 0; t < T; ++t) acc[r][t] = 0.0f;
 
     const int kvec = K >> 3;  // groups of 8 weights per row
-    // Launched as a programmatic dependent launch: W is constant, so this
-    // warp's share of it is requested into L2 (one prefetch per 128-byte
-    // line) before waiting for the kernel that writes x.
+    const int v_first = part * 32 + lane, v_step = ksplit * 32;
+    // A matrix this large is read once a step: its loads are L2 evict-first
+    // (common.cuh). Launched as a programmatic dependent launch, and W is
+    // constant: this warp's first DENSE_PRE_STEPS steps of weights are loaded
+    // into registers before waiting for the kernel that writes x (under
+    // NORM, their latency then also overlaps the norm). A small matrix (a
+    // router) is also requested into L2 whole, one prefetch per 128-byte
+    // line; a large one is not: those prefetches made a decode step slower
+    // (docs/performance.md, fifteenth session).
+    const bool streamed = (long long)N * K >= DENSE_STREAM_MIN_WEIGHTS;
+    const uint64_t pol = streamed ? strata_stream_policy() : strata_normal_policy();
     strata_pdl_trigger();
-    if ((lane & 7) == 0) {
-        for (int v = part * 32 + lane; v < kvec; v += ksplit * 32) {
+    if (!streamed && (lane & 7) == 0) {
+        for (int v = v_first; v < kvec; v += v_step) {
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow[r] + v));
         }
     }
+    uint4 w_pre[DENSE_PRE_STEPS][ROWS];
+#pragma unroll
+    for (int p = 0; p < DENSE_PRE_STEPS; ++p) {
+        const int v = v_first + p * v_step;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) w_pre[p][r] = v < kvec ? dense_ld_stream(wrow[r] + v, pol) : make_uint4(0u, 0u, 0u, 0u);
+    }
     strata_pdl_wait();
     const float4* x4 = reinterpret_cast<const float4*>(x);
     const int xstride4 = K >> 2;
-    const int v_first = part * 32 + lane, v_step = ksplit * 32;
-    // NORM: the first step's weights are requested before the norm, so
-    // their latency overlaps its x read and block reduction (with K split 8
-    // ways a warp has one step of K = 2048: all its weights).
-    uint4 w_first[ROWS];
-    if (NORM) {
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-            w_first[r] = v_first < kvec ? dense_ld_stream(wrow[r] + v_first) : make_uint4(0u, 0u, 0u, 0u);
-    }
     float inv = 1.0f;
     if (NORM) {
         float ss = 0.0f;
@@ -186,15 +199,16 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
         }
     };
     int v = v_first;
-    if (NORM && v < kvec) {
-        step(v, w_first);
+#pragma unroll
+    for (int p = 0; p < DENSE_PRE_STEPS; ++p) {
+        if (v < kvec) step(v, w_pre[p]);
         v += v_step;
     }
 #pragma unroll UNROLL
     for (; v < kvec; v += v_step) {
         uint4 wv[ROWS];
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) wv[r] = dense_ld_stream(wrow[r] + v);
+        for (int r = 0; r < ROWS; ++r) wv[r] = dense_ld_stream(wrow[r] + v, pol);
         step(v, wv);
     }
 #pragma unroll

@@ -147,6 +147,15 @@ static __device__ __forceinline__ uint4 moe_ld_codes(const uint8_t* p) { return 
 static __device__ __forceinline__ uint32_t moe_ld_scales2(const uint8_t* p) {
     return (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p));
 }
+// The same for the tensor-core decode GEMVs, which read device memory (a
+// resident blob or a slot) once a step: L2 evict-first (common.cuh). The
+// CUDA-core GEMVs, which also read host blobs in place (mapped decode), keep
+// the default: evict-first there made a mapped decode step 10% slower
+// (docs/performance.md, fifteenth session).
+static __device__ __forceinline__ uint4 moe_ld_codes_s(const uint8_t* p) {
+    return strata_ld_hint_u4<false>(p, strata_stream_policy());
+}
+static __device__ __forceinline__ uint32_t moe_ld_scales2_s(const uint8_t* p) { return strata_ld_stream_u16(p); }
 static __device__ __forceinline__ float moe_tail(const uint8_t* blob, const MoeBlobLayout& L, int m) {
     return __ldg(reinterpret_cast<const float*>(blob + L.tail) + m);
 }
@@ -896,8 +905,8 @@ static __device__ __forceinline__ void moe_tc_load(const uint8_t* codes, const u
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-            c[r][u] = moe_ld_codes(codes + r * 8 * code_row + 64 * u + 16 * t4);
-            s[r][u] = moe_ld_scales2(scales + r * 8 * scale_row + 8 * u + 2 * t4);
+            c[r][u] = moe_ld_codes_s(codes + r * 8 * code_row + 64 * u + 16 * t4);
+            s[r][u] = moe_ld_scales2_s(scales + r * 8 * scale_row + 8 * u + 2 * t4);
         }
     }
 }
