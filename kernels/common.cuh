@@ -67,27 +67,24 @@ static __device__ __forceinline__ void strata_rmsnorm_rope_row(const float* __re
 #define STRATA_L2_STREAM 1
 #endif
 
-// The evict-first policy, and the default (evict-normal) one (sm_80+; 0
-// before, and the loads below then carry no hint).
-static __device__ __forceinline__ uint64_t strata_stream_policy() {
+// An L2 policy for .L2::cache_hint loads: evict-first (FIRST) or the
+// default, evict-normal (sm_80+; 0 before, and the loads below then carry no
+// hint).
+template <bool FIRST>
+static __device__ __forceinline__ uint64_t strata_l2_policy() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && STRATA_L2_STREAM
     uint64_t p;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    if (FIRST)
+        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    else
+        asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
     return p;
 #else
     return 0;
 #endif
 }
 
-static __device__ __forceinline__ uint64_t strata_normal_policy() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && STRATA_L2_STREAM
-    uint64_t p;
-    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
-    return p;
-#else
-    return 0;
-#endif
-}
+static __device__ __forceinline__ uint64_t strata_stream_policy() { return strata_l2_policy<true>(); }
 
 // 16 bytes through the read-only path (as __ldg) under the L2 policy pol;
 // NO_L1: not allocated in L1 either.

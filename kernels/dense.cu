@@ -120,7 +120,7 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
     // line; a large one is not: those prefetches made a decode step slower
     // (docs/performance.md, fifteenth session).
     const bool streamed = (long long)N * K >= DENSE_STREAM_MIN_WEIGHTS;
-    const uint64_t pol = streamed ? strata_stream_policy() : strata_normal_policy();
+    const uint64_t pol = streamed ? strata_l2_policy<true>() : strata_l2_policy<false>();
     strata_pdl_trigger();
     if (!streamed && (lane & 7) == 0) {
         for (int v = v_first; v < kvec; v += v_step) {
