@@ -1783,6 +1783,119 @@ ATTN_ROW_INSTANCES(256)
 // same bits as split_q_gate + rmsnorm_rope (q, k) + kv_append.
 
 #define ATTN_PREP_WARPS 8
+#define ATTN_PREP_MAX_NV 8  // values a lane holds in the register path (head_dim <= 256)
+
+// The register path of a prep warp (head_dim and half multiples of 32,
+// head_dim <= 256: lane l holds elements l + 32 u, u < NV, and element i <
+// half pairs with i + half in the same lane). Every value the warp needs is
+// requested in one round trip (the norm weights, the RoPE frequencies and
+// the position before the programmatic wait: nothing before this kernel
+// writes them), then normed, roped and appended from registers: the
+// operations of strata_rmsnorm_rope_row and attn_append_row in their order,
+// so the same bits as the generic path below.
+template <int NV, int HU>
+static __device__ __forceinline__ void attn_prep_norm_rope(const float (&x)[NV], const float (&w)[NV],
+                                                           const float (&f)[NV], int head_dim, float eps,
+                                                           unsigned long long pos, float attention_factor,
+                                                           float (&o)[NV]) {
+    static_assert(HU >= 1 && 2 * HU <= NV, "rotary pairs within the head");
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < NV; ++u) ss = fmaf(x[u], x[u], ss);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)head_dim), eps)));
+#pragma unroll
+    for (int u = 0; u < HU; ++u) {
+        const float a = __fmul_rn(__fmul_rn(x[u], inv), w[u]);
+        const float b = __fmul_rn(__fmul_rn(x[u + HU], inv), w[u + HU]);
+        const float angle = __fmul_rn(__ull2float_rn(pos), f[u]);
+        float sn, c;
+        sincosf(angle, &sn, &c);
+        c = __fmul_rn(c, attention_factor);
+        sn = __fmul_rn(sn, attention_factor);
+        o[u] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sn));
+        o[u + HU] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn));
+    }
+#pragma unroll
+    for (int u = 2 * HU; u < NV; ++u) o[u] = __fmul_rn(__fmul_rn(x[u], inv), w[u]);
+}
+
+// attn_append_row of the values a warp holds (element lane + 32 u in v[u]).
+template <int NV>
+static __device__ __forceinline__ void attn_prep_append(const float (&v)[NV], int8_t* __restrict__ cache,
+                                                        float* __restrict__ scales, size_t block, int head_dim,
+                                                        int lane) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int u = 0; u < NV; ++u) amax = fmaxf(amax, fabsf(v[u]));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float scale = amax / 127.0f;
+    int8_t* dst = cache + block * (size_t)head_dim;
+#pragma unroll
+    for (int u = 0; u < NV; ++u) {
+        float qv = 0.0f;
+        if (scale > 0.0f) qv = fminf(fmaxf(rintf(v[u] / scale), -127.0f), 127.0f);
+        dst[lane + 32 * u] = (int8_t)(int)qv;
+    }
+    if (lane == 0) scales[block] = scale;
+}
+
+template <int NV>
+static __device__ __forceinline__ void attn_prep_append(const float (&v)[NV], __nv_bfloat16* __restrict__ cache,
+                                                        float*, size_t block, int head_dim, int lane) {
+    __nv_bfloat16* dst = cache + block * (size_t)head_dim;
+#pragma unroll
+    for (int u = 0; u < NV; ++u) dst[lane + 32 * u] = __float2bfloat16_rn(v[u]);
+}
+
+template <typename KV, int NV, int HU>
+static __device__ __forceinline__ void attn_qkv_prep_regs(
+    const float* __restrict__ qkv, const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
+    const float* __restrict__ inv_freq, int half, float attention_factor, float* __restrict__ qn,
+    float* __restrict__ gate, KV* __restrict__ kc, KV* __restrict__ vc, float* __restrict__ ks,
+    float* __restrict__ vs, int heads, int kv_heads, int head_dim, int gated, unsigned long long start_pos,
+    const int* __restrict__ step, int late_trigger, long long t, int j, int lane) {
+    const bool is_q = j < heads;
+    const float* wn = is_q ? q_norm : k_norm;
+    float w[NV], f[NV];
+#pragma unroll
+    for (int u = 0; u < NV; ++u) {
+        w[u] = __ldg(wn + lane + 32 * u);
+        f[u] = u < HU ? __ldg(inv_freq + lane + 32 * u) : 0.0f;
+    }
+    if (step != nullptr) start_pos = (unsigned long long)__ldg(step);  // set before the step's first kernel
+    strata_pdl_wait();
+    if (late_trigger) strata_pdl_trigger();
+    const int qhd = gated ? 2 * head_dim : head_dim;  // floats of one query head in qkv
+    const size_t qw = (size_t)heads * qhd, kv_dim = (size_t)kv_heads * head_dim;
+    const float* row = qkv + (size_t)t * (qw + 2 * kv_dim);
+    const unsigned long long pos = start_pos + (unsigned long long)t;
+    const int kh = j - heads;
+    const float* xr = is_q ? row + (size_t)j * qhd : row + qw + (size_t)kh * head_dim;
+    // The second row: the gate half (gated query heads) or V (kv heads).
+    const float* yr = is_q ? (gated ? xr + head_dim : nullptr) : row + qw + kv_dim + (size_t)kh * head_dim;
+    float x[NV], y[NV], o[NV];
+#pragma unroll
+    for (int u = 0; u < NV; ++u) {
+        x[u] = __ldcg(xr + lane + 32 * u);
+        y[u] = yr != nullptr ? __ldcg(yr + lane + 32 * u) : 0.0f;
+    }
+    attn_prep_norm_rope<NV, HU>(x, w, f, head_dim, eps, pos, attention_factor, o);
+    if (is_q) {
+        const size_t orow = ((size_t)t * heads + j) * head_dim;
+#pragma unroll
+        for (int u = 0; u < NV; ++u) qn[orow + lane + 32 * u] = o[u];
+        if (gated)
+#pragma unroll
+            for (int u = 0; u < NV; ++u) gate[orow + lane + 32 * u] = y[u];
+    } else {
+        const size_t block = (size_t)pos * (size_t)kv_heads + (size_t)kh;
+        attn_prep_append<NV>(o, kc, ks, block, head_dim, lane);
+        attn_prep_append<NV>(y, vc, vs, block, head_dim, lane);
+    }
+}
 
 template <typename KV>
 static __device__ __forceinline__ void attn_qkv_prep(const float* __restrict__ qkv, const float* __restrict__ q_norm,
@@ -1793,15 +1906,38 @@ static __device__ __forceinline__ void attn_qkv_prep(const float* __restrict__ q
                                                      KV* __restrict__ vc, float* __restrict__ ks,
                                                      float* __restrict__ vs, int rows, int heads, int kv_heads,
                                                      int head_dim, int gated, unsigned long long start_pos,
-                                                     const int* __restrict__ step) {
+                                                     const int* __restrict__ step, int late_trigger) {
     __shared__ float krow_s[ATTN_PREP_WARPS][256];
-    if (step != nullptr) start_pos = (unsigned long long)step[0];  // (CUDA-graph replay) start_pos on the device
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     const long long warp = (long long)blockIdx.x * ATTN_PREP_WARPS + wib;
     const int per_row = heads + kv_heads;
-    if (warp >= (long long)rows * per_row) return;
+    if (warp >= (long long)rows * per_row) {
+        strata_pdl_wait();
+        if (late_trigger) strata_pdl_trigger();
+        return;
+    }
     const long long t = warp / per_row;
     const int j = (int)(warp % per_row);
+    // The register path for the common shapes (full RoPE, or a rotary
+    // half of 32); any other takes the generic path below.
+    const int nv = head_dim % 32 == 0 && half % 32 == 0 ? head_dim / 32 : 0, hu = half / 32;
+#define ATTN_PREP_REGS(NV, HU)                                                                                 \
+    if (nv == NV && hu == HU) {                                                                                \
+        attn_qkv_prep_regs<KV, NV, HU>(qkv, q_norm, k_norm, eps, inv_freq, half, attention_factor, qn, gate, kc, \
+                                       vc, ks, vs, heads, kv_heads, head_dim, gated, start_pos, step,          \
+                                       late_trigger, t, j, lane);                                              \
+        return;                                                                                                \
+    }
+    ATTN_PREP_REGS(2, 1)
+    ATTN_PREP_REGS(4, 2)
+    ATTN_PREP_REGS(4, 1)
+    ATTN_PREP_REGS(8, 4)
+    ATTN_PREP_REGS(8, 1)
+    ATTN_PREP_REGS(8, 2)
+#undef ATTN_PREP_REGS
+    strata_pdl_wait();
+    if (late_trigger) strata_pdl_trigger();
+    if (step != nullptr) start_pos = (unsigned long long)step[0];  // (CUDA-graph replay) start_pos on the device
     const int qhd = gated ? 2 * head_dim : head_dim;  // floats of one query head in qkv
     const size_t qw = (size_t)heads * qhd, kv_dim = (size_t)kv_heads * head_dim;
     const float* row = qkv + (size_t)t * (qw + 2 * kv_dim);
@@ -1832,12 +1968,11 @@ static __device__ __forceinline__ void attn_qkv_prep(const float* __restrict__ q
         float* __restrict__ vs, int rows, int heads, int kv_heads, int head_dim, int gated,                       \
         unsigned long long start_pos, const int* __restrict__ step, int late_trigger) {                           \
         /* late_trigger: the attention after it reads the cache before its wait, so it starts only after */       \
-        /* this one's wait (every kernel before this one has finished then). */                                   \
+        /* this one's wait (every kernel before this one has finished then). attn_qkv_prep waits */               \
+        /* (strata_pdl_wait) in every thread after its loads of constants, then triggers (late_trigger). */       \
         if (!late_trigger) strata_pdl_trigger();                                                                  \
-        strata_pdl_wait();                                                                                        \
-        if (late_trigger) strata_pdl_trigger();                                                                   \
         attn_qkv_prep<KV>(qkv, q_norm, k_norm, eps, inv_freq, half, attention_factor, qn, gate, kc, vc, ks, vs,   \
-                          rows, heads, kv_heads, head_dim, gated, start_pos, step);                               \
+                          rows, heads, kv_heads, head_dim, gated, start_pos, step, late_trigger);                 \
     }
 
 ATTN_PREP_INSTANCE(i8, int8_t)

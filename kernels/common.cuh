@@ -25,6 +25,27 @@ static __device__ __forceinline__ void strata_pdl_trigger() {
 #endif
 }
 
+// 4 bytes global -> shared without a register (cp.async, sm_80+): a value a
+// block needs only at its end is requested at its start, and no thread
+// stalls for it (a register held across the block's work may be spilled,
+// and the spill store waits for the load). Before reading the copy, the
+// issuing thread calls strata_cp_async_wait_all() and then the block a
+// barrier. Before sm_80: a plain copy.
+static __device__ __forceinline__ void strata_cp_async4(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
+#else
+    *reinterpret_cast<unsigned int*>(smem) = *reinterpret_cast<const unsigned int*>(gmem);
+#endif
+}
+
+static __device__ __forceinline__ void strata_cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // out[0..head_dim) = rope(rmsnorm(x)) of one head row at position pos, by
 // one warp (lane = its lane): the per-head q/k norm and NeoX RoPE (pairs
 // (i, i + half), dims past 2 * half pass through), in ops::rmsnorm's and

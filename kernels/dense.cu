@@ -136,6 +136,24 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
         for (int r = 0; r < ROWS; ++r) w_pre[p][r] = v < kvec ? dense_ld_stream(wrow[r] + v, pol) : make_uint4(0u, 0u, 0u, 0u);
     }
     strata_pdl_wait();
+    // Thread i < groups * ROWS * T writes output i of the block (at most one
+    // a thread); its residual (accumulate) is requested now, after the wait,
+    // into shared memory: after the reduction it was a dependent read at the
+    // end of the block's chain.
+    // (One row, a decode step: with more, the T - 1 more outputs' state
+    // costs the loop registers.)
+    static_assert(ROWS * T <= 32, "one output a thread");
+    constexpr bool EARLY = T == 1;
+    __shared__ float prev[EARLY ? DENSE_GEMV_WARPS * ROWS : 1];
+    auto item_out = [&](int i) -> float* {
+        const int g = i / (ROWS * T), rt = i % (ROWS * T);
+        const long long n = ((long long)blockIdx.x * groups + g) * ROWS + rt / T;
+        return n < N ? out + (long long)(rt % T) * N + n : nullptr;
+    };
+    if (EARLY && accumulate && threadIdx.x < groups * ROWS * T) {
+        float* o = item_out(threadIdx.x);
+        if (o != nullptr) strata_cp_async4(prev + threadIdx.x, o);
+    }
     const float4* x4 = reinterpret_cast<const float4*>(x);
     const int xstride4 = K >> 2;
     float inv = 1.0f;
@@ -218,16 +236,15 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
             const float s = dense_warp_sum(acc[r][t]);
             if (lane == 0) red[warp][r * T + t] = s;
         }
+    strata_cp_async_wait_all();  // prev
     __syncthreads();
-    for (int i = threadIdx.x; i < groups * ROWS * T; i += blockDim.x) {
-        const int g = i / (ROWS * T), rt = i % (ROWS * T);
-        const int r = rt / T, t = rt % T;
-        float s = 0.0f;
-        for (int p = 0; p < ksplit; ++p) s += red[g * ksplit + p][rt];
-        const long long n = ((long long)blockIdx.x * groups + g) * ROWS + r;
-        if (n < N) {
-            float* o = out + (long long)t * N + n;
-            *o = accumulate ? __fadd_rn(*o, s) : s;
+    if (threadIdx.x < groups * ROWS * T) {
+        float* o = item_out(threadIdx.x);
+        if (o != nullptr) {
+            const int g = threadIdx.x / (ROWS * T), rt = threadIdx.x % (ROWS * T);
+            float s = 0.0f;
+            for (int p = 0; p < ksplit; ++p) s += red[g * ksplit + p][rt];
+            *o = accumulate ? __fadd_rn(EARLY ? prev[threadIdx.x] : *o, s) : s;
         }
     }
 }

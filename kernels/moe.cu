@@ -711,6 +711,13 @@ extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
         }
     }
     if (logits != nullptr) strata_pdl_wait();  // the act rows are the gate/up GEMV's
+    // The residual a writer thread adds to, requested now (after the wait)
+    // into shared memory: after the reduction it was a dependent read at the
+    // end of the block's chain.
+    __shared__ float prev[MOE_DN_ROWS];
+    const int orow = blockIdx.y * MOE_DN_ROWS + threadIdx.x;
+    const bool writer = threadIdx.x < MOE_DN_ROWS && orow < H;
+    if (accumulate && writer) strata_cp_async4(prev + threadIdx.x, out + (size_t)t * H + orow);
     moe_stage_rows<3>(moe_down_acts, act + (size_t)t * top_k * I, I, top_k);
     __syncthreads();
 
@@ -739,15 +746,12 @@ extern "C" __global__ void __launch_bounds__(MOE_DN_RW * MOE_DN_JW * 32, 2)
         const int j = jw + q * MOE_DN_JW;
         if (j < top_k && sub == 0) red[j][local] = v;
     }
+    strata_cp_async_wait_all();  // prev
     __syncthreads();
-    if (threadIdx.x < MOE_DN_ROWS) {
-        const int orow = blockIdx.y * MOE_DN_ROWS + threadIdx.x;
-        if (orow < H) {
-            float v = 0.0f;
-            for (int j = 0; j < top_k; ++j) v = fmaf(coefs[j], red[j][threadIdx.x], v);
-            float* o = out + (size_t)t * H + orow;
-            *o = accumulate ? *o + v : v;
-        }
+    if (writer) {
+        float v = 0.0f;
+        for (int j = 0; j < top_k; ++j) v = fmaf(coefs[j], red[j][threadIdx.x], v);
+        out[(size_t)t * H + orow] = accumulate ? prev[threadIdx.x] + v : v;
     }
 }
 
@@ -940,6 +944,11 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 3)
         if (threadIdx.x < 16) act_row[threadIdx.x] = __int_as_float(0x7fc00000);
         return;
     }
+    // The gate and up global scales, requested now into shared memory (read
+    // after the reduction, they were a dependent read from HBM at the end of
+    // the block's chain).
+    __shared__ float gsc[2];
+    if (threadIdx.x < 2) strata_cp_async4(gsc + threadIdx.x, reinterpret_cast<const float*>(blob + L.tail) + threadIdx.x);
     const size_t code_row = (size_t)H >> 1, scale_row = (size_t)H >> 4;
     const size_t row = (size_t)16 * blockIdx.y + g;
     float acc[2][2] = {};  // [gate, up][row g, g + 8], lanes t4 == 0
@@ -968,6 +977,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 3)
             red[warp][m][g + 8] = acc[m][1];
         }
     }
+    strata_cp_async_wait_all();  // gsc
     __syncthreads();
     if (threadIdx.x < 16) {
         float sg = 0.0f, su = 0.0f;
@@ -976,7 +986,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 3)
             sg += red[w][0][threadIdx.x];
             su += red[w][1][threadIdx.x];
         }
-        const float gate = sg * (moe_tail(blob, L, 0) * 128.0f), up = su * (moe_tail(blob, L, 1) * 128.0f);
+        const float gate = sg * (gsc[0] * 128.0f), up = su * (gsc[1] * 128.0f);
         act_row[threadIdx.x] = moe_silu(gate) * up;
     }
 }
@@ -1032,6 +1042,9 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_DN_MAX_WARPS * 32)
     };
     if (warp < top_k * parts) load_part(warp);
     if (logits != nullptr) strata_pdl_wait();  // the act rows are the gate/up GEMV's
+    // The residual a writer thread adds to, requested now (as moe_down_gemv).
+    __shared__ float prev[16];
+    if (accumulate && threadIdx.x < 16) strata_cp_async4(prev + threadIdx.x, out + (size_t)t * H + 16 * blockIdx.y + threadIdx.x);
     for (int q = warp; q < top_k * parts; q += nwarps) {
         const int j = q / parts, p = q - j * parts;
         if (blobs[j] == 0) {  // coefs[j] is NaN; red[q] is still read (0 * NaN: NaN)
@@ -1050,6 +1063,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_DN_MAX_WARPS * 32)
             red[q][g + 8] = r.y;
         }
     }
+    strata_cp_async_wait_all();  // prev
     __syncthreads();
     if (threadIdx.x < 16) {
         float v = 0.0f;
@@ -1058,8 +1072,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_DN_MAX_WARPS * 32)
             for (int p = 0; p < parts; ++p) sj += red[j * parts + p][threadIdx.x];
             v = fmaf(coefs[j], sj, v);
         }
-        float* o = out + (size_t)t * H + 16 * blockIdx.y + threadIdx.x;
-        *o = accumulate ? *o + v : v;
+        out[(size_t)t * H + 16 * blockIdx.y + threadIdx.x] = accumulate ? prev[threadIdx.x] + v : v;
     }
 }
 

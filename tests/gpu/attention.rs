@@ -1006,8 +1006,19 @@ fn test_rope(gpu: &Arc<Gpu>, rotary_dim: usize) -> Result<RopeTable, String> {
 
 /// (heads, kv_heads, head_dim, rotary_dim): Qwen3-30B-A3B (full rotary), Qwen3-Next (partial: 64 of 256), and
 /// small ones (half rotary; head_dim 16).
-const PREP_SHAPES: [(usize, usize, usize, usize); 4] =
-    [(32, 4, 128, 128), (16, 2, 256, 64), (8, 2, 64, 32), (6, 1, 16, 16)];
+const PREP_SHAPES: [(usize, usize, usize, usize); 8] = [
+    (32, 4, 128, 128),
+    (16, 2, 256, 64),
+    (8, 2, 64, 32),
+    (6, 1, 16, 16),
+    // The kernel's register path takes each (head_dim / 32, rotary half / 32)
+    // above and these: (2, 1), (4, 1), (8, 4), (8, 2); (64, 32) and head_dim
+    // 16 take its generic path.
+    (4, 2, 64, 64),
+    (8, 2, 128, 64),
+    (4, 1, 256, 256),
+    (4, 2, 256, 128),
+];
 
 /// Every byte of a cache (K, V values and, for int8, the scales).
 fn cache_bytes(gpu: &Arc<Gpu>, kv: &DeviceKv) -> Result<Vec<u8>, String> {
