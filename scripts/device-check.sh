@@ -28,6 +28,9 @@
 #             8..128 tokens (routing to 39..100% of a layer's experts) at
 #             25% of the experts in slots, every miss streamed (threshold 0)
 #             against misses copied into slots (threshold 2); about 3 min
+#   ktrace    the all-resident decode step's kernel timeline (scripts/ktrace.c,
+#             built as its header says, carried as BIN/libktrace.so): every
+#             kernel's increment to the step (scripts/ktrace.py)
 #   two-gpu   (issue 8, a machine with 2 GPUs) the split tests, whose matrix
 #             then has cuda:0,cuda:1 paths; the spread 30b-a3b pack split
 #             over the two GPUs with 1536 slots each (25% of the experts per
@@ -109,6 +112,15 @@ for p in "$@"; do
         done
       done
       ;;
+    ktrace)
+      pack
+      cupti=$(find /usr/local/cuda*/ -name 'libcupti.so.13*' 2>/dev/null | head -1)
+      [ -f "$BIN/libktrace.so" ] && [ -n "$cupti" ] || { echo "ktrace: need $BIN/libktrace.so and CUPTI" >&2; status=1; continue; }
+      phase ktrace-bench env LD_LIBRARY_PATH="$(dirname "$cupti"):${LD_LIBRARY_PATH:-}" \
+        CUDA_INJECTION64_PATH="$(realpath "$BIN/libktrace.so")" KTRACE_OUT="$OUT/ktrace.csv" \
+        "$strata" bench --pack "$PACK" --prompt-len 4096 --gen 24 --repeats 1 || status=1
+      phase ktrace python3 "$(dirname "$0")/ktrace.py" "$OUT/ktrace.csv" || status=1
+      ;;
     two-gpu)
       phase two-gpu-tests "$suite" split_ || status=1
       phase two-gpu-stress env STRATA_SPLIT_STRESS=1 "$suite" split_ || status=1
@@ -124,7 +136,7 @@ for p in "$@"; do
       phase two-gpu-resident "$strata" bench --pack "$PACK" --device cuda:0,cuda:1 --prompt-len 4096 --gen 64 \
         --repeats 3 || status=1
       ;;
-    *) echo "unknown phase $p (suite, stress, memcheck, bench, split, cache, breakdown, crossover, two-gpu)" >&2; status=2 ;;
+    *) echo "unknown phase $p (suite, stress, memcheck, bench, split, cache, breakdown, crossover, ktrace, two-gpu)" >&2; status=2 ;;
   esac
 done
 exit "$status"
