@@ -1804,21 +1804,17 @@ static __device__ __forceinline__ void attn_prep_norm_rope(const float (&x)[NV],
     for (int u = 0; u < NV; ++u) ss = fmaf(x[u], x[u], ss);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)head_dim), eps)));
+    const float inv = strata_rms_inv(ss, head_dim, eps);
 #pragma unroll
     for (int u = 0; u < HU; ++u) {
-        const float a = __fmul_rn(__fmul_rn(x[u], inv), w[u]);
-        const float b = __fmul_rn(__fmul_rn(x[u + HU], inv), w[u + HU]);
-        const float angle = __fmul_rn(__ull2float_rn(pos), f[u]);
-        float sn, c;
-        sincosf(angle, &sn, &c);
-        c = __fmul_rn(c, attention_factor);
-        sn = __fmul_rn(sn, attention_factor);
-        o[u] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sn));
-        o[u + HU] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn));
+        float a = strata_normed(x[u], inv, w[u]);
+        float b = strata_normed(x[u + HU], inv, w[u + HU]);
+        strata_rope_pair(a, b, f[u], pos, attention_factor);
+        o[u] = a;
+        o[u + HU] = b;
     }
 #pragma unroll
-    for (int u = 2 * HU; u < NV; ++u) o[u] = __fmul_rn(__fmul_rn(x[u], inv), w[u]);
+    for (int u = 2 * HU; u < NV; ++u) o[u] = strata_normed(x[u], inv, w[u]);
 }
 
 // attn_append_row of the values a warp holds (element lane + 32 u in v[u]).

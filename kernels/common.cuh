@@ -46,11 +46,52 @@ static __device__ __forceinline__ void strata_cp_async_wait_all() {
 #endif
 }
 
+// ops::rmsnorm's arithmetic, for every kernel that norms a row: the inverse
+// root of the mean square from the row's sum of squares ss over n elements,
+// and one normed element x * inv * w (in that order).
+static __device__ __forceinline__ float strata_rms_inv(float ss, int n, float eps) {
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)n), eps)));
+}
+
+static __device__ __forceinline__ float strata_normed(float x, float inv, float w) {
+    return __fmul_rn(__fmul_rn(x, inv), w);
+}
+
+static __device__ __forceinline__ float4 strata_normed4(float4 x, float inv, float4 w) {
+    return make_float4(strata_normed(x.x, inv, w.x), strata_normed(x.y, inv, w.y), strata_normed(x.z, inv, w.z),
+                       strata_normed(x.w, inv, w.w));
+}
+
+// NeoX RoPE in Rope::cos_sin's operations: the angle of pair i at position
+// pos is the f32 product (float)pos * inv_freq[i] (f); its cos and sin
+// (full-range precise sincosf) are scaled by attention_factor; the pair
+// (a, b) = (x[i], x[i + half]) becomes (a c - b s, b c + a s).
+static __device__ __forceinline__ void strata_rope_cos_sin(float f, unsigned long long pos, float attention_factor,
+                                                           float& c, float& sn) {
+    const float angle = __fmul_rn(__ull2float_rn(pos), f);
+    sincosf(angle, &sn, &c);
+    c = __fmul_rn(c, attention_factor);
+    sn = __fmul_rn(sn, attention_factor);
+}
+
+static __device__ __forceinline__ void strata_rope_rotate(float& a, float& b, float c, float sn) {
+    const float lo = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sn));
+    b = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn));
+    a = lo;
+}
+
+static __device__ __forceinline__ void strata_rope_pair(float& a, float& b, float f, unsigned long long pos,
+                                                        float attention_factor) {
+    float c, sn;
+    strata_rope_cos_sin(f, pos, attention_factor, c, sn);
+    strata_rope_rotate(a, b, c, sn);
+}
+
 // out[0..head_dim) = rope(rmsnorm(x)) of one head row at position pos, by
 // one warp (lane = its lane): the per-head q/k norm and NeoX RoPE (pairs
-// (i, i + half), dims past 2 * half pass through), in ops::rmsnorm's and
-// Rope::cos_sin's operations. dense_rmsnorm_rope and attn_qkv_prep both
-// call it, so their results are the same bits.
+// (i, i + half), dims past 2 * half pass through). dense_rmsnorm_rope and
+// attn_qkv_prep's generic path call it, its register path calls the same
+// helpers, so their results are the same bits.
 static __device__ __forceinline__ void strata_rmsnorm_rope_row(const float* __restrict__ xr,
                                                                const float* __restrict__ w, float* orow,
                                                                int head_dim, float eps,
@@ -61,19 +102,15 @@ static __device__ __forceinline__ void strata_rmsnorm_rope_row(const float* __re
     for (int i = lane; i < head_dim; i += 32) ss = fmaf(xr[i], xr[i], ss);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)head_dim), eps)));
+    const float inv = strata_rms_inv(ss, head_dim, eps);
     for (int i = lane; i < half; i += 32) {
-        const float a = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
-        const float b = __fmul_rn(__fmul_rn(xr[i + half], inv), w[i + half]);
-        const float angle = __fmul_rn(__ull2float_rn(pos), inv_freq[i]);
-        float sn, c;
-        sincosf(angle, &sn, &c);
-        c = __fmul_rn(c, attention_factor);
-        sn = __fmul_rn(sn, attention_factor);
-        orow[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sn));
-        orow[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn));
+        float a = strata_normed(xr[i], inv, w[i]);
+        float b = strata_normed(xr[i + half], inv, w[i + half]);
+        strata_rope_pair(a, b, inv_freq[i], pos, attention_factor);
+        orow[i] = a;
+        orow[i + half] = b;
     }
-    for (int i = 2 * half + lane; i < head_dim; i += 32) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+    for (int i = 2 * half + lane; i < head_dim; i += 32) orow[i] = strata_normed(xr[i], inv, w[i]);
 }
 
 // L2 priority of data a decode step reads once (STRATA_L2_STREAM, default

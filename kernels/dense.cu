@@ -176,14 +176,12 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
         }
         if (nin.flags != nullptr && blockIdx.x == 0 && bad != 0xffffffffu) atomicMin(nin.flags + nin.slot, bad);
         ss = dense_block_sum(ss, norm_scratch);
-        inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)K), nin.eps)));
+        inv = strata_rms_inv(ss, K, nin.eps);
         if (nin.normed != nullptr && blockIdx.x == 0) {
             const float4* g4 = reinterpret_cast<const float4*>(nin.g);
             for (int i = threadIdx.x; i < xstride4; i += blockDim.x) {
                 const float4 v = x4[i], g = __ldg(g4 + i);
-                reinterpret_cast<float4*>(nin.normed)[i] =
-                    make_float4(__fmul_rn(__fmul_rn(v.x, inv), g.x), __fmul_rn(__fmul_rn(v.y, inv), g.y),
-                                __fmul_rn(__fmul_rn(v.z, inv), g.z), __fmul_rn(__fmul_rn(v.w, inv), g.w));
+                reinterpret_cast<float4*>(nin.normed)[i] = strata_normed4(v, inv, g);
             }
         }
     }
@@ -196,10 +194,8 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
             if (NORM) {
                 const float4 ga = __ldg(reinterpret_cast<const float4*>(nin.g) + 2 * v);
                 const float4 gb = __ldg(reinterpret_cast<const float4*>(nin.g) + 2 * v + 1);
-                xa = make_float4(__fmul_rn(__fmul_rn(xa.x, inv), ga.x), __fmul_rn(__fmul_rn(xa.y, inv), ga.y),
-                                 __fmul_rn(__fmul_rn(xa.z, inv), ga.z), __fmul_rn(__fmul_rn(xa.w, inv), ga.w));
-                xb = make_float4(__fmul_rn(__fmul_rn(xb.x, inv), gb.x), __fmul_rn(__fmul_rn(xb.y, inv), gb.y),
-                                 __fmul_rn(__fmul_rn(xb.z, inv), gb.z), __fmul_rn(__fmul_rn(xb.w, inv), gb.w));
+                xa = strata_normed4(xa, inv, ga);
+                xb = strata_normed4(xb, inv, gb);
             }
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
@@ -333,8 +329,8 @@ extern "C" __global__ void dense_rmsnorm_warp(const float* __restrict__ x, const
     float ss = 0.0f;
     for (int i = lane; i < width; i += 32) ss = fmaf(xr[i], xr[i], ss);
     ss = dense_warp_sum(ss);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)width), eps)));
-    for (int i = lane; i < width; i += 32) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+    const float inv = strata_rms_inv(ss, width, eps);
+    for (int i = lane; i < width; i += 32) orow[i] = strata_normed(xr[i], inv, w[i]);
 }
 
 // One block per row (wide rows: hidden 2048 .. 8192).
@@ -347,8 +343,8 @@ extern "C" __global__ void dense_rmsnorm_block(const float* __restrict__ x, cons
     float ss = 0.0f;
     for (int i = threadIdx.x; i < width; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
     ss = dense_block_sum(ss, scratch);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)width), eps)));
-    for (int i = threadIdx.x; i < width; i += blockDim.x) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+    const float inv = strata_rms_inv(ss, width, eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) orow[i] = strata_normed(xr[i], inv, w[i]);
 }
 
 // Wide rows, width % 4 == 0, width <= 4 * 8 * blockDim.x (blockDim.x <= 512):
@@ -405,17 +401,12 @@ extern "C" __global__ void __launch_bounds__(DENSE_NORM_VEC_THREADS) dense_rmsno
     // A thread's first bad element is its smallest index (i grows with u).
     if (bad != 0xffffffffu) atomicMin(flags + slot, bad);
     ss = dense_block_sum(ss, scratch);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)width), eps)));
+    const float inv = strata_rms_inv(ss, width, eps);
 #pragma unroll
     for (int u = 0; u < DENSE_NORM_VEC; ++u) {
         const int i = threadIdx.x + u * blockDim.x;
         if (i < n4) {
-            float4 o;
-            o.x = __fmul_rn(__fmul_rn(v[u].x, inv), g[u].x);
-            o.y = __fmul_rn(__fmul_rn(v[u].y, inv), g[u].y);
-            o.z = __fmul_rn(__fmul_rn(v[u].z, inv), g[u].z);
-            o.w = __fmul_rn(__fmul_rn(v[u].w, inv), g[u].w);
-            orow[i] = o;
+            orow[i] = strata_normed4(v[u], inv, g[u]);
         }
     }
 }
@@ -437,8 +428,8 @@ extern "C" __global__ void dense_add_rmsnorm(float* __restrict__ x, const float*
         ss = fmaf(v, v, ss);
     }
     ss = dense_block_sum(ss, scratch);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)width), eps)));
-    for (int i = threadIdx.x; i < width; i += blockDim.x) orow[i] = __fmul_rn(__fmul_rn(xr[i], inv), w[i]);
+    const float inv = strata_rms_inv(ss, width, eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) orow[i] = strata_normed(xr[i], inv, w[i]);
 }
 
 // ---------------------------------------------------------------------------
@@ -455,15 +446,13 @@ extern "C" __global__ void dense_rope(float* __restrict__ x, const float* __rest
         const int i = (int)(g % half);
         const unsigned long long head = g / half;  // t * heads + h
         const unsigned long long pos = start_pos + head / heads;
-        const float angle = __fmul_rn(__ull2float_rn(pos), inv_freq[i]);
-        float s, c;
-        sincosf(angle, &s, &c);
-        c = __fmul_rn(c, attention_factor);
-        s = __fmul_rn(s, attention_factor);
+        float c, sn;
+        strata_rope_cos_sin(inv_freq[i], pos, attention_factor, c, sn);
         float* hp = x + head * head_dim;
-        const float a = hp[i], b = hp[i + half];
-        hp[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        hp[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+        float a = hp[i], b = hp[i + half];
+        strata_rope_rotate(a, b, c, sn);
+        hp[i] = a;
+        hp[i + half] = b;
     }
 }
 
