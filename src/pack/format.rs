@@ -185,7 +185,7 @@ pub struct Manifest {
     /// Architecture name, repeated from config for quick inspection.
     pub arch: String,
     pub config: ModelConfig,
-    /// Where the weights came from ("convert <dir>", "synth tiny seed 1").
+    /// Where the weights came from (`convert <dir>`, `synth tiny seed 1`).
     pub source: String,
     pub dense_file: String,
     pub tensors: Vec<TensorEntry>,
