@@ -274,18 +274,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let ceil = ceilings(a.device.first().map_or("cpu", String::as_str), a.cache.options().enabled())?;
     let t = Instant::now();
     let opts = EngineOptions {
-        threads: a.threads,
-        devices: a.device.clone(),
-        layer_split: a.split.layer_split(),
-        stage_memory: a.split.stage_memory(),
-        stage_memory_context: a.split.stage_memory_context(),
-        prefill_help: a.split.help(),
-        expert_cache: a.cache.options(),
         gpu_precision: match a.precision {
             PrecisionArg::Accurate => GpuPrecision::Accurate,
             PrecisionArg::Fast => GpuPrecision::Fast,
         },
-        ..Default::default()
+        ..a.split.engine_options(a.threads, &a.device, &a.cache)
     };
     let engine = Engine::load(&a.pack, &opts)?;
     let c: ModelConfig = engine.config().clone();

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use clap::Args;
 
-use strata::engine::{Engine, EngineOptions};
+use strata::engine::Engine;
 
 use super::cache_args::{stats_line, tiers_line, ExpertCacheArgs};
 use super::split_args::{split_line, SplitArgs};
@@ -67,19 +67,7 @@ pub struct GenerateArgs {
 
 pub fn run(a: GenerateArgs) -> Result<()> {
     let t_load = Instant::now();
-    let engine = Engine::load(
-        &a.pack,
-        &EngineOptions {
-            threads: a.threads,
-            devices: a.device.clone(),
-            layer_split: a.split.layer_split(),
-            stage_memory: a.split.stage_memory(),
-            stage_memory_context: a.split.stage_memory_context(),
-            prefill_help: a.split.help(),
-            expert_cache: a.cache.options(),
-            ..Default::default()
-        },
-    )?;
+    let engine = Engine::load(&a.pack, &a.split.engine_options(a.threads, &a.device, &a.cache))?;
     let tokenizer = match engine.pack().tokenizer_path() {
         Some(p) => Some(Tokenizer::from_file(&p)?),
         None => None,

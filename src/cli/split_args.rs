@@ -3,7 +3,9 @@
 
 use clap::Args;
 
-use strata::engine::{Help, SplitStats};
+use strata::engine::{EngineOptions, Help, SplitStats};
+
+use super::cache_args::ExpertCacheArgs;
 
 #[derive(Args, Clone, Debug, Default)]
 pub struct SplitArgs {
@@ -36,6 +38,22 @@ pub enum HelpArg {
 }
 
 impl SplitArgs {
+    /// The engine options of a command that runs a model: `threads` CPU
+    /// threads, `devices`, this split and `cache`'s expert cache; the rest
+    /// default.
+    pub fn engine_options(&self, threads: Option<usize>, devices: &[String], cache: &ExpertCacheArgs) -> EngineOptions {
+        EngineOptions {
+            threads,
+            devices: devices.to_vec(),
+            layer_split: self.layer_split(),
+            stage_memory: self.stage_memory(),
+            stage_memory_context: self.stage_memory_context(),
+            prefill_help: self.help(),
+            expert_cache: cache.options(),
+            ..Default::default()
+        }
+    }
+
     pub fn layer_split(&self) -> Option<Vec<usize>> {
         self.layer_split.clone()
     }
