@@ -40,6 +40,12 @@ fn synth_inspect_generate() {
     let s2 = gen(&["--temperature", "1.0", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.01", "--seed", "9"]);
     assert_eq!(s1, s2);
 
+    // The KV type and the GPU precision reach the engine: f32 is the CPU's
+    // auto; its emulated int8 and bf16 caches run too.
+    assert_eq!(gen(&[]), gen(&["--kv", "f32"]));
+    gen(&["--kv", "int8", "--precision", "fast"]);
+    gen(&["--kv", "bf16"]);
+
     // The expert cache changes where experts come from, never the tokens:
     // 2 slots of 16 (layers x experts) with a 1-slot ring miss, evict and
     // stream, and say so on stderr.

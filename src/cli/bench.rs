@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use clap::Args;
 
-use strata::engine::{layer_state_bytes, Engine, EngineOptions, GpuPrecision};
+use strata::engine::{layer_state_bytes, Engine};
 use strata::experts::ExpertStats;
 use strata::model::weights::{model_tensor_name, Role};
 use strata::model::ModelConfig;
@@ -30,7 +30,7 @@ use strata::session::{KvType, SessionOptions};
 use strata::{Error, Result};
 
 use super::cache_args::{stats_line, tiers_line, ExpertCacheArgs};
-use super::split_args::{split_line, SplitArgs};
+use super::split_args::{split_line, KvArg, PrecisionArg, SplitArgs};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -52,7 +52,7 @@ pub struct BenchArgs {
     /// GPU).
     #[arg(long, value_delimiter = ',', default_value = "cuda")]
     device: Vec<String>,
-    /// KV cache type on CUDA.
+    /// KV cache type on CUDA (auto: int8; the CPU keeps f32).
     #[arg(long, value_enum, default_value = "int8")]
     kv: KvArg,
     /// Prefill chunk in tokens (0 = the whole prompt in one forward).
@@ -68,19 +68,6 @@ pub struct BenchArgs {
     cache: ExpertCacheArgs,
     #[command(flatten)]
     split: SplitArgs,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub enum PrecisionArg {
-    Accurate,
-    Fast,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub enum KvArg {
-    Int8,
-    Bf16,
-    F32,
 }
 
 /// Bytes a decode step reads at context `ctx`, by part.
@@ -273,13 +260,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let ceil = ceilings(a.device.first().map_or("cpu", String::as_str), a.cache.options().enabled())?;
     let t = Instant::now();
-    let opts = EngineOptions {
-        gpu_precision: match a.precision {
-            PrecisionArg::Accurate => GpuPrecision::Accurate,
-            PrecisionArg::Fast => GpuPrecision::Fast,
-        },
-        ..a.split.engine_options(a.threads, &a.device, &a.cache)
-    };
+    let opts = a.split.engine_options(a.threads, &a.device, &a.cache, a.precision);
     let engine = Engine::load(&a.pack, &opts)?;
     let c: ModelConfig = engine.config().clone();
     eprintln!(
@@ -291,12 +272,21 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(line) = tiers_line(&engine.expert_tiers()) {
         eprintln!("strata bench: {line}");
     }
-    let (kv_type, kv_bytes) = match a.kv {
-        KvArg::Int8 => (KvType::Int8, 1.0),
-        KvArg::Bf16 => (KvType::Bf16, 2.0),
-        KvArg::F32 => (KvType::F32, 4.0),
+    // The CPU keeps f32 (its int8 and bf16 caches emulate the GPU's, for tests).
+    let cpu = engine.backend_name() == "cpu";
+    let kv = if cpu {
+        KvArg::F32
+    } else if a.kv == KvArg::Auto {
+        KvArg::Int8
+    } else {
+        a.kv
     };
-    let kv_type = if engine.backend_name() == "cpu" { KvType::Auto } else { kv_type };
+    let kv_bytes = match kv {
+        KvArg::Int8 | KvArg::Auto => 1.0,
+        KvArg::Bf16 => 2.0,
+        KvArg::F32 => 4.0,
+    };
+    let kv_type = if cpu { KvType::Auto } else { kv.kv_type() };
     let sopts = SessionOptions {
         prefill_chunk: a.chunk,
         context_size: (a.prompt_len + a.gen + 1).min(c.max_position_embeddings),

@@ -10,7 +10,7 @@ use clap::Args;
 use strata::engine::Engine;
 
 use super::cache_args::{stats_line, tiers_line, ExpertCacheArgs};
-use super::split_args::{split_line, SplitArgs};
+use super::split_args::{split_line, KvArg, PrecisionArg, SplitArgs};
 use strata::sampling::{Sampler, SamplingParams};
 use strata::session::SessionOptions;
 use strata::tokenizer::Tokenizer;
@@ -53,6 +53,13 @@ pub struct GenerateArgs {
     /// CPU threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// KV cache type (auto: f32 on the CPU, int8 on CUDA; bf16 and int8 on
+    /// the CPU emulate the GPU's caches).
+    #[arg(long, value_enum, default_value = "auto")]
+    kv: KvArg,
+    /// Activation precision of the GPU's tensor-core products (prefill).
+    #[arg(long, value_enum, default_value = "accurate")]
+    precision: PrecisionArg,
     /// Devices, comma-separated: cpu, cuda or cuda:N (CUDA needs a build
     /// with feature cuda); several devices split the layers into stages:
     /// cpu,cpu; cuda:0,cuda:1; cuda:0,cuda:0 (two logical devices on one
@@ -67,7 +74,7 @@ pub struct GenerateArgs {
 
 pub fn run(a: GenerateArgs) -> Result<()> {
     let t_load = Instant::now();
-    let engine = Engine::load(&a.pack, &a.split.engine_options(a.threads, &a.device, &a.cache))?;
+    let engine = Engine::load(&a.pack, &a.split.engine_options(a.threads, &a.device, &a.cache, a.precision))?;
     let tokenizer = match engine.pack().tokenizer_path() {
         Some(p) => Some(Tokenizer::from_file(&p)?),
         None => None,
@@ -92,6 +99,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let mut session = engine.new_session(&SessionOptions {
         context_size: a.context,
         prefill_chunk: a.chunk,
+        kv_type: a.kv.kv_type(),
         ..Default::default()
     })?;
     eprintln!("strata generate: loaded {} in {:.2} s", a.pack.display(), t_load.elapsed().as_secs_f64());

@@ -1,9 +1,11 @@
-//! The device, layer-split and prefill-help options of `strata generate`
-//! and `strata bench` (docs/layer-split.md).
+//! The device options of `strata generate` and `strata bench`: the layer
+//! split and prefill help (docs/layer-split.md), the KV cache type and the
+//! GPU's activation precision.
 
 use clap::Args;
 
-use strata::engine::{EngineOptions, Help, SplitStats};
+use strata::engine::{EngineOptions, GpuPrecision, Help, SplitStats};
+use strata::session::KvType;
 
 use super::cache_args::ExpertCacheArgs;
 
@@ -37,11 +39,55 @@ pub enum HelpArg {
     Off,
 }
 
+/// `--precision`: the activation precision of the GPU's tensor-core
+/// products (prefill; `GpuPrecision`).
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum PrecisionArg {
+    Accurate,
+    Fast,
+}
+
+impl PrecisionArg {
+    pub fn gpu(self) -> GpuPrecision {
+        match self {
+            PrecisionArg::Accurate => GpuPrecision::Accurate,
+            PrecisionArg::Fast => GpuPrecision::Fast,
+        }
+    }
+}
+
+/// `--kv`: the element type of a session's KV cache (`KvType`; auto is the
+/// backend's choice: f32 on the CPU, int8 on CUDA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvArg {
+    Auto,
+    Int8,
+    Bf16,
+    F32,
+}
+
+impl KvArg {
+    pub fn kv_type(self) -> KvType {
+        match self {
+            KvArg::Auto => KvType::Auto,
+            KvArg::Int8 => KvType::Int8,
+            KvArg::Bf16 => KvType::Bf16,
+            KvArg::F32 => KvType::F32,
+        }
+    }
+}
+
 impl SplitArgs {
     /// The engine options of a command that runs a model: `threads` CPU
-    /// threads, `devices`, this split and `cache`'s expert cache; the rest
-    /// default.
-    pub fn engine_options(&self, threads: Option<usize>, devices: &[String], cache: &ExpertCacheArgs) -> EngineOptions {
+    /// threads, `devices`, this split, `cache`'s expert cache and the GPU's
+    /// `precision`; the rest default.
+    pub fn engine_options(
+        &self,
+        threads: Option<usize>,
+        devices: &[String],
+        cache: &ExpertCacheArgs,
+        precision: PrecisionArg,
+    ) -> EngineOptions {
         EngineOptions {
             threads,
             devices: devices.to_vec(),
@@ -50,6 +96,7 @@ impl SplitArgs {
             stage_memory_context: self.stage_memory_context(),
             prefill_help: self.help(),
             expert_cache: cache.options(),
+            gpu_precision: precision.gpu(),
             ..Default::default()
         }
     }
