@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Which kernels' machine code a change alters: compiles kernels/ of a git
 # revision and of the working tree as build.rs does (one translation unit,
-# -O3 -std=c++17, per target), disassembles both (cuobjdump -sass) and lists
+# -O3 -std=c++17, per target), disassembles both (cuobjdump -sass; spacing
+# squeezed: cuobjdump aligns columns to a file's longest line) and lists
 # per target the kernels whose SASS differs, was added or was removed.
 #
 #   scripts/sass-diff.sh BASE [ARCH...]
@@ -20,7 +21,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 
 if [ $# -lt 1 ]; then
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 fi
 base="$1"
@@ -67,7 +68,7 @@ disassemble() {
   "$nvcc" -cubin -O3 -std=c++17 -gencode "arch=compute_$arch,code=sm_$arch" -I "$dir/kernels" \
     -o "$out/k.cubin" "$unity"
   PATH="$bin:$PATH" "$bin/cuobjdump" -sass "$out/k.cubin" |
-    awk -v out="$out" '/Function : / { f = out "/" $3 ".sass"; next } f != "" && NF > 0 { print > f }'
+    awk -v out="$out" '/Function : / { f = out "/" $3 ".sass"; next } f != "" && NF > 0 { $1 = $1; print > f }'
 }
 
 status=0
