@@ -1783,7 +1783,6 @@ ATTN_ROW_INSTANCES(256)
 // same bits as split_q_gate + rmsnorm_rope (q, k) + kv_append.
 
 #define ATTN_PREP_WARPS 8
-#define ATTN_PREP_MAX_NV 8  // values a lane holds in the register path (head_dim <= 256)
 
 // The register path of a prep warp (head_dim and half multiples of 32,
 // head_dim <= 256: lane l holds elements l + 32 u, u < NV, and element i <
