@@ -44,7 +44,7 @@ else
   echo "installing ${packages[*]} into $site" >&2
   rm -rf "$site.tmp"
   mkdir -p "$(dirname "$site")"
-  "${pip[@]}" install --quiet --disable-pip-version-check --no-deps --no-compile \
+  "${pip[@]}" install --quiet --disable-pip-version-check --no-deps --no-compile --no-cache-dir \
     --target "$site.tmp" "${packages[@]}" >&2
   rm -rf "$site"
   mv "$site.tmp" "$site"
