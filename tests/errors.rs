@@ -171,6 +171,11 @@ fn unsupported_config_field() {
     edit_manifest(&p, |v| v["config"]["num_key_value_heads"] = 3.into());
     let e = open_err(&p);
     assert!(e.contains("num_key_value_heads 3"), "{e}");
+    // A dimension far past any checkpoint's is refused by name, before
+    // anything is sized by it.
+    edit_manifest(&p, |v| v["config"]["num_hidden_layers"] = (1u64 << 31).into());
+    let e = open_err(&p);
+    assert!(e.contains("num_hidden_layers 2147483648 exceeds the supported maximum 1024"), "{e}");
 
     // From a checkpoint: a config option the engine does not implement.
     let ck = d.path().join("ckpt");
@@ -229,4 +234,106 @@ fn context_overflow() {
     assert_eq!(s.logits().unwrap(), &before[..]);
     // A context larger than the model supports is refused when opening.
     assert!(engine.new_session(&SessionOptions { context_size: 1 << 20, ..Default::default() }).is_err());
+}
+
+/// Every number, flag and null of a manifest (the first tensors and expert
+/// entries of each table), set to values from 0 to u64::MAX, negative,
+/// fractional and null: opening the pack and running a prompt gives an
+/// error or a working engine, never a panic (an overflow in a shape
+/// product was one) nor an allocation that aborts the process (a layer
+/// count of 2^31 was one). A changed shape field is always an error: the
+/// tensors no longer fit it.
+#[test]
+fn out_of_range_manifest_values_are_errors_not_panics() {
+    use serde_json::Value;
+    fn leaves(v: &Value, path: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+        match v {
+            Value::Object(m) => m.iter().for_each(|(k, x)| {
+                path.push(k.clone());
+                leaves(x, path, out);
+                path.pop();
+            }),
+            Value::Array(a) => a.iter().enumerate().take(4).for_each(|(i, x)| {
+                path.push(i.to_string());
+                leaves(x, path, out);
+                path.pop();
+            }),
+            Value::String(_) => {}
+            _ => out.push(path.clone()),
+        }
+    }
+    fn at<'a>(v: &'a mut Value, path: &[String]) -> &'a mut Value {
+        path.iter().fold(v, |v, k| match v {
+            Value::Array(a) => &mut a[k.parse::<usize>().unwrap()],
+            o => &mut o[k.as_str()],
+        })
+    }
+    fn run(p: &Path) -> strata::Result<()> {
+        let engine = Engine::load(p, &EngineOptions::default())?;
+        engine.new_session(&SessionOptions::default())?.prefill(&[1, 2, 3])?;
+        Ok(())
+    }
+    let shape_fields = [
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "num_experts",
+        "moe_intermediate_size",
+        "full_attention_interval",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+        "shared_expert_intermediate_size",
+        "mtp_num_hidden_layers",
+    ];
+    let values: Vec<Value> = vec![
+        0.into(),
+        1.into(),
+        3.into(),
+        4097.into(),
+        (1u64 << 31).into(),
+        (1u64 << 62).into(),
+        u64::MAX.into(),
+        (-1).into(),
+        1.5.into(),
+        1e300.into(),
+        Value::Null,
+    ];
+    let mut failures = Vec::new();
+    let mut tried = 0;
+    for arch in [Arch::Qwen3Moe, Arch::Qwen3Next] {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("pack");
+        synth::synth(&synth::preset(arch, "tiny").unwrap(), &p, &SynthOptions::default()).unwrap();
+        let text = fs::read_to_string(p.join("manifest.json")).unwrap();
+        let original: Value = serde_json::from_str(&text).unwrap();
+        let mut paths = Vec::new();
+        leaves(&original, &mut Vec::new(), &mut paths);
+        for path in &paths {
+            let is_shape = path.first().is_some_and(|k| k == "config")
+                && path.last().is_some_and(|k| shape_fields.contains(&k.as_str()));
+            for value in &values {
+                let mut v = original.clone();
+                if *at(&mut v, path) == *value {
+                    continue;
+                }
+                *at(&mut v, path) = value.clone();
+                fs::write(p.join("manifest.json"), serde_json::to_string(&v).unwrap()).unwrap();
+                tried += 1;
+                let what = format!("{} {} = {value}", arch.name(), path.join("."));
+                match std::panic::catch_unwind(|| run(&p)) {
+                    Err(_) => failures.push(format!("{what}: panicked")),
+                    Ok(Ok(())) if is_shape => failures.push(format!("{what}: accepted")),
+                    Ok(_) => {}
+                }
+            }
+        }
+    }
+    assert!(tried > 1000, "{tried} mutations");
+    assert!(failures.is_empty(), "{} of {tried} mutations failed:\n{}", failures.len(), failures.join("\n"));
 }

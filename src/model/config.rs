@@ -119,6 +119,18 @@ impl Qwen3NextConfig {
                 return Err(Error::Config(format!("{name} must be positive")));
             }
         }
+        // As ModelConfig::validate's limits.
+        let limits = [
+            ("full_attention_interval", n.full_attention_interval, 1 << 10),
+            ("linear_num_key_heads", n.linear_num_key_heads, 1 << 10),
+            ("linear_num_value_heads", n.linear_num_value_heads, 1 << 10),
+            ("linear_key_head_dim", n.linear_key_head_dim, 1 << 12),
+            ("linear_value_head_dim", n.linear_value_head_dim, 1 << 12),
+            ("linear_conv_kernel_dim", n.linear_conv_kernel_dim, 1 << 8),
+            ("shared_expert_intermediate_size", n.shared_expert_intermediate_size, 1 << 18),
+            ("mtp_num_hidden_layers", n.mtp_num_hidden_layers, 1 << 4),
+        ];
+        check_limits(&limits)?;
         // Value head j reads key head j / (Hv / Hk).
         if n.linear_num_value_heads % n.linear_num_key_heads != 0 {
             return Err(Error::Config(format!(
@@ -134,6 +146,14 @@ impl Qwen3NextConfig {
             )));
         }
         Ok(())
+    }
+}
+
+/// Fails on the first `(name, value, limit)` whose value exceeds its limit.
+fn check_limits(limits: &[(&str, usize, usize)]) -> Result<()> {
+    match limits.iter().find(|(_, v, limit)| v > limit) {
+        Some((name, v, limit)) => Err(Error::Config(format!("{name} {v} exceeds the supported maximum {limit}"))),
+        None => Ok(()),
     }
 }
 
@@ -185,6 +205,22 @@ impl ModelConfig {
                 return Err(Error::Config(format!("{name} must be positive")));
             }
         }
+        // Upper limits far above any published checkpoint, low enough that
+        // no product of them (a weight's elements or bytes, a layer table)
+        // overflows usize or asks for an allocation that would abort the
+        // host process before the tensors are checked against the files.
+        let limits = [
+            ("vocab_size", c.vocab_size, 1 << 22),
+            ("hidden_size", c.hidden_size, 1 << 16),
+            ("num_hidden_layers", c.num_hidden_layers, 1 << 10),
+            ("num_attention_heads", c.num_attention_heads, 1 << 10),
+            ("num_key_value_heads", c.num_key_value_heads, 1 << 10),
+            ("head_dim", c.head_dim, 1 << 12),
+            ("num_experts", c.num_experts, 1 << 14),
+            ("moe_intermediate_size", c.moe_intermediate_size, 1 << 18),
+            ("max_position_embeddings", c.max_position_embeddings, 1 << 24),
+        ];
+        check_limits(&limits)?;
         if c.num_attention_heads % c.num_key_value_heads != 0 {
             return Err(Error::Config(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",

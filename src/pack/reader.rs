@@ -203,6 +203,12 @@ impl Pack {
         let in_bounds = |off: u64, len: u64| off.checked_add(len).is_some_and(|e| e <= dense_len) && off >= HEADER_LEN;
         for (i, t) in m.tensors.iter().enumerate() {
             let bad = |msg: String| Error::bad_pack(&dense_path, format!("tensor {}: {msg}", t.name));
+            // Checked first: every later product of the shape relies on it.
+            // No dtype stores more than two elements a byte.
+            let numel = t.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+            if numel.is_none_or(|n| n / 2 > dense_len) {
+                return Err(bad(format!("shape {:?} holds more elements than the file has bytes", t.shape)));
+            }
             if t.nbytes != t.dtype.payload_len(t.numel()) {
                 return Err(bad(format!("{} bytes do not match shape {:?} in {:?}", t.nbytes, t.shape, t.dtype)));
             }
