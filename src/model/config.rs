@@ -408,10 +408,10 @@ impl ModelConfig {
         };
 
         // Options the engine does not implement: reject rather than run a different model.
-        if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
-            if act != "silu" {
-                return Err(Error::Unsupported(format!("{}: hidden_act {act:?} (only silu)", path.display())));
-            }
+        match v.get("hidden_act") {
+            None | Some(Value::Null) => {}
+            Some(act) if act == "silu" => {}
+            Some(act) => return Err(Error::Unsupported(format!("{}: hidden_act {act} (only silu)", path.display()))),
         }
         if opt_bool("attention_bias")?.unwrap_or(false) {
             return Err(Error::Unsupported(format!("{}: attention_bias = true", path.display())));
@@ -447,7 +447,10 @@ impl ModelConfig {
         let max_position_embeddings = req_usize("max_position_embeddings")?;
         let mut rope_scaling = None;
         if let Some(r) = rope {
-            let kind = r.get("rope_type").or_else(|| r.get("type")).and_then(Value::as_str).unwrap_or("default");
+            let kind = match r.get("rope_type").or_else(|| r.get("type")) {
+                None | Some(Value::Null) => "default",
+                Some(k) => k.as_str().ok_or_else(|| bad(format!("config.json: rope type {k} is not a string")))?,
+            };
             match kind {
                 "default" => {}
                 "yarn" => {
@@ -683,6 +686,21 @@ mod tests {
         let mut v = base();
         v.as_object_mut().unwrap().remove("vocab_size");
         assert!(parse(&v).unwrap_err().to_string().contains("vocab_size"));
+
+        // An activation or rope type that is not a string is refused, not
+        // read as the default.
+        for act in [serde_json::json!("gelu"), serde_json::json!(0), serde_json::json!(true)] {
+            let mut v = base();
+            v["hidden_act"] = act.clone();
+            let e = parse(&v).unwrap_err();
+            assert!(matches!(e, Error::Unsupported(_)) && e.to_string().contains(&format!("hidden_act {act}")), "{e}");
+        }
+        let mut v = base();
+        v["hidden_act"] = serde_json::Value::Null;
+        assert!(parse(&v).is_ok());
+        let mut v = base();
+        v["rope_parameters"]["rope_type"] = 1.into();
+        assert!(parse(&v).unwrap_err().to_string().contains("rope type 1 is not a string"));
     }
 
     fn next_base() -> serde_json::Value {
