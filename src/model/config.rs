@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::ops::RangeInclusive;
 use std::path::Path;
 
 use crate::error::{Error, Result};
@@ -105,32 +106,16 @@ impl LinearAttnShape {
 impl Qwen3NextConfig {
     fn validate(&self) -> Result<()> {
         let n = self;
-        let nonzero = [
-            ("full_attention_interval", n.full_attention_interval),
-            ("linear_num_key_heads", n.linear_num_key_heads),
-            ("linear_num_value_heads", n.linear_num_value_heads),
-            ("linear_key_head_dim", n.linear_key_head_dim),
-            ("linear_value_head_dim", n.linear_value_head_dim),
-            ("linear_conv_kernel_dim", n.linear_conv_kernel_dim),
-            ("shared_expert_intermediate_size", n.shared_expert_intermediate_size),
-        ];
-        for (name, v) in nonzero {
-            if v == 0 {
-                return Err(Error::Config(format!("{name} must be positive")));
-            }
-        }
-        // As ModelConfig::validate's limits.
-        let limits = [
-            ("full_attention_interval", n.full_attention_interval, 1 << 10),
-            ("linear_num_key_heads", n.linear_num_key_heads, 1 << 10),
-            ("linear_num_value_heads", n.linear_num_value_heads, 1 << 10),
-            ("linear_key_head_dim", n.linear_key_head_dim, 1 << 12),
-            ("linear_value_head_dim", n.linear_value_head_dim, 1 << 12),
-            ("linear_conv_kernel_dim", n.linear_conv_kernel_dim, 1 << 8),
-            ("shared_expert_intermediate_size", n.shared_expert_intermediate_size, 1 << 18),
-            ("mtp_num_hidden_layers", n.mtp_num_hidden_layers, 1 << 4),
-        ];
-        check_limits(&limits)?;
+        check_dims(&[
+            ("full_attention_interval", n.full_attention_interval, 1..=1 << 10),
+            ("linear_num_key_heads", n.linear_num_key_heads, 1..=1 << 10),
+            ("linear_num_value_heads", n.linear_num_value_heads, 1..=1 << 10),
+            ("linear_key_head_dim", n.linear_key_head_dim, 1..=1 << 12),
+            ("linear_value_head_dim", n.linear_value_head_dim, 1..=1 << 12),
+            ("linear_conv_kernel_dim", n.linear_conv_kernel_dim, 1..=1 << 8),
+            ("shared_expert_intermediate_size", n.shared_expert_intermediate_size, 1..=1 << 18),
+            ("mtp_num_hidden_layers", n.mtp_num_hidden_layers, 0..=1 << 4),
+        ])?;
         // Value head j reads key head j / (Hv / Hk).
         if n.linear_num_value_heads % n.linear_num_key_heads != 0 {
             return Err(Error::Config(format!(
@@ -149,12 +134,21 @@ impl Qwen3NextConfig {
     }
 }
 
-/// Fails on the first `(name, value, limit)` whose value exceeds its limit.
-fn check_limits(limits: &[(&str, usize, usize)]) -> Result<()> {
-    match limits.iter().find(|(_, v, limit)| v > limit) {
-        Some((name, v, limit)) => Err(Error::Config(format!("{name} {v} exceeds the supported maximum {limit}"))),
-        None => Ok(()),
+/// Fails on the first `(name, value, range)` whose value is outside its
+/// range. The upper ends lie far above any published checkpoint, and low
+/// enough that no product of them (a weight's elements or bytes, a layer
+/// table) overflows usize or asks for an allocation that would abort the
+/// host process before the tensors are checked against the files.
+fn check_dims(dims: &[(&str, usize, RangeInclusive<usize>)]) -> Result<()> {
+    for (name, v, range) in dims {
+        if *v == 0 && !range.contains(v) {
+            return Err(Error::Config(format!("{name} must be positive")));
+        }
+        if !range.contains(v) {
+            return Err(Error::Config(format!("{name} {v} exceeds the supported maximum {}", range.end())));
+        }
     }
+    Ok(())
 }
 
 /// Everything the engine needs to know about a model's shape. Field names
@@ -188,39 +182,18 @@ impl ModelConfig {
     /// Checks internal consistency; every later index computation relies on it.
     pub fn validate(&self) -> Result<()> {
         let c = self;
-        let nonzero = [
-            ("vocab_size", c.vocab_size),
-            ("hidden_size", c.hidden_size),
-            ("num_hidden_layers", c.num_hidden_layers),
-            ("num_attention_heads", c.num_attention_heads),
-            ("num_key_value_heads", c.num_key_value_heads),
-            ("head_dim", c.head_dim),
-            ("num_experts", c.num_experts),
-            ("num_experts_per_tok", c.num_experts_per_tok),
-            ("moe_intermediate_size", c.moe_intermediate_size),
-            ("max_position_embeddings", c.max_position_embeddings),
-        ];
-        for (name, v) in nonzero {
-            if v == 0 {
-                return Err(Error::Config(format!("{name} must be positive")));
-            }
-        }
-        // Upper limits far above any published checkpoint, low enough that
-        // no product of them (a weight's elements or bytes, a layer table)
-        // overflows usize or asks for an allocation that would abort the
-        // host process before the tensors are checked against the files.
-        let limits = [
-            ("vocab_size", c.vocab_size, 1 << 22),
-            ("hidden_size", c.hidden_size, 1 << 16),
-            ("num_hidden_layers", c.num_hidden_layers, 1 << 10),
-            ("num_attention_heads", c.num_attention_heads, 1 << 10),
-            ("num_key_value_heads", c.num_key_value_heads, 1 << 10),
-            ("head_dim", c.head_dim, 1 << 12),
-            ("num_experts", c.num_experts, 1 << 14),
-            ("moe_intermediate_size", c.moe_intermediate_size, 1 << 18),
-            ("max_position_embeddings", c.max_position_embeddings, 1 << 24),
-        ];
-        check_limits(&limits)?;
+        check_dims(&[
+            ("vocab_size", c.vocab_size, 1..=1 << 22),
+            ("hidden_size", c.hidden_size, 1..=1 << 16),
+            ("num_hidden_layers", c.num_hidden_layers, 1..=1 << 10),
+            ("num_attention_heads", c.num_attention_heads, 1..=1 << 10),
+            ("num_key_value_heads", c.num_key_value_heads, 1..=1 << 10),
+            ("head_dim", c.head_dim, 1..=1 << 12),
+            ("num_experts", c.num_experts, 1..=1 << 14),
+            ("num_experts_per_tok", c.num_experts_per_tok, 1..=1 << 14),
+            ("moe_intermediate_size", c.moe_intermediate_size, 1..=1 << 18),
+            ("max_position_embeddings", c.max_position_embeddings, 1..=1 << 24),
+        ])?;
         if c.num_attention_heads % c.num_key_value_heads != 0 {
             return Err(Error::Config(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
