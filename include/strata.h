@@ -456,6 +456,11 @@ typedef struct strata_api {
                                                 size_t n_tokens,
                                                 size_t *out_reused,
                                                 size_t *out_read);
+  /*
+   Added in ABI 1 with end-of-generation tokens: check `struct_size`
+   covers it.
+   */
+  strata_status (*engine_eos_tokens)(const strata_engine *engine, int32_t *tokens, size_t cap, size_t *n_out);
 } strata_api;
 
 #ifdef __cplusplus
@@ -584,6 +589,24 @@ strata_status strata_tokenize(const strata_engine *engine,
                               int32_t *tokens,
                               size_t cap,
                               size_t *n_out);
+
+/*
+ The tokens that end generation: the pack's `eos_token_ids` (from the
+ checkpoint's generation_config.json or config.json; none when it named
+ none). `strata_session_step` does not stop by itself: a host stops
+ when a sampled token is one of these. `*n_out` is their number; if it
+ exceeds `cap`, nothing is written and the call returns
+ `STRATA_ERR_BUFFER_TOO_SMALL`. `tokens` may be NULL when `cap` is 0.
+
+ Thread-safety: any thread.
+
+ # Safety
+ `engine` from `strata_engine_load`; `tokens` writable for `cap` ids.
+ */
+strata_status strata_engine_eos_tokens(const strata_engine *engine,
+                                       int32_t *tokens,
+                                       size_t cap,
+                                       size_t *n_out);
 
 /*
  Decodes `n` token ids into UTF-8 text in `buf`, NUL-terminated. On

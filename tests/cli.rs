@@ -84,6 +84,27 @@ fn synth_inspect_generate() {
     let (rc, _, err) = strata(&args);
     assert_eq!(rc, 0, "{err}");
     assert!(err.contains("split: stage 0 layers 0..1") && err.contains("3 hand-offs"), "{err}");
+
+    // An end-of-generation token in the pack stops generate when it is
+    // sampled (not printed); --ignore-eos runs all N steps.
+    let greedy = gen(&[]);
+    let k = (1..greedy.len()).find(|&k| !greedy[..k].contains(&greedy[k])).unwrap_or(0);
+    let manifest = pack.join("manifest.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    v["eos_token_ids"] = serde_json::json!([greedy[k]]);
+    std::fs::write(&manifest, v.to_string()).unwrap();
+    let (rc, out, err) = strata(&["generate", "--pack", p, "--tokens", "1,2,3,4,5", "-n", "12"]);
+    assert_eq!(rc, 0, "{err}");
+    let toks: Vec<u32> = out.split_whitespace().map(|t| t.parse().unwrap()).collect();
+    assert_eq!(toks, greedy[..k]);
+    let stop = format!("stopped at end-of-generation token {} after {k} tokens", greedy[k]);
+    assert!(err.contains(&stop) && err.contains(&format!("decode {} tokens", k + 1)), "{err}");
+    assert_eq!(gen(&["--ignore-eos"]), greedy);
+    let (rc, out, err) = strata(&["inspect", p]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(out.contains(&format!("eos         {}", greedy[k])), "{out}");
+    v.as_object_mut().unwrap().remove("eos_token_ids");
+    std::fs::write(&manifest, v.to_string()).unwrap();
     let (rc, _, err) = strata(&["generate", "--pack", p, "--tokens", "1", "--device", "cpu,cpu", "--layer-split", "2"]);
     assert_eq!(rc, 1);
     assert!(err.contains("layer split [2]"), "{err}");

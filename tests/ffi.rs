@@ -230,6 +230,9 @@ fn null_pointers_are_rejected_and_named() {
         ("detokenize tokens", "tokens", Box::new(|| strata_detokenize(e.0, ptr::null(), 1, text, 4, u))),
         ("detokenize buf", "buf", Box::new(|| strata_detokenize(e.0, tok.as_ptr(), 1, ptr::null_mut(), 4, u))),
         ("detokenize n_out", "n_out", Box::new(|| strata_detokenize(e.0, tok.as_ptr(), 1, text, 4, ptr::null_mut()))),
+        ("eos_tokens engine", "engine", Box::new(|| strata_engine_eos_tokens(ptr::null(), toks, 4, u))),
+        ("eos_tokens tokens", "tokens", Box::new(|| strata_engine_eos_tokens(e.0, ptr::null_mut(), 4, u))),
+        ("eos_tokens n_out", "n_out", Box::new(|| strata_engine_eos_tokens(e.0, toks, 4, ptr::null_mut()))),
         ("get_api out", "out", Box::new(|| strata_get_api(1, ptr::null_mut()))),
     ] };
     for (what, arg, call) in &cases {
@@ -887,6 +890,9 @@ fn the_api_table_works_and_refuses_newer_abi_versions() {
             generate(&e2, &PROMPT, 1, None)
         };
         assert_eq!(vec![t], direct);
+        let mut n = 1;
+        assert_eq!((api.engine_eos_tokens)(e, ptr::null_mut(), 0, &mut n), STRATA_OK);
+        assert_eq!(n, 0, "a synthetic pack names no end-of-generation token");
         assert_eq!((api.session_rewind)(s, 12345), STRATA_ERR_NOT_FOUND);
         assert!(CStr::from_ptr((api.last_error)()).to_str().unwrap().contains("12345"));
         (api.session_free)(s);
@@ -1094,4 +1100,34 @@ fn checkpoint_policy_params_reach_the_session() {
     let tight = open_with(&e, &p);
     prefill(&tight, &PROMPT);
     expect_err(unsafe { strata_session_rewind(tight.0, 1) }, STRATA_ERR_NOT_FOUND, "checkpoint 1");
+}
+
+#[test]
+fn end_of_generation_tokens_and_buffer_sizes() {
+    let (_d, path) = make_pack(&tiny_config());
+    let manifest = path.join("manifest.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    v["eos_token_ids"] = serde_json::json!([9, 5]);
+    std::fs::write(&manifest, v.to_string()).unwrap();
+    let e = load(&path);
+    let mut n = 0;
+    let st = unsafe { strata_engine_eos_tokens(e.0, ptr::null_mut(), 0, &mut n) };
+    expect_err(st, STRATA_ERR_BUFFER_TOO_SMALL, "2 end-of-generation tokens, tokens holds 0");
+    assert_eq!(n, 2);
+    // Too small a buffer is left as it was.
+    let mut ids = [-1i32; 3];
+    let st = unsafe { strata_engine_eos_tokens(e.0, ids.as_mut_ptr(), 1, &mut n) };
+    expect_err(st, STRATA_ERR_BUFFER_TOO_SMALL, "tokens holds 1");
+    assert_eq!((n, ids), (2, [-1, -1, -1]));
+    ok(unsafe { strata_engine_eos_tokens(e.0, ids.as_mut_ptr(), 3, &mut n) });
+    assert_eq!((n, ids), (2, [9, 5, -1]));
+
+    // An id outside the vocabulary fails the load, naming it.
+    v["eos_token_ids"] = serde_json::json!([5, VOCAB]);
+    std::fs::write(&manifest, v.to_string()).unwrap();
+    let cpath = c_path(&path);
+    let mut out = ptr::null_mut();
+    let st = unsafe { strata_engine_load(cpath.as_ptr(), ptr::null(), &mut out) };
+    expect_err(st, STRATA_ERR_BAD_PACK, &format!("end-of-generation token {VOCAB} is outside the vocabulary"));
+    assert!(out.is_null());
 }

@@ -67,6 +67,24 @@ static strata_status generate(strata_session *s, const strata_sampling_params *p
     return STRATA_OK;
 }
 
+/* Steps up to n times, as `strata generate` does: ends before the first of
+ * the n_eos end-of-generation tokens in eos (the session holds it; out does
+ * not). *n_out is the number of tokens written to out. */
+static strata_status generate_until_eos(strata_session *s, const strata_sampling_params *params, const int32_t *eos,
+                                        size_t n_eos, int32_t *out, size_t n, size_t *n_out)
+{
+    size_t j;
+    for (*n_out = 0; *n_out < n; ++*n_out) {
+        strata_status st = strata_session_step(s, params, &out[*n_out]);
+        if (st != STRATA_OK)
+            return st;
+        for (j = 0; j < n_eos; j++)
+            if (out[*n_out] == eos[j])
+                return STRATA_OK;
+    }
+    return STRATA_OK;
+}
+
 static int same_tokens(const int32_t *a, const int32_t *b, size_t n)
 {
     return memcmp(a, b, n * sizeof *a) == 0;
@@ -82,8 +100,8 @@ int main(int argc, char **argv)
     strata_session_params sparams;
     strata_sampling_params sampling, greedy;
     strata_model_info info;
-    int32_t *prompt = NULL, *out = NULL;
-    size_t n_prompt = 0, pos_before = 0, pos_after = 0, state_size = 0, state_len = 0;
+    int32_t *prompt = NULL, *out = NULL, *eos = NULL;
+    size_t n_prompt = 0, n_eos = 0, n_out = 0, pos_before = 0, pos_after = 0, state_size = 0, state_len = 0;
     int32_t cont_a[CONTINUATION], cont_b[CONTINUATION], cont_c[CONTINUATION];
     uint64_t checkpoint = 0;
     uint8_t *state = NULL;
@@ -159,23 +177,35 @@ int main(int argc, char **argv)
     out = malloc((args.n > 0 ? args.n : 1) * sizeof *out);
     if (out == NULL)
         goto oom;
-    CHECK(generate(session, &sampling, out, args.n));
-    cli_print_tokens(out, args.n);
+    /* The tokens that end generation (none when the checkpoint named
+     * none): a size query first, as for every list the library returns. */
+    {
+        strata_status st = strata_engine_eos_tokens(engine, NULL, 0, &n_eos);
+        if (st == STRATA_ERR_BUFFER_TOO_SMALL) {
+            eos = malloc(n_eos * sizeof *eos);
+            if (eos == NULL)
+                goto oom;
+            st = strata_engine_eos_tokens(engine, eos, n_eos, &n_eos);
+        }
+        CHECK(st);
+    }
+    CHECK(generate_until_eos(session, &sampling, eos, n_eos, out, args.n, &n_out));
+    cli_print_tokens(out, n_out);
 
-    if (info.has_tokenizer && args.n > 0) {
+    if (info.has_tokenizer && n_out > 0) {
         size_t cap = 256, len = 0;
         strata_status st;
         text = malloc(cap);
         if (text == NULL)
             goto oom;
-        st = strata_detokenize(engine, out, args.n, text, cap, &len);
+        st = strata_detokenize(engine, out, n_out, text, cap, &len);
         if (st == STRATA_ERR_BUFFER_TOO_SMALL) { /* len = the bytes needed, NUL included */
             char *bigger = realloc(text, len);
             if (bigger == NULL)
                 goto oom;
             text = bigger;
             cap = len;
-            st = strata_detokenize(engine, out, args.n, text, cap, &len);
+            st = strata_detokenize(engine, out, n_out, text, cap, &len);
         }
         CHECK(st);
         fprintf(stderr, "text: %s\n", text);
@@ -238,6 +268,7 @@ done:
     strata_engine_free(engine);
     free(state);
     free(text);
+    free(eos);
     free(out);
     free(prompt);
     return ok ? 0 : 1;

@@ -104,6 +104,8 @@ type EngineOptions struct {
 type Engine struct {
 	ptr  *C.strata_engine
 	Info ModelInfo
+	// EOSTokens end generation (empty when the checkpoint named none).
+	EOSTokens []int32
 }
 
 // Load loads the pack at path.
@@ -154,6 +156,18 @@ func Load(path string, opts *EngineOptions) (*Engine, error) {
 		VocabSize: uint32(info.vocab_size), HiddenSize: uint32(info.hidden_size), NumLayers: uint32(info.num_layers),
 		NumExperts: uint32(info.num_experts), NumExpertsPerTok: uint32(info.num_experts_per_tok),
 		MaxContext: uint32(info.max_context), HasTokenizer: bool(info.has_tokenizer),
+	}
+	var n C.size_t
+	err := call("strata_engine_eos_tokens", func() C.strata_status { return C.strata_engine_eos_tokens(e.ptr, nil, 0, &n) })
+	if se, ok := err.(*Error); ok && se.Status == ErrBufferTooSmall {
+		e.EOSTokens = make([]int32, int(n))
+		err = call("strata_engine_eos_tokens", func() C.strata_status {
+			return C.strata_engine_eos_tokens(e.ptr, (*C.int32_t)(unsafe.Pointer(&e.EOSTokens[0])), n, &n)
+		})
+	}
+	if err != nil {
+		C.strata_engine_free(e.ptr)
+		return nil, err
 	}
 	runtime.SetFinalizer(e, (*Engine).Close)
 	return e, nil
@@ -236,6 +250,7 @@ type SessionOptions struct {
 type Session struct {
 	ptr   *C.strata_session
 	vocab uint32
+	eos   []int32
 }
 
 // NewSession opens a session on the engine.
@@ -252,7 +267,7 @@ func (e *Engine) NewSession(opts *SessionOptions) (*Session, error) {
 		p.kv_type = C.strata_kv_type(opts.KV)
 		p.keep_all_logits = C.bool(opts.KeepAllLogits)
 	}
-	s := &Session{vocab: e.Info.VocabSize}
+	s := &Session{vocab: e.Info.VocabSize, eos: e.EOSTokens}
 	if err := call("strata_session_open", func() C.strata_status { return C.strata_session_open(e.ptr, &p, &s.ptr) }); err != nil {
 		return nil, err
 	}
@@ -341,7 +356,8 @@ func (s *Session) Step(sp Sampling) (int32, error) {
 	return int32(tok), err
 }
 
-// Generate steps n times.
+// Generate steps up to n times, ending before the first of the engine's
+// EOSTokens (which is sampled, not returned).
 func (s *Session) Generate(n int, sp Sampling) ([]int32, error) {
 	out := make([]int32, 0, n)
 	for i := 0; i < n; i++ {
@@ -349,9 +365,22 @@ func (s *Session) Generate(n int, sp Sampling) ([]int32, error) {
 		if err != nil {
 			return out, err
 		}
+		if contains(s.eos, t) {
+			break
+		}
 		out = append(out, t)
 	}
 	return out, nil
+}
+
+// contains reports whether t is in ids (go 1.19 has no slices package).
+func contains(ids []int32, t int32) bool {
+	for _, id := range ids {
+		if id == t {
+			return true
+		}
+	}
+	return false
 }
 
 // Logits of a position: -1 the last, -2 the one before...; >= 0 absolute.

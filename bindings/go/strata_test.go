@@ -115,6 +115,42 @@ func TestGenerateMatchesRust(t *testing.T) {
 	}
 }
 
+// Generate ends before the first end-of-generation token. The test pack
+// names none, so the session is given one: the first new token greedy
+// decoding samples after the first.
+func TestGenerateStopsAtEOS(t *testing.T) {
+	e, prompt := setup(t)
+	if len(e.EOSTokens) != 0 {
+		t.Fatalf("the test pack names no end-of-generation token, Load read %v", e.EOSTokens)
+	}
+	greedy := generate(t, e, prompt, 12, Greedy)
+	k := 0
+	for i := 1; i < len(greedy) && k == 0; i++ {
+		if !contains(greedy[:i], greedy[i]) {
+			k = i
+		}
+	}
+	s, err := e.NewSession(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	s.eos = []int32{greedy[k]}
+	if err := s.Prefill(prompt); err != nil {
+		t.Fatal(err)
+	}
+	out, err := s.Generate(12, Greedy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(out, greedy[:k]) {
+		t.Errorf("with end-of-generation token %d: got %v, want %v", greedy[k], out, greedy[:k])
+	}
+	if pos, _ := s.Position(); pos != len(prompt)+k+1 {
+		t.Errorf("position %d after stopping, want %d (the end token is in the session)", pos, len(prompt)+k+1)
+	}
+}
+
 func TestErrors(t *testing.T) {
 	e, prompt := setup(t)
 	if _, err := Load("/nonexistent/strata/pack", nil); !errors.Is(err, ErrIO) {

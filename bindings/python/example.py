@@ -36,7 +36,7 @@ def main(argv):
     print(f"strata {strata.version()}, C ABI {strata.abi_version()}", file=sys.stderr)
 
     with strata.Engine(pack) as engine:
-        print(f"model: {engine.info}", file=sys.stderr)
+        print(f"model: {engine.info}, end-of-generation tokens {list(engine.eos_tokens)}", file=sys.stderr)
         try:
             tokens = [int(t) for t in prompt.split(",")]
         except ValueError:
@@ -84,6 +84,17 @@ def main(argv):
             expect(first == again, f"continuation after rewind: {again} vs {first}")
             s.release_checkpoint(cp)
             print(f"checkpoint at {at}, rewind: same continuation {first}", file=sys.stderr)
+
+        # generate() ends before an end-of-generation token (the engine's,
+        # here one given to the session: the first new token of `out`).
+        k = next((i for i in range(1, len(out)) if out[i] not in out[:i]), 0)
+        if out:
+            with engine.session() as s:
+                s.eos_tokens = (out[k],)
+                s.prefill(tokens)
+                stopped = s.generate(n, sampling)
+                expect(stopped == out[:k], f"stop at {out[k]}: {stopped} vs {out[:k]}")
+                print(f"end-of-generation token {out[k]}: stopped after {k} tokens", file=sys.stderr)
 
         # Errors carry the status and the library's message.
         with engine.session() as s:

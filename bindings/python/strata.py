@@ -242,6 +242,7 @@ def _load(path: str) -> ctypes.CDLL:
             st,
             [_EngineP, POINTER(c_int32), c_size_t, POINTER(c_char), c_size_t, POINTER(c_size_t)],
         ),
+        "strata_engine_eos_tokens": (st, [_EngineP, POINTER(c_int32), c_size_t, POINTER(c_size_t)]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -402,6 +403,14 @@ class Engine:
             info.max_context,
             bool(info.has_tokenizer),
         )
+        # The tokens that end generation (empty when the checkpoint named none).
+        n = c_size_t()
+        st = _lib.strata_engine_eos_tokens(self._ptr, None, 0, byref(n))
+        if st != Status.BUFFER_TOO_SMALL:
+            _check("strata_engine_eos_tokens", st)
+        buf = (c_int32 * n.value)()
+        _check("strata_engine_eos_tokens", _lib.strata_engine_eos_tokens(self._ptr, buf, n.value, byref(n)))
+        self.eos_tokens: Tuple[int, ...] = tuple(buf[: n.value])
 
     def _handle(self):
         if not self._ptr:
@@ -467,6 +476,7 @@ class Session:
                  keep_all_logits=False):
         self._ptr = None
         self.vocab_size = engine.info.vocab_size
+        self.eos_tokens = engine.eos_tokens
         params = SessionParams()
         _check("strata_session_default_params", _lib.strata_session_default_params(byref(params), sizeof(params)))
         params.context_size = context_size
@@ -507,12 +517,16 @@ class Session:
         _check("strata_session_step", _lib.strata_session_step(self._handle(), byref(params), byref(tok)))
         return tok.value
 
-    def generate(self, n: int, sampling: Sampling = GREEDY) -> List[int]:
+    def generate(self, n: int, sampling: Sampling = GREEDY, stop_at_eos: bool = True) -> List[int]:
+        """Up to n steps; with stop_at_eos, ends before the first of the
+        engine's end-of-generation tokens (which is sampled, not returned)."""
         params = sampling._c()
         tok = c_int32()
         out = []
         for _ in range(n):
             _check("strata_session_step", _lib.strata_session_step(self._handle(), byref(params), byref(tok)))
+            if stop_at_eos and tok.value in self.eos_tokens:
+                break
             out.append(tok.value)
         return out
 

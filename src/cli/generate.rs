@@ -27,9 +27,13 @@ pub struct GenerateArgs {
     /// Prompt text (needs a pack with tokenizer.json).
     #[arg(long)]
     prompt: Option<String>,
-    /// Number of tokens to generate.
+    /// Number of tokens to generate (fewer when an end-of-generation token
+    /// comes first).
     #[arg(short = 'n', long, default_value_t = 32)]
     n: usize,
+    /// Generate all N tokens even past the pack's end-of-generation tokens.
+    #[arg(long)]
+    ignore_eos: bool,
     /// Sampling temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
@@ -113,9 +117,15 @@ pub fn run(a: GenerateArgs) -> Result<()> {
 
     let mut out = Vec::with_capacity(a.n);
     let stdout = std::io::stdout();
+    let eos = if a.ignore_eos { &[][..] } else { engine.eos_token_ids() };
+    let mut stopped = None;
     let t = Instant::now();
     for _ in 0..a.n {
         let tok = session.step(&mut sampler)?;
+        if eos.contains(&tok) {
+            stopped = Some(tok);
+            break;
+        }
         out.push(tok);
         let mut s = stdout.lock();
         let _ = write!(s, "{tok} ");
@@ -123,6 +133,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     }
     let decode_s = t.elapsed().as_secs_f64();
     println!();
+    // Steps run, the end-of-generation token's included.
+    let steps = out.len() + usize::from(stopped.is_some());
+    if let Some(tok) = stopped {
+        eprintln!("strata generate: stopped at end-of-generation token {tok} after {} tokens", out.len());
+    }
     if let Some(tok) = &tokenizer {
         println!("{}", tok.decode(&out)?);
     }
@@ -131,9 +146,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         prompt.len(),
         prefill_s,
         prompt.len() as f64 / prefill_s.max(1e-9),
-        out.len(),
+        steps,
         decode_s,
-        out.len() as f64 / decode_s.max(1e-9)
+        steps as f64 / decode_s.max(1e-9)
     );
     if let Some(stats) = engine.expert_stats() {
         eprintln!("strata generate: {}", stats_line(&stats));

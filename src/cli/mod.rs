@@ -189,6 +189,10 @@ fn cmd_inspect(path: PathBuf, verify: bool) -> Result<()> {
     };
     println!("rope        {rope}, max positions {}", c.max_position_embeddings);
     println!("tied        {}", c.tie_word_embeddings);
+    if !m.eos_token_ids.is_empty() {
+        let ids: Vec<String> = m.eos_token_ids.iter().map(u32::to_string).collect();
+        println!("eos         {}", ids.join(", "));
+    }
     let mut by_dtype = std::collections::BTreeMap::new();
     for t in &m.tensors {
         let e = by_dtype.entry(format!("{:?}", t.dtype).to_lowercase()).or_insert((0usize, 0u64));

@@ -1137,6 +1137,13 @@ impl Engine {
         &self.inner.pack
     }
 
+    /// The tokens that end generation (the pack's `eos_token_ids`; empty
+    /// when the checkpoint named none). `step` does not stop by itself: a
+    /// caller stops when a sampled token is one of these.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.inner.pack.manifest().eos_token_ids
+    }
+
     /// The tiers each expert cache was planned with (one per stage on a
     /// split over CUDA devices; empty without a cache): slots, ring slots
     /// (sized from the cache unless `ring_slots` was given), host buffers.

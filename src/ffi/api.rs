@@ -90,6 +90,14 @@ pub struct strata_api {
         out_reused: *mut usize,
         out_read: *mut usize,
     ) -> strata_status,
+    /// Added in ABI 1 with end-of-generation tokens: check `struct_size`
+    /// covers it.
+    pub engine_eos_tokens: unsafe extern "C" fn(
+        engine: *const strata_engine,
+        tokens: *mut i32,
+        cap: usize,
+        n_out: *mut usize,
+    ) -> strata_status,
 }
 
 static API: strata_api = strata_api {
@@ -122,6 +130,7 @@ static API: strata_api = strata_api {
     detokenize: strata_detokenize,
     session_checkpoint_release: strata_session_checkpoint_release,
     session_prefill_conversation: strata_session_prefill_conversation,
+    engine_eos_tokens: strata_engine_eos_tokens,
 };
 
 /// The plugin entry point: `*out` = a static table of every function, for

@@ -452,22 +452,55 @@ pub unsafe extern "C" fn strata_tokenize(
 ) -> strata_status {
     run("strata_tokenize", || {
         let e = args::get(engine, "engine")?;
-        let n_out = args::out(n_out, "n_out")?;
+        let n_out = &mut *args::out(n_out, "n_out")?;
         let text = args::utf8(args::slice(text as *const u8, text_len, "text")?, "text")?;
         let tokens = args::slice_mut(tokens, cap, "tokens")?;
         let ids = e.tokenizer()?.encode(text)?;
-        *n_out = ids.len();
-        if ids.len() > cap {
-            return Err(FfiError::new(
-                strata_status::STRATA_ERR_BUFFER_TOO_SMALL,
-                format!("the text is {} tokens, tokens holds {cap}", ids.len()),
-            ));
-        }
-        for (o, &id) in tokens.iter_mut().zip(&ids) {
-            *o = id as i32;
-        }
-        Ok(())
+        write_ids(&ids, tokens, n_out, "tokens in the text")
     })
+}
+
+/// The tokens that end generation: the pack's `eos_token_ids` (from the
+/// checkpoint's generation_config.json or config.json; none when it named
+/// none). `strata_session_step` does not stop by itself: a host stops
+/// when a sampled token is one of these. `*n_out` is their number; if it
+/// exceeds `cap`, nothing is written and the call returns
+/// `STRATA_ERR_BUFFER_TOO_SMALL`. `tokens` may be NULL when `cap` is 0.
+///
+/// Thread-safety: any thread.
+///
+/// # Safety
+/// `engine` from `strata_engine_load`; `tokens` writable for `cap` ids.
+#[no_mangle]
+pub unsafe extern "C" fn strata_engine_eos_tokens(
+    engine: *const strata_engine,
+    tokens: *mut i32,
+    cap: usize,
+    n_out: *mut usize,
+) -> strata_status {
+    run("strata_engine_eos_tokens", || {
+        let e = args::get(engine, "engine")?;
+        let n_out = &mut *args::out(n_out, "n_out")?;
+        let tokens = args::slice_mut(tokens, cap, "tokens")?;
+        write_ids(e.engine.eos_token_ids(), tokens, n_out, "end-of-generation tokens")
+    })
+}
+
+/// Writes `ids` into `tokens` and their count into `n_out`, or fails with
+/// `STRATA_ERR_BUFFER_TOO_SMALL` (writing only the count) when they do
+/// not fit.
+fn write_ids(ids: &[u32], tokens: &mut [i32], n_out: &mut usize, what: &str) -> Result<(), FfiError> {
+    *n_out = ids.len();
+    if ids.len() > tokens.len() {
+        return Err(FfiError::new(
+            strata_status::STRATA_ERR_BUFFER_TOO_SMALL,
+            format!("{} {what}, tokens holds {}", ids.len(), tokens.len()),
+        ));
+    }
+    for (o, &id) in tokens.iter_mut().zip(ids) {
+        *o = id as i32;
+    }
+    Ok(())
 }
 
 /// Decodes `n` token ids into UTF-8 text in `buf`, NUL-terminated. On

@@ -187,11 +187,24 @@ pub struct Manifest {
     pub config: ModelConfig,
     /// Where the weights came from (`convert <dir>`, `synth tiny seed 1`).
     pub source: String,
+    /// The tokens that end generation (the checkpoint's `eos_token_id`, from
+    /// generation_config.json, else config.json); absent when it names none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub eos_token_ids: Vec<u32>,
     pub dense_file: String,
     pub tensors: Vec<TensorEntry>,
     pub experts: ExpertTable,
     /// The .bin files with their sizes, and extra files (tokenizer) copied in.
     pub files: Vec<FileEntry>,
+}
+
+/// Checks a list of end-of-generation tokens against the vocabulary;
+/// the message names the first bad id.
+pub fn check_eos_token_ids(ids: &[u32], vocab_size: usize) -> std::result::Result<(), String> {
+    match ids.iter().find(|&&t| t as usize >= vocab_size) {
+        Some(t) => Err(format!("end-of-generation token {t} is outside the vocabulary (size {vocab_size})")),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

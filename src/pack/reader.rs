@@ -236,6 +236,8 @@ impl Pack {
                 return Err(bad("listed twice".into()));
             }
         }
+        check_eos_token_ids(&m.eos_token_ids, c.vocab_size)
+            .map_err(|msg| Error::bad_pack(self.dir.join(MANIFEST_FILE), msg))?;
         for (name, shape, role) in required_dense_tensors(c) {
             let Some(&i) = self.by_name.get(&name) else {
                 return Err(Error::bad_pack(&dense_path, format!("tensor {name} is missing")));

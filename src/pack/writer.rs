@@ -32,6 +32,7 @@ pub struct PackWriter {
     tensors: Vec<TensorEntry>,
     expert_entries: Vec<Option<ExpertEntry>>,
     extra_files: Vec<FileEntry>,
+    eos_token_ids: Vec<u32>,
 }
 
 impl PackWriter {
@@ -79,7 +80,15 @@ impl PackWriter {
             tensors: Vec::new(),
             expert_entries: vec![None; n],
             extra_files: Vec::new(),
+            eos_token_ids: Vec::new(),
         })
+    }
+
+    /// The tokens that end generation, recorded in the manifest.
+    pub fn set_eos_token_ids(&mut self, ids: &[u32]) -> Result<()> {
+        check_eos_token_ids(ids, self.config.vocab_size).map_err(Error::InvalidArgument)?;
+        self.eos_token_ids = ids.to_vec();
+        Ok(())
     }
 
     pub fn layout(&self) -> ExpertLayout {
@@ -309,6 +318,7 @@ impl PackWriter {
             arch: c.arch.name().into(),
             config: c.clone(),
             source: self.source.clone(),
+            eos_token_ids: self.eos_token_ids.clone(),
             dense_file: DENSE_FILE.into(),
             tensors: std::mem::take(&mut self.tensors),
             experts: ExpertTable {

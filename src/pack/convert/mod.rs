@@ -44,7 +44,7 @@ use rayon::prelude::*;
 
 use self::checkpoint::{Checkpoint, Shards};
 use self::plan::{DensePlan, ExpertPlan, FloatData, MatrixPlan, Source, CHUNK_ELEMS};
-use super::format::{DType, Manifest};
+use super::format::{check_eos_token_ids, DType, Manifest};
 use super::writer::{DenseTensor, PackWriter};
 use crate::error::{Error, Result};
 use crate::model::weights::layer_of_tensor;
@@ -131,8 +131,12 @@ pub fn convert(from: &Path, out: &Path, opts: &ConvertOptions) -> Result<Manifes
         );
     }
 
+    let eos = eos_token_ids(from, &raw)?;
+    check_eos_token_ids(&eos, config.vocab_size).map_err(|msg| Error::bad_checkpoint(from, msg))?;
+
     let source = format!("convert {} ({})", from.display(), scheme.name());
     let mut w = PackWriter::create(out, &config, &source, opts.overwrite)?;
+    w.set_eos_token_ids(&eos)?;
     let bar = (opts.progress && std::io::stderr().is_terminal()).then(|| {
         let pb = ProgressBar::new(config.num_expert_layers() as u64);
         if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} layers ({elapsed}, {eta} left)") {
@@ -165,6 +169,40 @@ pub fn convert(from: &Path, out: &Path, opts: &ConvertOptions) -> Result<Manifes
         pb.finish_and_clear();
     }
     Ok(manifest)
+}
+
+/// The tokens that end generation: `eos_token_id` (one id or a list) of
+/// generation_config.json, which is what transformers' `generate` stops
+/// on, else of config.json (or its `text_config`); none when neither
+/// names one.
+fn eos_token_ids(dir: &Path, config: &serde_json::Value) -> Result<Vec<u32>> {
+    let parse = |v: &serde_json::Value, path: &Path| -> Result<Option<Vec<u32>>> {
+        let id = |x: &serde_json::Value| x.as_u64().and_then(|x| u32::try_from(x).ok());
+        let bad = || Error::bad_checkpoint(path, format!("eos_token_id {v} is not a token id or a list of them"));
+        let ids = match v {
+            serde_json::Value::Null => return Ok(None),
+            serde_json::Value::Array(a) => a.iter().map(|x| id(x).ok_or_else(bad)).collect::<Result<Vec<u32>>>()?,
+            x => vec![id(x).ok_or_else(bad)?],
+        };
+        let mut unique = Vec::with_capacity(ids.len());
+        for t in ids {
+            if !unique.contains(&t) {
+                unique.push(t);
+            }
+        }
+        Ok(Some(unique))
+    };
+    let gen_path = dir.join("generation_config.json");
+    if gen_path.is_file() {
+        let text = std::fs::read_to_string(&gen_path).map_err(|e| Error::io(&gen_path, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::bad_checkpoint(&gen_path, format!("not valid JSON: {e}")))?;
+        if let Some(ids) = v.get("eos_token_id").map(|e| parse(e, &gen_path)).transpose()?.flatten() {
+            return Ok(ids);
+        }
+    }
+    let cfg = config.get("eos_token_id").or_else(|| config.get("text_config")?.get("eos_token_id"));
+    Ok(cfg.map(|e| parse(e, &dir.join("config.json"))).transpose()?.flatten().unwrap_or_default())
 }
 
 fn write_dense(w: &mut PackWriter, d: &DensePlan<'_>) -> Result<()> {

@@ -904,3 +904,41 @@ fn qwen3_next_dense_nvfp4_and_bad_dtypes() {
     let e = err(&dir, &t.path().join("p3"));
     assert!(e.contains(emb) && e.contains("only linear weights"), "{e}");
 }
+
+#[test]
+fn eos_tokens_come_from_generation_config_then_config() {
+    let t = tempfile::tempdir().unwrap();
+    let m = model(false);
+    let tensors = per_expert_bf16(&m);
+    let convert_with = |name: &str, config_eos: Value, generation: Option<Value>| {
+        let mut json = m.json.clone();
+        json["eos_token_id"] = config_eos;
+        let dir = t.path().join(name);
+        write_ckpt(&dir, &json, &[("model.safetensors", &tensors)]);
+        if let Some(g) = generation {
+            std::fs::write(dir.join("generation_config.json"), g.to_string()).unwrap();
+        }
+        let out = t.path().join(format!("{name}.pack"));
+        run(&dir, &out, DenseFormat::Bf16).map(|man| {
+            // What was written is what a reader sees.
+            assert_eq!(Pack::open(&out).unwrap().manifest().eos_token_ids, man.eos_token_ids);
+            man.eos_token_ids
+        })
+    };
+    // Neither names one: none (and no key in the manifest).
+    assert_eq!(convert_with("none", Value::Null, None).unwrap(), Vec::<u32>::new());
+    let text = std::fs::read_to_string(t.path().join("none.pack").join("manifest.json")).unwrap();
+    assert!(!text.contains("eos_token_ids"), "{text}");
+    // config.json alone, one id.
+    assert_eq!(convert_with("cfg", json!(7), None).unwrap(), vec![7]);
+    // generation_config.json wins, a list (repeats dropped, order kept).
+    assert_eq!(convert_with("gen", json!(7), Some(json!({"eos_token_id": [39, 3, 39]}))).unwrap(), vec![39, 3]);
+    // A generation config without the key falls back to config.json.
+    assert_eq!(convert_with("fallback", json!([5, 6]), Some(json!({"do_sample": true}))).unwrap(), vec![5, 6]);
+    // Outside the vocabulary (40) or not an id: an error, and no pack.
+    let e = convert_with("big", json!(40), None).unwrap_err().to_string();
+    assert!(e.contains("end-of-generation token 40") && e.contains("size 40"), "{e}");
+    assert!(!t.path().join("big.pack").exists());
+    let e = convert_with("str", Value::Null, Some(json!({"eos_token_id": ["</s>"]}))).unwrap_err().to_string();
+    assert!(e.contains("generation_config.json") && e.contains("eos_token_id"), "{e}");
+}

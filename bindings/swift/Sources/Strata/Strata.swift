@@ -76,6 +76,8 @@ public struct ModelInfo {
 public final class Engine {
     let handle: OpaquePointer
     public let info: ModelInfo
+    /// The tokens that end generation (empty when the checkpoint named none).
+    public let eosTokens: [Int32]
 
     public init(pack: String, threads: UInt32 = 0) throws {
         var params = strata_engine_params()
@@ -87,13 +89,26 @@ public final class Engine {
         let engine = out!
         var c = strata_model_info()
         c.struct_size = structSize(strata_model_info.self)
-        let st = strata_engine_info(engine, &c)
+        var st = strata_engine_info(engine, &c)
+        var function = "strata_engine_info"
+        var eos = [Int32]()
+        if st == STRATA_OK {
+            function = "strata_engine_eos_tokens"
+            var n = 0
+            st = strata_engine_eos_tokens(engine, nil, 0, &n)
+            if st == STRATA_ERR_BUFFER_TOO_SMALL {  // n = the count
+                eos = [Int32](repeating: 0, count: n)
+                let cap = n
+                st = strata_engine_eos_tokens(engine, &eos, cap, &n)
+            }
+        }
         if st != STRATA_OK {
             let message = String(cString: strata_last_error())
             strata_engine_free(engine)  // deinit does not run for a failed init
-            throw StrataError(status: Int(st.rawValue), function: "strata_engine_info", message: message)
+            throw StrataError(status: Int(st.rawValue), function: function, message: message)
         }
         handle = engine
+        eosTokens = eos
         info = ModelInfo(vocabSize: Int(c.vocab_size), hiddenSize: Int(c.hidden_size), numLayers: Int(c.num_layers),
                          numExperts: Int(c.num_experts), numExpertsPerTok: Int(c.num_experts_per_tok),
                          maxContext: Int(c.max_context), hasTokenizer: c.has_tokenizer)
@@ -145,6 +160,7 @@ public final class Engine {
 public final class Session {
     let handle: OpaquePointer
     let vocab: Int
+    let eos: [Int32]
 
     init(engine: Engine, contextSize: UInt32) throws {
         var params = strata_session_params()
@@ -155,6 +171,7 @@ public final class Session {
         try check("strata_session_open", strata_session_open(engine.handle, &params, &out))
         handle = out!
         vocab = engine.info.vocabSize
+        eos = engine.eosTokens
     }
 
     deinit { strata_session_free(handle) }
@@ -184,8 +201,16 @@ public final class Session {
         return token
     }
 
+    /// Up to `n` steps, ending before the first of the engine's `eosTokens`
+    /// (which is sampled, not returned).
     public func generate(_ n: Int, _ sampling: Sampling = .greedy) throws -> [Int32] {
-        try (0..<n).map { _ in try step(sampling) }
+        var out = [Int32]()
+        for _ in 0..<n {
+            let token = try step(sampling)
+            if eos.contains(token) { break }
+            out.append(token)
+        }
+        return out
     }
 
     public func logits(_ index: Int64 = -1) throws -> [Float] {
