@@ -2,7 +2,8 @@
 # bindings/test-all.sh: CI driver for the C API bindings.
 #
 # Makes a tiny pack, asks the Rust API (`strata generate`) for the tokens of a
-# greedy run and of a seeded sampling run, and checks that every binding
+# greedy run, of a seeded sampling run and of that run on a copy of the pack
+# that names an end-of-generation token, and checks that every binding
 # produces exactly those tokens through the C API: the C example, the C test
 # program (also under valgrind), the dlopen plugin host, the Python example,
 # and the Go package (go test + its example). Swift is built and run when a
@@ -94,6 +95,30 @@ echo "text:    $EXPECT_TEXT   (\"$TEXT_PROMPT\" on $(basename "$TOKPACK"))"
 GREEDY_ARGS=("$PACK" "$PROMPT" "$N" "$SEED")
 SAMPLED_ARGS=("$PACK" "$PROMPT" "$N" "$SEED" "$TEMPERATURE" "$TOP_K" "$TOP_P")
 
+# A copy of the pack that names an end-of-generation token: the first
+# sampled token (after the first) not sampled before it. Generation stops
+# there, before printing it; every binding must stop at the same place.
+EOSPACK="$TMP/tiny-eos"
+cp -r "$PACK" "$EOSPACK"
+EOS_TOKEN=$(python3 - "$EOSPACK/manifest.json" $EXPECT_SAMPLED <<'PY'
+import json, sys
+path, toks = sys.argv[1], sys.argv[2:]
+k = next(i for i in range(1, len(toks)) if toks[i] not in toks[:i])
+m = json.load(open(path))
+m["eos_token_ids"] = [int(toks[k])]
+json.dump(m, open(path, "w"))
+print(toks[k])
+PY
+) || die "could not add an end-of-generation token to the pack"
+EXPECT_EOS=$("$CLI" generate --pack "$EOSPACK" --tokens "$PROMPT" -n "$N" --temperature "$TEMPERATURE" \
+  --top-k "$TOP_K" --top-p "$TOP_P" --seed "$SEED" 2>/dev/null | first_line)
+echo "eos:     $EXPECT_EOS   (end-of-generation token $EOS_TOKEN)"
+case " $EXPECT_SAMPLED " in
+  " $EXPECT_EOS $EOS_TOKEN "*) ;;
+  *) die "strata generate did not stop before end-of-generation token $EOS_TOKEN" ;;
+esac
+EOS_ARGS=("$EOSPACK" "$PROMPT" "$N" "$SEED" "$TEMPERATURE" "$TOP_K" "$TOP_P")
+
 # Run a command; the exit status must be 0 and the tokens as expected.
 run_case() { # run_case NAME WANT COMMAND...
   local name=$1 want=$2 log got rc
@@ -117,9 +142,10 @@ if make -s -C bindings/c clean all >"$TMP/c-build.log" 2>&1; then
   ok=1
   run_case "c example greedy" "$EXPECT_GREEDY" "$C/example" "${GREEDY_ARGS[@]}" || ok=0
   run_case "c example sampled" "$EXPECT_SAMPLED" "$C/example" "${SAMPLED_ARGS[@]}" || ok=0
+  run_case "c example eos" "$EXPECT_EOS" "$C/example" "${EOS_ARGS[@]}" || ok=0
   run_case "c example text" "$EXPECT_TEXT" "$C/example" "$TOKPACK" "$TEXT_PROMPT" "$N" "$SEED" \
     "$TEMPERATURE" "$TOP_K" "$TOP_P" || ok=0
-  [ $ok = 1 ] && pass "c example" "greedy, sampled and text prompt match strata generate" || fail "c example" "see above"
+  [ $ok = 1 ] && pass "c example" "greedy, sampled, end-of-generation stop and text prompt match strata generate" || fail "c example" "see above"
 
   ok=1
   export STRATA_TOKENIZER_PACK="$TOKPACK"
@@ -145,7 +171,8 @@ if make -s -C bindings/c clean all >"$TMP/c-build.log" 2>&1; then
   ok=1
   run_case "plugin host greedy" "$EXPECT_GREEDY" "$C/plugin_host" "$LIB" "${GREEDY_ARGS[@]}" || ok=0
   run_case "plugin host sampled" "$EXPECT_SAMPLED" "$C/plugin_host" "$LIB" "${SAMPLED_ARGS[@]}" || ok=0
-  [ $ok = 1 ] && pass "c plugin host" "dlopen + strata_get_api only; tokens match" || fail "c plugin host" "see above"
+  run_case "plugin host eos" "$EXPECT_EOS" "$C/plugin_host" "$LIB" "${EOS_ARGS[@]}" || ok=0
+  [ $ok = 1 ] && pass "c plugin host" "dlopen + strata_get_api only; tokens and end-of-generation stop match" || fail "c plugin host" "see above"
 else
   sed 's/^/    /' "$TMP/c-build.log"
   fail "c" "build failed"
@@ -160,9 +187,10 @@ if command -v python3 >/dev/null; then
     { sed 's/^/    /' "$TMP/py-layout.log"; ok=0; }
   run_case "python greedy" "$EXPECT_GREEDY" python3 bindings/python/example.py "${GREEDY_ARGS[@]}" || ok=0
   run_case "python sampled" "$EXPECT_SAMPLED" python3 bindings/python/example.py "${SAMPLED_ARGS[@]}" || ok=0
+  run_case "python eos" "$EXPECT_EOS" python3 bindings/python/example.py "${EOS_ARGS[@]}" || ok=0
   run_case "python text" "$EXPECT_TEXT" python3 bindings/python/example.py "$TOKPACK" "$TEXT_PROMPT" "$N" \
     "$SEED" "$TEMPERATURE" "$TOP_K" "$TOP_P" || ok=0
-  [ $ok = 1 ] && pass "python" "ctypes layout matches strata.h; greedy, sampled and text match" ||
+  [ $ok = 1 ] && pass "python" "ctypes layout matches strata.h; greedy, sampled, end-of-generation stop and text match" ||
     fail "python" "see above"
   unset STRATA_LIB
 else
@@ -192,6 +220,7 @@ if command -v go >/dev/null; then
     fi
     run_case "go example greedy" "$EXPECT_GREEDY" "$TMP/go-example" "${GREEDY_ARGS[@]}" || ok=0
     run_case "go example sampled" "$EXPECT_SAMPLED" "$TMP/go-example" "${SAMPLED_ARGS[@]}" || ok=0
+    run_case "go example eos" "$EXPECT_EOS" "$TMP/go-example" "${EOS_ARGS[@]}" || ok=0
   fi
   [ $ok = 1 ] && pass "go" "$(go version | awk '{print $3}'): go test ($(grep -c '^--- PASS' "$TMP/go-test.log") tests) and the example match" ||
     fail "go" "see above"
@@ -207,7 +236,8 @@ if have_swift; then
     ok=1
     run_case "swift greedy" "$EXPECT_GREEDY" "$SWIFT_EXE" "${GREEDY_ARGS[@]}" || ok=0
     run_case "swift sampled" "$EXPECT_SAMPLED" "$SWIFT_EXE" "${SAMPLED_ARGS[@]}" || ok=0
-    [ $ok = 1 ] && pass "swift" "greedy and sampled match" || fail "swift" "see above"
+    run_case "swift eos" "$EXPECT_EOS" "$SWIFT_EXE" "${EOS_ARGS[@]}" || ok=0
+    [ $ok = 1 ] && pass "swift" "greedy, sampled and end-of-generation stop match" || fail "swift" "see above"
   else
     tail -n 40 "$TMP/swift-build.log" | sed 's/^/    /'
     fail "swift" "swift build failed"

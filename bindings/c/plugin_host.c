@@ -50,7 +50,8 @@ int main(int argc, char **argv)
     strata_session *session = NULL;
     strata_sampling_params sampling;
     strata_model_info info;
-    int32_t *out = NULL, again[4], first[4];
+    int32_t *out = NULL, *eos = NULL, again[4], first[4];
+    size_t n_eos = 0, n_out = 0, j;
     uint64_t checkpoint = 0;
     unsigned i;
     int ok = 0;
@@ -109,13 +110,33 @@ int main(int argc, char **argv)
     sampling.min_p = args.min_p;
     sampling.seed = args.seed;
 
+    /* A function appended to the table later (end-of-generation tokens):
+     * used only when the library's table reaches it. */
+    if (api->struct_size >= offsetof(strata_api, engine_eos_tokens) + sizeof api->engine_eos_tokens) {
+        st = api->engine_eos_tokens(engine, NULL, 0, &n_eos);
+        if (st == STRATA_ERR_BUFFER_TOO_SMALL) {
+            eos = malloc(n_eos * sizeof *eos);
+            if (eos == NULL)
+                goto done;
+            st = api->engine_eos_tokens(engine, eos, n_eos, &n_eos);
+        }
+        CHECK(st);
+    }
+
     CHECK(api->session_prefill(session, args.tokens, args.n_tokens));
     out = malloc((args.n > 0 ? args.n : 1) * sizeof *out);
     if (out == NULL)
         goto done;
-    for (i = 0; i < args.n; i++)
-        CHECK(api->session_step(session, &sampling, &out[i]));
-    cli_print_tokens(out, args.n);
+    /* Up to N steps, ending before an end-of-generation token, as
+     * `strata generate` does. */
+    for (n_out = 0; n_out < (size_t)args.n; n_out++) {
+        CHECK(api->session_step(session, &sampling, &out[n_out]));
+        for (j = 0; j < n_eos && out[n_out] != eos[j]; j++)
+            ;
+        if (j < n_eos)
+            break;
+    }
+    cli_print_tokens(out, n_out);
 
     /* Checkpoint and rewind through the table too (greedy continuations). */
     CHECK(api->session_checkpoint(session, &checkpoint));
@@ -134,6 +155,7 @@ done:
     api->session_free(session);
     api->engine_free(engine);
     free(out);
+    free(eos);
     /* Everything from the library is freed; unloading it is the host's call.
      * (A library with a global thread pool may stay mapped; that is fine.) */
     dlclose(lib);

@@ -267,7 +267,7 @@ func (e *Engine) NewSession(opts *SessionOptions) (*Session, error) {
 		p.kv_type = C.strata_kv_type(opts.KV)
 		p.keep_all_logits = C.bool(opts.KeepAllLogits)
 	}
-	s := &Session{vocab: e.Info.VocabSize, eos: e.EOSTokens}
+	s := &Session{vocab: e.Info.VocabSize, eos: append([]int32(nil), e.EOSTokens...)}
 	if err := call("strata_session_open", func() C.strata_status { return C.strata_session_open(e.ptr, &p, &s.ptr) }); err != nil {
 		return nil, err
 	}
@@ -359,13 +359,22 @@ func (s *Session) Step(sp Sampling) (int32, error) {
 // Generate steps up to n times, ending before the first of the engine's
 // EOSTokens (which is sampled, not returned).
 func (s *Session) Generate(n int, sp Sampling) ([]int32, error) {
+	return s.generate(n, sp, s.eos)
+}
+
+// GenerateAll steps n times, past any end-of-generation token.
+func (s *Session) GenerateAll(n int, sp Sampling) ([]int32, error) {
+	return s.generate(n, sp, nil)
+}
+
+func (s *Session) generate(n int, sp Sampling, eos []int32) ([]int32, error) {
 	out := make([]int32, 0, n)
 	for i := 0; i < n; i++ {
 		t, err := s.Step(sp)
 		if err != nil {
 			return out, err
 		}
-		if contains(s.eos, t) {
+		if contains(eos, t) {
 			break
 		}
 		out = append(out, t)

@@ -149,6 +149,14 @@ func TestGenerateStopsAtEOS(t *testing.T) {
 	if pos, _ := s.Position(); pos != len(prompt)+k+1 {
 		t.Errorf("position %d after stopping, want %d (the end token is in the session)", pos, len(prompt)+k+1)
 	}
+	// GenerateAll runs on past it: the greedy continuation after the end token.
+	rest, err := s.GenerateAll(len(greedy)-k-1, Greedy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(rest, greedy[k+1:]) {
+		t.Errorf("GenerateAll after the end token: got %v, want %v", rest, greedy[k+1:])
+	}
 }
 
 func TestErrors(t *testing.T) {

@@ -206,8 +206,8 @@ impl Pack {
             // Checked first: every later product of the shape relies on it.
             // No dtype stores more than two elements a byte.
             let numel = t.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
-            if numel.is_none_or(|n| n / 2 > dense_len) {
-                return Err(bad(format!("shape {:?} holds more elements than the file has bytes", t.shape)));
+            if numel.is_none_or(|n| n > dense_len.saturating_mul(2)) {
+                return Err(bad(format!("shape {:?} holds more than two elements per byte of the file", t.shape)));
             }
             if t.nbytes != t.dtype.payload_len(t.numel()) {
                 return Err(bad(format!("{} bytes do not match shape {:?} in {:?}", t.nbytes, t.shape, t.dtype)));

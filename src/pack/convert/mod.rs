@@ -44,7 +44,7 @@ use rayon::prelude::*;
 
 use self::checkpoint::{Checkpoint, Shards};
 use self::plan::{DensePlan, ExpertPlan, FloatData, MatrixPlan, Source, CHUNK_ELEMS};
-use super::format::{check_eos_token_ids, DType, Manifest};
+use super::format::{DType, Manifest};
 use super::writer::{DenseTensor, PackWriter};
 use crate::error::{Error, Result};
 use crate::model::weights::layer_of_tensor;
@@ -131,8 +131,16 @@ pub fn convert(from: &Path, out: &Path, opts: &ConvertOptions) -> Result<Manifes
         );
     }
 
-    let eos = eos_token_ids(from, &raw)?;
-    check_eos_token_ids(&eos, config.vocab_size).map_err(|msg| Error::bad_checkpoint(from, msg))?;
+    // Ids outside the vocabulary can never be sampled (checkpoints with a
+    // cut-down vocabulary keep their parent's): dropped, with a note.
+    let (eos, unreachable): (Vec<u32>, Vec<u32>) =
+        eos_token_ids(from, &raw)?.into_iter().partition(|&t| (t as usize) < config.vocab_size);
+    if opts.progress && !unreachable.is_empty() {
+        eprintln!(
+            "strata convert: ignoring end-of-generation tokens {unreachable:?}, outside the vocabulary (size {})",
+            config.vocab_size
+        );
+    }
 
     let source = format!("convert {} ({})", from.display(), scheme.name());
     let mut w = PackWriter::create(out, &config, &source, opts.overwrite)?;
@@ -174,7 +182,7 @@ pub fn convert(from: &Path, out: &Path, opts: &ConvertOptions) -> Result<Manifes
 /// The tokens that end generation: `eos_token_id` (one id or a list) of
 /// generation_config.json, which is what transformers' `generate` stops
 /// on, else of config.json (or its `text_config`); none when neither
-/// names one.
+/// names one. A present but empty list means none (no fallback).
 fn eos_token_ids(dir: &Path, config: &serde_json::Value) -> Result<Vec<u32>> {
     let parse = |v: &serde_json::Value, path: &Path| -> Result<Option<Vec<u32>>> {
         let id = |x: &serde_json::Value| x.as_u64().and_then(|x| u32::try_from(x).ok());
@@ -201,7 +209,9 @@ fn eos_token_ids(dir: &Path, config: &serde_json::Value) -> Result<Vec<u32>> {
             return Ok(ids);
         }
     }
-    let cfg = config.get("eos_token_id").or_else(|| config.get("text_config")?.get("eos_token_id"));
+    let cfg = [config, config.get("text_config").unwrap_or(&serde_json::Value::Null)]
+        .into_iter()
+        .find_map(|c| c.get("eos_token_id").filter(|e| !e.is_null()));
     Ok(cfg.map(|e| parse(e, &dir.join("config.json"))).transpose()?.flatten().unwrap_or_default())
 }
 

@@ -202,12 +202,12 @@ public final class Session {
     }
 
     /// Up to `n` steps, ending before the first of the engine's `eosTokens`
-    /// (which is sampled, not returned).
-    public func generate(_ n: Int, _ sampling: Sampling = .greedy) throws -> [Int32] {
+    /// (which is sampled, not returned) unless `stopAtEOS` is false.
+    public func generate(_ n: Int, _ sampling: Sampling = .greedy, stopAtEOS: Bool = true) throws -> [Int32] {
         var out = [Int32]()
         for _ in 0..<n {
             let token = try step(sampling)
-            if eos.contains(token) { break }
+            if stopAtEOS && eos.contains(token) { break }
             out.append(token)
         }
         return out
