@@ -394,13 +394,24 @@ impl Session {
             self.logits = known.map(HostLogits::from);
             return Ok(());
         }
+        // Token `position - 1` runs again for its logits. Checkpoints at
+        // `position` stay: the session returns there (unless that fails).
         let last = self.tokens[position - 1];
-        self.shorten(position - 1);
+        self.shorten(position);
+        self.kv.truncate(position - 1);
+        self.tokens.truncate(position - 1);
         self.logits = None;
-        let logits = self.forward(&[last], Logits::Last)?;
-        self.tokens.push(last);
-        self.logits = Some(logits);
-        Ok(())
+        match self.forward(&[last], Logits::Last) {
+            Ok(logits) => {
+                self.tokens.push(last);
+                self.logits = Some(logits);
+                Ok(())
+            }
+            Err(e) => {
+                self.checkpoints.retain(|_, cp| cp.position < position);
+                Err(e)
+            }
+        }
     }
 
     /// Records the current position and logits; `rewind(id)` returns here.
@@ -1085,6 +1096,49 @@ mod tests {
         }
         assert!(matches!(c.load_state(&token), Err(Error::TokenOutOfRange { token: 1000, index: 0, .. })));
         assert_eq!(c.save_state(), keep);
+
+        // A session cut by truncate without logits round-trips as it is (a
+        // load refused such states until a random sequence of operations
+        // found it); an empty session's state with logits is refused.
+        let mut cut = session(&e, 0);
+        cut.prefill(&PROMPT).unwrap();
+        cut.truncate(2).unwrap();
+        assert!(cut.logits().is_none());
+        let state = cut.save_state();
+        let mut d = session(&e, 0);
+        d.load_state(&state).unwrap();
+        assert_eq!((d.tokens(), d.logits()), (&PROMPT[..2], None));
+        let mut empty = session(&e, 0).save_state();
+        empty[12] |= 1;
+        empty.splice(empty.len() - 4.., vec![0; 4 * e.config().vocab_size + 4]);
+        let body = empty.len() - 4;
+        let crc = crc32fast::hash(&empty[..body]);
+        empty[body..].copy_from_slice(&crc.to_le_bytes());
+        let err = c.load_state(&empty).unwrap_err().to_string();
+        assert!(err.contains("0 tokens with logits"), "{err}");
+        assert_eq!(c.save_state(), keep);
+    }
+
+    #[test]
+    fn rewind_to_a_checkpoint_without_logits_keeps_it() {
+        // A checkpoint taken after a truncate that could not know the
+        // logits: rewind_to its position runs the last token again and
+        // must not drop it (it did, until a random sequence of operations
+        // found it: the rerun went one token below it).
+        let (_d, e) = tiny_engine(&TinyPack::default());
+        let mut s = session(&e, 0);
+        s.prefill(&PROMPT).unwrap();
+        s.truncate(3).unwrap();
+        assert!(s.logits().is_none());
+        let id = s.checkpoint();
+        s.prefill(&[7, 8]).unwrap();
+        s.rewind_to(3).unwrap();
+        assert_eq!(s.tokens(), &PROMPT[..3]);
+        assert!(s.checkpoint_ids().contains(&id), "checkpoint {id} at the rewind's position was dropped");
+        let mut fresh = session(&e, 0);
+        assert_eq!(s.logits().unwrap(), fresh.prefill(&PROMPT[..3]).unwrap());
+        s.rewind(id).unwrap();
+        assert_eq!((s.tokens(), s.logits()), (&PROMPT[..3], None));
     }
 
     #[test]

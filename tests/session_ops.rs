@@ -1,0 +1,160 @@
+//! Random sequences of every session operation (prefill, step, checkpoint,
+//! rewind, rewind_to, truncate, release, prefill_conversation, state save
+//! and load) on both architectures, against a model of what the session
+//! must hold: after each operation its tokens are the model's, its logits
+//! (when it has them) those of a fresh session fed the same tokens, and
+//! every explicit checkpoint at or below its length still rewinds exactly.
+
+use std::collections::BTreeMap;
+
+use strata::engine::{Engine, EngineOptions};
+use strata::model::Arch;
+use strata::pack::synth::{self, SynthOptions};
+use strata::rng::Rng;
+use strata::sampling::SamplingParams;
+use strata::session::{KvType, Session, SessionOptions};
+
+/// Logits of a fresh session (of the same KV type) fed `tokens` in one prefill.
+fn reference(engine: &Engine, kv_type: KvType, tokens: &[u32]) -> Vec<f32> {
+    let mut s = engine.new_session(&SessionOptions { kv_type, ..Default::default() }).unwrap();
+    s.prefill(tokens).unwrap().to_vec()
+}
+
+/// Logits within `tol` of the largest reference logit (at least 1).
+#[track_caller]
+fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    let scale = want.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+    let diff = got.iter().zip(want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(diff <= tol * scale, "{what}: logits differ by {diff} (scale {scale})");
+}
+
+fn run(arch: Arch, seed: u64, ops: usize) {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("pack");
+    synth::synth(&synth::preset(arch, "tiny").unwrap(), &p, &SynthOptions::default()).unwrap();
+    let engine = Engine::load(&p, &EngineOptions::default()).unwrap();
+    let vocab = engine.config().vocab_size as u64;
+    let mut rng = Rng::new(seed);
+    let below = |n: usize, rng: &mut Rng| (rng.next_u64() % n as u64) as usize;
+    let opts = SessionOptions {
+        context_size: 256,
+        prefill_chunk: [0, 3, 7][below(3, &mut rng)],
+        checkpoint_every: [0, 5][below(2, &mut rng)],
+        keep_all_logits: below(2, &mut rng) == 1,
+        kv_type: [KvType::Auto, KvType::Int8][below(2, &mut rng)],
+        ..Default::default()
+    };
+    let mut s: Session = engine.new_session(&opts).unwrap();
+    // The model: tokens, and explicit checkpoints (id -> tokens, logits).
+    let mut tokens: Vec<u32> = Vec::new();
+    let mut checkpoints: BTreeMap<u64, (Vec<u32>, Option<Vec<f32>>)> = BTreeMap::new();
+    // Whether the session may lack logits: after a truncate that could not
+    // know them, and after a rewind to a checkpoint taken then.
+    let mut cut = false;
+    let random_tokens =
+        |n: usize, rng: &mut Rng| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect() };
+    for i in 0..ops {
+        let op = below(9, &mut rng);
+        let what = format!("{arch:?} seed {seed} op {i} ({op}) at {} tokens", tokens.len());
+        match op {
+            0 => {
+                let t = random_tokens(1 + below(9, &mut rng), &mut rng);
+                if tokens.len() + t.len() > 200 {
+                    continue;
+                }
+                s.prefill(&t).unwrap();
+                tokens.extend(t);
+                cut = false;
+            }
+            1 | 2 if s.logits().is_some() => {
+                let params =
+                    SamplingParams { temperature: if op == 1 { 0.0 } else { 0.9 }, seed: 7, ..Default::default() };
+                let before = s.logits().unwrap().to_vec();
+                let t = s.step_with(&params).unwrap();
+                if op == 1 {
+                    let best = before.iter().enumerate().fold(0, |b, (j, &x)| if x > before[b] { j } else { b });
+                    assert_eq!(t as usize, best, "{what}: greedy step");
+                }
+                tokens.push(t);
+                cut = false;
+            }
+            3 if !tokens.is_empty() => {
+                let id = s.checkpoint();
+                checkpoints.insert(id, (tokens.clone(), s.logits().map(<[f32]>::to_vec)));
+            }
+            4 if !checkpoints.is_empty() => {
+                let id = *checkpoints.keys().nth(below(checkpoints.len(), &mut rng)).unwrap();
+                s.rewind(id).unwrap_or_else(|e| panic!("{what}: rewind {id}: {e}"));
+                let (t, l) = checkpoints[&id].clone();
+                assert_eq!(s.logits(), l.as_deref(), "{what}: logits after rewind are the checkpoint's");
+                cut = l.is_none();
+                tokens = t;
+            }
+            5 | 6 if !tokens.is_empty() => {
+                let n = 1 + below(tokens.len(), &mut rng);
+                if op == 5 {
+                    s.rewind_to(n).unwrap();
+                    cut = false;
+                } else {
+                    s.truncate(n).unwrap();
+                    cut = s.logits().is_none();
+                }
+                tokens.truncate(n);
+            }
+            7 => {
+                // The whole conversation: a kept prefix, then a new tail.
+                let keep = if tokens.is_empty() { 0 } else { below(tokens.len() + 1, &mut rng) };
+                let mut conv = tokens[..keep].to_vec();
+                conv.extend(random_tokens(1 + below(6, &mut rng), &mut rng));
+                let common = tokens.iter().zip(&conv).take_while(|(a, b)| a == b).count();
+                let r = s.prefill_conversation(&conv).unwrap();
+                assert_eq!(r.reused + r.read, conv.len(), "{what}: counts");
+                assert!(r.reused <= common, "{what}: reused {} of a common prefix of {common}", r.reused);
+                if common < tokens.len() {
+                    // Diverged: the session went back to the common prefix.
+                    checkpoints.retain(|_, (t, _)| t.len() <= common);
+                }
+                tokens = conv;
+                cut = false;
+            }
+            8 => {
+                // Into a new session, which carries on.
+                let state = s.save_state();
+                let mut t = engine.new_session(&opts).unwrap();
+                t.load_state(&state).unwrap();
+                s = t;
+                cut = cut && s.logits().is_none();
+                // A load drops the checkpoints.
+                checkpoints.clear();
+            }
+            _ => continue,
+        }
+        // Explicit checkpoints past the session's length are gone.
+        checkpoints.retain(|_, (t, _)| t.len() <= tokens.len());
+        assert_eq!(s.tokens(), &tokens[..], "{what}: tokens");
+        if let Some(l) = s.logits() {
+            // An f32 cache differs from one prefill only in the order of sums
+            // (chunks, steps); int8 also in which keys a chunk read quantized
+            // (1.7e-4 at most over 40 seeds).
+            let tol = if opts.kv_type == KvType::Int8 { 2e-3 } else { 1e-4 };
+            close(l, &reference(&engine, opts.kv_type, &tokens), tol, &what);
+        } else {
+            assert!(tokens.is_empty() || cut, "{what}: no logits");
+        }
+        for (&id, (t, _)) in &checkpoints {
+            assert!(s.checkpoint_ids().contains(&id) || t.len() > tokens.len(), "{what}: checkpoint {id} lost");
+        }
+    }
+}
+
+#[test]
+fn random_operation_sequences_keep_tokens_logits_and_checkpoints() {
+    // More with STRATA_SESSION_OPS_SEEDS=N (and _OPS=M): the suite runs a few.
+    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (seeds, ops) = (env("STRATA_SESSION_OPS_SEEDS", 4) as u64, env("STRATA_SESSION_OPS_OPS", 150));
+    for seed in 1..=seeds {
+        run(Arch::Qwen3Moe, seed, ops);
+        run(Arch::Qwen3Next, seed, ops);
+    }
+}
