@@ -1,13 +1,16 @@
 //! Random sequences of every session operation (prefill, step, checkpoint,
 //! rewind, rewind_to, truncate, release, prefill_conversation, state save
-//! and load) on both architectures, against a model of what the session
-//! must hold: after each operation its tokens are the model's, its logits
-//! (when it has them) those of a fresh session fed the same tokens, and
-//! every explicit checkpoint at or below its length still rewinds exactly.
+//! and load) on both architectures and three engines (one device, a layer
+//! split with prefill help, an expert cache that misses and streams),
+//! against a model of what the session must hold: after each operation its
+//! tokens are the model's, its logits (when it has them) those of a fresh
+//! session of the one-device engine fed the same tokens, and every
+//! explicit checkpoint at or below its length still rewinds exactly.
 
 use std::collections::BTreeMap;
 
-use strata::engine::{Engine, EngineOptions};
+use strata::engine::{Engine, EngineOptions, Help};
+use strata::experts::ExpertCacheOptions;
 use strata::model::Arch;
 use strata::pack::synth::{self, SynthOptions};
 use strata::rng::Rng;
@@ -29,14 +32,41 @@ fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     assert!(diff <= tol * scale, "{what}: logits differ by {diff} (scale {scale})");
 }
 
+/// The engines a sequence runs on: one device; a layer split over two CPU
+/// devices with prefill help; an expert cache with one token's slots and a
+/// two-slot ring (misses, evictions and streaming at every step).
+fn engine_options(path: usize, top_k: usize) -> EngineOptions {
+    match path {
+        0 => EngineOptions::default(),
+        1 => EngineOptions {
+            devices: vec!["cpu".into(); 2],
+            layer_split: Some(vec![1]),
+            prefill_help: Help::On,
+            threads: Some(2),
+            ..Default::default()
+        },
+        _ => EngineOptions {
+            expert_cache: ExpertCacheOptions {
+                slots: Some(top_k),
+                ring_slots: Some(2),
+                ring_threshold: 0.0,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    }
+}
+
 fn run(arch: Arch, seed: u64, ops: usize) {
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("pack");
     synth::synth(&synth::preset(arch, "tiny").unwrap(), &p, &SynthOptions::default()).unwrap();
-    let engine = Engine::load(&p, &EngineOptions::default()).unwrap();
-    let vocab = engine.config().vocab_size as u64;
+    let plain = Engine::load(&p, &EngineOptions::default()).unwrap();
+    let vocab = plain.config().vocab_size as u64;
     let mut rng = Rng::new(seed);
     let below = |n: usize, rng: &mut Rng| (rng.next_u64() % n as u64) as usize;
+    let path = below(3, &mut rng);
+    let engine = Engine::load(&p, &engine_options(path, plain.config().num_experts_per_tok)).unwrap();
     let opts = SessionOptions {
         context_size: 256,
         prefill_chunk: [0, 3, 7][below(3, &mut rng)],
@@ -56,7 +86,7 @@ fn run(arch: Arch, seed: u64, ops: usize) {
         |n: usize, rng: &mut Rng| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect() };
     for i in 0..ops {
         let op = below(9, &mut rng);
-        let what = format!("{arch:?} seed {seed} op {i} ({op}) at {} tokens", tokens.len());
+        let what = format!("{arch:?} seed {seed} engine {path} op {i} ({op}) at {} tokens", tokens.len());
         match op {
             0 => {
                 let t = random_tokens(1 + below(9, &mut rng), &mut rng);
@@ -138,7 +168,7 @@ fn run(arch: Arch, seed: u64, ops: usize) {
             // (chunks, steps); int8 also in which keys a chunk read quantized
             // (1.7e-4 at most over 40 seeds).
             let tol = if opts.kv_type == KvType::Int8 { 2e-3 } else { 1e-4 };
-            close(l, &reference(&engine, opts.kv_type, &tokens), tol, &what);
+            close(l, &reference(&plain, opts.kv_type, &tokens), tol, &what);
         } else {
             assert!(tokens.is_empty() || cut, "{what}: no logits");
         }
