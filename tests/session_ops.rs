@@ -1,6 +1,6 @@
 //! Random sequences of every session operation (prefill, step, checkpoint,
-//! rewind, rewind_to, truncate, release, prefill_conversation, state save
-//! and load) on both architectures and three engines (one device, a layer
+//! rewind, rewind_to, truncate, prefill_conversation, state save and load,
+//! and calls that must fail and change nothing) on both architectures and three engines (one device, a layer
 //! split with prefill help, an expert cache that misses and streams),
 //! against a model of what the session must hold: after each operation its
 //! tokens are the model's, its logits (when it has them) those of a fresh
@@ -85,7 +85,7 @@ fn run(arch: Arch, seed: u64, ops: usize) {
     let random_tokens =
         |n: usize, rng: &mut Rng| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect() };
     for i in 0..ops {
-        let op = below(9, &mut rng);
+        let op = below(10, &mut rng);
         let what = format!("{arch:?} seed {seed} engine {path} op {i} ({op}) at {} tokens", tokens.len());
         match op {
             0 => {
@@ -157,6 +157,29 @@ fn run(arch: Arch, seed: u64, ops: usize) {
                 cut = cut && s.logits().is_none();
                 // A load drops the checkpoints.
                 checkpoints.clear();
+            }
+            9 => {
+                // A bad call fails and changes nothing: the saved state (tokens,
+                // KV, logits, sampler) and the checkpoints are as before.
+                let (before, ids) = (s.save_state(), s.checkpoint_ids());
+                let err = match below(6, &mut rng) {
+                    0 => s.prefill(&[1, vocab as u32, 2]).err(),
+                    1 => s.prefill(&vec![1; opts.context_size + 1 - tokens.len()]).err(),
+                    2 => s.rewind(u64::MAX).err(),
+                    3 => s.rewind_to(tokens.len() + 1).err(),
+                    4 => s.step_with(&SamplingParams { temperature: f32::NAN, ..Default::default() }).err(),
+                    _ => {
+                        let mut bad = before.clone();
+                        let at = below(bad.len(), &mut rng);
+                        bad[at] ^= 0x40;
+                        s.load_state(&bad).err()
+                    }
+                };
+                assert!(err.is_some(), "{what}: a bad call succeeded");
+                assert!(
+                    s.save_state() == before && s.checkpoint_ids() == ids,
+                    "{what}: a failed call changed the session"
+                );
             }
             _ => continue,
         }
