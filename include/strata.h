@@ -708,7 +708,9 @@ strata_status strata_session_prefill(strata_session *s, const int32_t *tokens, s
  `STRATA_ERR_NONFINITE`), the session keeps a consistent prefix of the
  conversation (what was reused plus the prefill pieces read before the
  failure, with their checkpoints): calling again with the same
- conversation resumes from there.
+ conversation resumes from there. Until then its last token may have no
+ logits (`strata_session_step` fails; `strata_session_rewind_to` at the
+ session's position computes them).
 
  Thread-safety: one call per session at a time (else `STRATA_ERR_BUSY`).
 

@@ -37,7 +37,7 @@ fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
 /// two-slot ring (misses, evictions and streaming at every step).
 fn engine_options(path: usize, top_k: usize) -> EngineOptions {
     match path {
-        0 => EngineOptions::default(),
+        0 => EngineOptions { threads: Some(2), ..Default::default() },
         1 => EngineOptions {
             devices: vec!["cpu".into(); 2],
             layer_split: Some(vec![1]),
@@ -52,6 +52,7 @@ fn engine_options(path: usize, top_k: usize) -> EngineOptions {
                 ring_threshold: 0.0,
                 ..Default::default()
             },
+            threads: Some(2),
             ..Default::default()
         },
     }
@@ -61,7 +62,9 @@ fn run(arch: Arch, seed: u64, ops: usize) {
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("pack");
     synth::synth(&synth::preset(arch, "tiny").unwrap(), &p, &SynthOptions::default()).unwrap();
-    let plain = Engine::load(&p, &EngineOptions::default()).unwrap();
+    // Two threads everywhere: the sums' order, and so the bits, do not
+    // depend on the machine's cores (see the note on ties below).
+    let plain = Engine::load(&p, &engine_options(0, 0)).unwrap();
     let vocab = plain.config().vocab_size as u64;
     let mut rng = Rng::new(seed);
     let below = |n: usize, rng: &mut Rng| (rng.next_u64() % n as u64) as usize;
@@ -85,7 +88,9 @@ fn run(arch: Arch, seed: u64, ops: usize) {
     let random_tokens =
         |n: usize, rng: &mut Rng| -> Vec<u32> { (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect() };
     for i in 0..ops {
-        let op = below(10, &mut rng);
+        // Operation 10, a forward that fails on a non-finite value, needs
+        // the test hooks (`cargo test --features test-hooks --test session_ops`).
+        let op = below(if cfg!(feature = "test-hooks") { 11 } else { 10 }, &mut rng);
         let what = format!("{arch:?} seed {seed} engine {path} op {i} ({op}) at {} tokens", tokens.len());
         match op {
             0 => {
@@ -181,6 +186,74 @@ fn run(arch: Arch, seed: u64, ops: usize) {
                     "{what}: a failed call changed the session"
                 );
             }
+            #[cfg(feature = "test-hooks")]
+            10 if !tokens.is_empty() => {
+                // A NaN at a random layer of a position the call runs. prefill
+                // and step are all or nothing; prefill_conversation and
+                // rewind_to keep a consistent prefix (checked below: tokens
+                // and logits as a fresh session's).
+                let layer = below(engine.config().num_hidden_layers, &mut rng);
+                let (before, ids) = (s.save_state(), s.checkpoint_ids());
+                // prefill, step (a rewind_to when there are no logits to step
+                // from), prefill_conversation, rewind_to.
+                let kind = match below(4, &mut rng) {
+                    1 if s.logits().is_none() => 3,
+                    k => k,
+                };
+                let r = match kind {
+                    0 => {
+                        let t = random_tokens(1 + below(6, &mut rng), &mut rng);
+                        engine.inject_nan_at(layer, tokens.len() + below(t.len(), &mut rng));
+                        s.prefill(&t).map(|_| t)
+                    }
+                    1 => {
+                        engine.inject_nan_at(layer, tokens.len());
+                        s.step_with(&SamplingParams::default()).map(|t| vec![t])
+                    }
+                    2 => {
+                        let keep = below(tokens.len() + 1, &mut rng);
+                        let mut conv = tokens[..keep].to_vec();
+                        conv.extend(random_tokens(1 + below(6, &mut rng), &mut rng));
+                        engine.inject_nan_at(layer, conv.len() - 1);
+                        let common = tokens.iter().zip(&conv).take_while(|(a, b)| a == b).count();
+                        let r = s.prefill_conversation(&conv);
+                        if r.is_err() && common < tokens.len() {
+                            checkpoints.retain(|_, (t, _)| t.len() <= common);
+                        }
+                        r.map(|_| conv)
+                    }
+                    _ => {
+                        let n = 1 + below(tokens.len(), &mut rng);
+                        engine.inject_nan_at(layer, n - 1);
+                        s.rewind_to(n).map(|_| tokens[..n].to_vec())
+                    }
+                };
+                engine.inject_nan_at(0, usize::MAX); // disarmed if it did not fire
+
+                match r {
+                    Ok(t) if kind < 2 => {
+                        tokens.extend(t);
+                        cut = false;
+                    }
+                    Ok(t) => {
+                        tokens = t;
+                        cut = false;
+                    }
+                    Err(e) => {
+                        assert!(matches!(e, strata::Error::NonFinite(_)), "{what}: {e}");
+                        if kind < 2 {
+                            assert!(
+                                s.save_state() == before && s.checkpoint_ids() == ids,
+                                "{what}: kind {kind} changed"
+                            );
+                        } else {
+                            assert!(tokens.starts_with(s.tokens()) || kind == 2, "{what}: not a prefix");
+                            tokens = s.tokens().to_vec();
+                            cut = s.logits().is_none();
+                        }
+                    }
+                }
+            }
             _ => continue,
         }
         // Explicit checkpoints past the session's length are gone.
@@ -203,7 +276,13 @@ fn run(arch: Arch, seed: u64, ops: usize) {
 
 #[test]
 fn random_operation_sequences_keep_tokens_logits_and_checkpoints() {
-    // More with STRATA_SESSION_OPS_SEEDS=N (and _OPS=M): the suite runs a few.
+    // More with STRATA_SESSION_OPS_SEEDS=N (and _OPS=M): the suite runs a
+    // few. A longer run can meet a token whose two best experts' router
+    // logits differ by about one rounding (the random tiny model has such
+    // near-ties; seed 46 with the test hooks did): paths that sum in
+    // another order then route it differently and its logits differ by
+    // ~1e-2. Check a failure for that before taking it for a bug.
+    // (`cargo test --features test-hooks` adds failing forwards.)
     let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
     let (seeds, ops) = (env("STRATA_SESSION_OPS_SEEDS", 4) as u64, env("STRATA_SESSION_OPS_OPS", 150));
     for seed in 1..=seeds {

@@ -196,7 +196,9 @@ impl Session {
     /// the common prefix (on a hybrid model the restored checkpoint's
     /// tokens) plus the prefill pieces read before the failing one, with
     /// the checkpoints taken on the way; calling again with the same
-    /// conversation resumes from there instead of from the start.
+    /// conversation resumes from there instead of from the start. Until
+    /// then the session may hold no logits (`rewind_to(len)` computes
+    /// them).
     pub fn prefill_conversation(&mut self, tokens: &[u32]) -> Result<PrefillReport> {
         Self::check_tokens(&self.engine, tokens)?;
         if tokens.len() > self.capacity {
@@ -464,12 +466,28 @@ impl Session {
     /// `rewind_to` on a hybrid model: restore the nearest checkpoint at or
     /// before `position`, then re-read the tokens after it.
     fn rewind_hybrid(&mut self, position: usize) -> Result<()> {
-        let base = self.checkpoints.values().filter(|c| c.position <= position).max_by_key(|c| c.position);
+        // A checkpoint at `position` itself serves only with its logits (one
+        // taken when the session had none would leave none).
+        let base = self
+            .checkpoints
+            .values()
+            .filter(|c| c.position < position || (c.position == position && c.logits.is_some()))
+            .max_by_key(|c| c.position);
         let (base_pos, logits, deltas) = match base {
             Some(c) => (c.position, c.logits.clone(), Some(c.deltas.clone())),
             None => (0, None, None),
         };
         let replay = self.tokens[base_pos..position].to_vec();
+        // Checkpoints at `position` above the base (without logits) stay
+        // valid: the replay returns there (unless it fails).
+        let at: Vec<u64> = self
+            .checkpoints
+            .iter()
+            .filter(|(_, c)| c.position == position && position > base_pos)
+            .map(|(&id, _)| id)
+            .collect();
+        let kept: Vec<(u64, Checkpoint)> =
+            at.iter().filter_map(|id| self.checkpoints.remove(id).map(|c| (*id, c))).collect();
         self.shorten(base_pos);
         match deltas {
             Some(d) => self.kv.restore_deltas(&d),
@@ -480,6 +498,7 @@ impl Session {
             // On failure the session is back at the checkpoint.
             self.read_tokens(&replay, Read { all: false, keep_progress: false, end_checkpoint: false })?;
         }
+        self.checkpoints.extend(kept);
         Ok(())
     }
 
@@ -1139,6 +1158,27 @@ mod tests {
         assert_eq!(s.logits().unwrap(), fresh.prefill(&PROMPT[..3]).unwrap());
         s.rewind(id).unwrap();
         assert_eq!((s.tokens(), s.logits()), (&PROMPT[..3], None));
+    }
+
+    #[test]
+    fn rewind_to_on_a_hybrid_recomputes_logits_a_checkpoint_lacks_and_keeps_it() {
+        // A failed prefill_conversation keeps the pieces it read, without
+        // logits (pieces before the last skip them). A checkpoint there has
+        // none; rewind_to its position must still give logits (it gave none:
+        // it restored that checkpoint and had nothing to replay) and keep it.
+        let (_d, e) = tiny_next();
+        let layers = e.config().num_hidden_layers;
+        let mut s = e.new_session(&SessionOptions { prefill_chunk: 3, ..Default::default() }).unwrap();
+        s.prefill(&PROMPT[..4]).unwrap();
+        let conv: Vec<u32> = PROMPT[..4].iter().chain(&[9, 8, 7, 6, 5, 4, 3]).copied().collect();
+        e.fail_next_forward_after(2 * layers + 1); // in the third piece
+        assert!(matches!(s.prefill_conversation(&conv), Err(Error::Cancelled)));
+        assert_eq!((s.tokens(), s.logits()), (&conv[..10], None));
+        let id = s.checkpoint();
+        s.rewind_to(10).unwrap();
+        assert!(s.checkpoint_ids().contains(&id), "the checkpoint at the rewind's position was dropped");
+        let mut fresh = e.new_session(&SessionOptions::default()).unwrap();
+        assert_close(s.logits().expect("rewind_to gives logits"), fresh.prefill(&conv[..10]).unwrap(), "rewind_to 10");
     }
 
     #[test]
