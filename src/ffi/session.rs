@@ -61,7 +61,8 @@ pub struct strata_session_params {
     pub checkpoint_every: u32,
     /// Bytes all checkpoints of the session may hold together; automatic
     /// checkpoints are evicted, oldest first, to stay under it (explicit
-    /// ones never are). 0 (default) = 1 GiB.
+    /// ones never are; a call that fails may have evicted some). 0
+    /// (default) = 1 GiB.
     pub checkpoint_budget: u64,
 }
 
@@ -461,8 +462,13 @@ pub unsafe extern "C" fn strata_session_rewind(s: *mut strata_session, checkpoin
 
 /// Keeps the first `position` tokens (at most the current position) and
 /// drops the rest, with exact logits for the new last position (from a
-/// checkpoint or kept logits, else by running that token again).
-/// Checkpoints past `position` become invalid.
+/// checkpoint or kept logits, else by running that token again; on a model
+/// with recurrent state, by restoring the nearest checkpoint at or before
+/// `position` that can serve and running the tokens after it again).
+/// Checkpoints past `position` become invalid. If that forward fails, the
+/// session holds `position - 1` tokens without logits (with recurrent
+/// state: the restored checkpoint's tokens and logits), and checkpoints
+/// past that are invalid.
 ///
 /// Thread-safety: one call per session at a time (else `STRATA_ERR_BUSY`).
 ///

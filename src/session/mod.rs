@@ -376,8 +376,8 @@ impl Session {
     /// the session holds `position - 1` tokens.
     ///
     /// On a hybrid model (Qwen3-Next) the recurrent state comes from the
-    /// nearest checkpoint at or before `position` (the session start counts
-    /// as an empty one) and the tokens after it are read again, in the
+    /// nearest checkpoint at or before `position` (one at `position` counts
+    /// only with its logits; the session start counts as an empty one) and the tokens after it are read again, in the
     /// session's prefill chunks, so the state and logits equal those of a
     /// fresh session fed the same tokens in the same calls, split at the
     /// checkpoints. If that forward fails, the session holds the
@@ -499,6 +499,9 @@ impl Session {
             self.read_tokens(&replay, Read { all: false, keep_progress: false, end_checkpoint: false })?;
         }
         self.checkpoints.extend(kept);
+        // They were out of the count while the replay's own checkpoints
+        // were taken.
+        self.enforce_checkpoint_budget();
         Ok(())
     }
 
@@ -1179,6 +1182,34 @@ mod tests {
         assert!(s.checkpoint_ids().contains(&id), "the checkpoint at the rewind's position was dropped");
         let mut fresh = e.new_session(&SessionOptions::default()).unwrap();
         assert_close(s.logits().expect("rewind_to gives logits"), fresh.prefill(&conv[..10]).unwrap(), "rewind_to 10");
+    }
+
+    #[test]
+    fn rewind_to_on_a_hybrid_keeps_the_checkpoint_budget() {
+        // The checkpoint at the rewind's position (without logits) is out of
+        // the map while the replay takes its own; putting it back must
+        // evict automatic ones again to stay under the budget.
+        let (_d, e) = tiny_next();
+        let layers = e.config().num_hidden_layers;
+        let mut probe = e.new_session(&SessionOptions::default()).unwrap();
+        probe.prefill(&PROMPT[..2]).unwrap();
+        let taken = probe.checkpoint();
+        let with_logits = probe.checkpoint_size(taken).unwrap();
+        let budget = 2 * with_logits;
+        let opts =
+            SessionOptions { prefill_chunk: 2, checkpoint_every: 5, checkpoint_budget: budget, ..Default::default() };
+        let mut s = e.new_session(&opts).unwrap();
+        s.prefill(&PROMPT[..4]).unwrap();
+        let conv: Vec<u32> = PROMPT[..4].iter().chain(&[9, 8, 7, 6, 5, 4, 3]).copied().collect();
+        e.fail_next_forward_after(2 * layers + 1);
+        assert!(s.prefill_conversation(&conv).is_err());
+        assert_eq!((s.len(), s.logits()), (7, None));
+        let at5 = s.checkpoint_ids().into_iter().find(|&id| s.checkpoint_info(id).unwrap().position == 5).unwrap();
+        s.release_checkpoint(at5).unwrap();
+        let id = s.checkpoint();
+        s.rewind_to(7).unwrap();
+        assert!(s.checkpoint_ids().contains(&id) && s.logits().is_some());
+        assert!(s.checkpoints_size() <= budget, "{} bytes of checkpoints over {budget}", s.checkpoints_size());
     }
 
     #[test]

@@ -304,7 +304,8 @@ impl Session {
         self.kept = None;
         self.checkpoints.clear();
         if self.kv.is_hybrid() {
-            // rewind_to back to the loaded position needs no replay.
+            // rewind_to back to the loaded position needs no replay (unless
+            // the state held no logits: then it replays from the start).
             self.take_checkpoint(true);
         }
         Ok(())
