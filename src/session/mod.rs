@@ -377,11 +377,11 @@ impl Session {
     ///
     /// On a hybrid model (Qwen3-Next) the recurrent state comes from the
     /// nearest checkpoint at or before `position` (one at `position` counts
-    /// only with its logits; the session start counts as an empty one) and the tokens after it are read again, in the
-    /// session's prefill chunks, so the state and logits equal those of a
-    /// fresh session fed the same tokens in the same calls, split at the
-    /// checkpoints. If that forward fails, the session holds the
-    /// checkpoint's tokens.
+    /// only with its logits; the session start counts as an empty one) and
+    /// the tokens after it are read again, in the session's prefill chunks,
+    /// so the state and logits equal those of a fresh session fed the same
+    /// tokens in the same calls, split at the checkpoints. If that forward
+    /// fails, the session holds the checkpoint's tokens.
     pub fn rewind_to(&mut self, position: usize) -> Result<()> {
         self.check_shorten(position, "rewind_to")?;
         if position == self.tokens.len() && (self.logits.is_some() || position == 0) {
