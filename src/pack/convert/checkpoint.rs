@@ -42,7 +42,8 @@ impl Scheme {
     }
 }
 
-fn read_json(path: &Path) -> Result<Value> {
+/// A JSON file of the checkpoint, parsed; a read or parse failure names the file.
+pub(super) fn read_json(path: &Path) -> Result<Value> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     serde_json::from_str(&text).map_err(|e| Error::bad_checkpoint(path, format!("not valid JSON: {e}")))
 }

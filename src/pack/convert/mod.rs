@@ -202,9 +202,7 @@ fn eos_token_ids(dir: &Path, config: &serde_json::Value) -> Result<Vec<u32>> {
     };
     let gen_path = dir.join("generation_config.json");
     if gen_path.is_file() {
-        let text = std::fs::read_to_string(&gen_path).map_err(|e| Error::io(&gen_path, e))?;
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::bad_checkpoint(&gen_path, format!("not valid JSON: {e}")))?;
+        let v = checkpoint::read_json(&gen_path)?;
         if let Some(ids) = v.get("eos_token_id").map(|e| parse(e, &gen_path)).transpose()?.flatten() {
             return Ok(ids);
         }
