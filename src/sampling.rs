@@ -1,6 +1,8 @@
 //! Token sampling: greedy, or temperature then top-k, top-p and min-p
-//! filters and a seeded draw (the crate's xoshiro256** `Rng`, so a seed
-//! gives the same tokens on every platform).
+//! filters and a seeded draw (the crate's xoshiro256** `Rng`; with the
+//! integer arithmetic of `Ranked` below, a seed gives the same tokens on
+//! every platform). A draw costs a few passes over the vocabulary, not a
+//! sort of it.
 
 use crate::error::{Error, Result};
 use crate::rng::Rng;
@@ -123,62 +125,40 @@ impl Sampler {
     /// The distribution a draw picks from: `(token, probability)` after the
     /// temperature and the filters, renormalized, most probable first (ties:
     /// lower token first). Greedy gives the argmax with probability 1.
+    /// (The draw's arithmetic is the module's `Ranked`: probabilities below
+    /// 2^-40 of the most probable token's are zero and not listed.)
     pub fn probabilities(&self, logits: &[f32]) -> Result<Vec<(u32, f64)>> {
         check_samplable(logits)?;
-        Ok(self.probabilities_of_finite(logits))
-    }
-
-    /// `probabilities` of logits already checked (`check_samplable`).
-    fn probabilities_of_finite(&self, logits: &[f32]) -> Vec<(u32, f64)> {
         let p = &self.params;
         if p.temperature == 0.0 || p.top_k == 1 {
-            return vec![(argmax(logits) as u32, 1.0)];
+            return Ok(vec![(argmax(logits) as u32, 1.0)]);
         }
+        let mut r = Ranked::new(logits, p.temperature);
+        let n = self.kept(&mut r);
+        let total = r.prefix_mass(n) as f64;
+        Ok((0..n).map(|i| r.entry(i)).map(|e| (e.id, mass(e.bits) as f64 / total)).collect())
+    }
 
-        // softmax(logits / temperature), in f64.
-        let t = p.temperature as f64;
-        let max = logits[argmax(logits)] as f64;
-        let mut cand: Vec<(u32, f64)> =
-            logits.iter().enumerate().map(|(i, &l)| (i as u32, ((l as f64 - max) / t).exp())).collect();
-        let sum: f64 = cand.iter().map(|c| c.1).sum();
-        for c in &mut cand {
-            c.1 /= sum;
+    /// How many of `r`'s entries (a prefix of its order) the filters keep:
+    /// top-k, then top-p over the mass of what top-k kept, then min-p
+    /// relative to the most probable token. At least 1.
+    fn kept(&self, r: &mut Ranked) -> usize {
+        let p = &self.params;
+        let mut n = r.len();
+        if p.top_k > 0 {
+            n = n.min(p.top_k);
         }
-        let order = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-
-        // top-k: the k most probable, sorted.
-        if p.top_k > 0 && p.top_k < cand.len() {
-            cand.select_nth_unstable_by(p.top_k - 1, order);
-            cand.truncate(p.top_k);
-        }
-        cand.sort_by(order);
-
-        // top-p over the kept tokens' renormalized mass.
         if p.top_p < 1.0 {
-            let kept: f64 = cand.iter().map(|c| c.1).sum();
-            let mut cum = 0.0;
-            let mut n = 0;
-            for c in &cand {
-                cum += c.1 / kept;
-                n += 1;
-                if cum >= p.top_p as f64 {
-                    break;
-                }
-            }
-            cand.truncate(n);
+            // The shortest prefix whose mass reaches top_p of the kept mass.
+            let m = r.prefix_mass(n);
+            let target = ((m as f64 * p.top_p as f64).ceil() as u64).clamp(1, m);
+            n = r.first_reaching(target);
         }
-
-        // min-p relative to the most probable token.
         if p.min_p > 0.0 {
-            let floor = p.min_p as f64 * cand[0].1;
-            cand.retain(|c| c.1 >= floor);
+            // The most probable token's weight is exactly 1 (e^0).
+            n = n.min(r.count_at_least(p.min_p));
         }
-
-        let kept: f64 = cand.iter().map(|c| c.1).sum();
-        for c in &mut cand {
-            c.1 /= kept;
-        }
-        cand
+        n.max(1)
     }
 
     /// Picks the next token from `logits` (one row, `vocab` values).
@@ -189,25 +169,251 @@ impl Sampler {
 
     /// `sample` of logits known to be finite and not empty (a session's:
     /// the engine checked them): one scan of the vocabulary fewer per
-    /// decode step.
+    /// decode step. Costs a few scans of the vocabulary and a sort of the
+    /// few tokens next to the cuts and the draw, not a sort of the
+    /// vocabulary (docs/performance.md, nineteenth session).
     pub(crate) fn sample_checked(&mut self, logits: &[f32]) -> u32 {
         debug_assert!(check_samplable(logits).is_ok(), "sample_checked of unchecked logits");
-        let cand = self.probabilities_of_finite(logits);
-        if cand.len() == 1 {
-            return cand[0].0;
+        let p = &self.params;
+        if p.temperature == 0.0 || p.top_k == 1 {
+            return argmax(logits) as u32;
         }
-        let u = self.rng.next_f64();
-        let mut cum = 0.0;
-        for &(tok, p) in &cand {
-            cum += p;
-            if u < cum {
-                return tok;
+        let mut r = Ranked::new(logits, p.temperature);
+        let n = self.kept(&mut r);
+        if n == 1 {
+            return r.entry(0).id;
+        }
+        // u in [0, 1) picks the first token whose running mass exceeds
+        // u * total (integers: no rounding in the running sums).
+        let total = r.prefix_mass(n);
+        let below = ((self.rng.next_f64() * total as f64) as u64).min(total - 1);
+        let at = r.first_reaching(below + 1) - 1;
+        r.entry(at).id
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The arithmetic of a draw. Token i's weight is w_i = e^((l_i - max) / T) in
+// f32 (`exp_neg`: a fixed sequence of IEEE operations, no libm, so the same
+// bits on every platform), its mass the integer floor(w_i * 2^40); masses add
+// exactly in u64 whatever the order, so the cuts and the draw do not
+// depend on how the sums are grouped. The order is weight descending, then
+// token ascending. Tokens of zero mass (w < 2^-40) are out. Nothing sorts
+// the vocabulary: one pass counts the tokens and their mass in buckets of
+// weight (16 an octave, by the top bits of the f32), the cuts and the draw
+// walk the buckets' masses, and only the tokens of a bucket in which one
+// of them falls are collected (one more pass) and sorted.
+
+/// Fractional bits of a token's mass.
+const MASS_BITS: i32 = 40;
+/// The f32 bits of a weight shifted right by this: exponent and the top 4
+/// bits of the mantissa, a key monotone in the (positive) weight.
+const KEY_SHIFT: u32 = 19;
+/// Key of the weight 1.0 (the largest) and of 2^-40 (the smallest with a mass).
+const KEY_ONE: u32 = 1.0f32.to_bits() >> KEY_SHIFT;
+const KEY_MIN: u32 = (1.0f32 / (1u64 << MASS_BITS) as f32).to_bits() >> KEY_SHIFT;
+const BUCKETS: usize = (KEY_ONE - KEY_MIN + 1) as usize;
+
+/// e^x for x <= 0, in f32 from IEEE operations only (Cephes' expf: x = n
+/// ln2 + r, a degree-6 polynomial in r, times 2^n; rounding of n by the
+/// 1.5 * 2^23 trick): about 1 ulp, and the same bits everywhere. x below -87
+/// (or -inf) gives about 2^-126, below every mass.
+#[inline(always)]
+fn exp_neg(x: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0;
+    let x = if x > -87.0 { x } else { -87.0 };
+    // t = ROUND + n exactly: n is also the difference of the bits.
+    let t = x * std::f32::consts::LOG2_E + ROUND;
+    let n = t - ROUND;
+    let r = (x - n * 0.693_359_4) - n * -2.121_944_4e-4;
+    let mut p = 1.987_569_2e-4f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 0.166_666_65;
+    p = p * r + 0.5;
+    let y = p * (r * r) + r + 1.0;
+    // n in [-126, 0]: 2^n is a normal f32.
+    let n_int = t.to_bits() as i32 - ROUND.to_bits() as i32;
+    y * f32::from_bits(((n_int + 127) as u32) << 23)
+}
+
+/// A weight's mass, floor(w * 2^MASS_BITS) = floor(w * 2^40), from its f32 bits (w in (0, 1]: m *
+/// 2^(e - 150) with m the mantissa and its implicit bit). At most 2^40, so
+/// the masses of a vocabulary (at most 2^22 tokens) add in a u64.
+#[inline(always)]
+fn mass(bits: u32) -> u64 {
+    // floor(m * 2^(e - 110)) = (m * 2^23) >> (133 - e); branch-free (the
+    // histogram's loop would mispredict), 0 below 2^-40 (the shift capped).
+    let (e, m) = (bits >> 23, ((bits & 0x7f_ffff) | 0x80_0000) as u64);
+    (m << 23) >> 133u32.saturating_sub(e).min(63)
+}
+
+/// A weight's bucket (0: the most probable), or `BUCKETS` when it has no mass.
+#[inline(always)]
+fn bucket(bits: u32) -> usize {
+    let key = bits >> KEY_SHIFT;
+    if key >= KEY_MIN {
+        (KEY_ONE - key.min(KEY_ONE)) as usize
+    } else {
+        BUCKETS
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    bits: u32,
+    id: u32,
+}
+
+/// The tokens of non-zero mass by buckets of their weight, most probable
+/// bucket first: per bucket its count and mass; its tokens once something
+/// needs them (placed by a scan of the weights, with the buckets near it),
+/// sorted (weight descending, token ascending) on first use.
+struct Ranked {
+    /// The weights' f32 bits, by token.
+    bits: Vec<u32>,
+    /// Bucket b holds the positions start[b]..start[b + 1] of the order.
+    start: Vec<usize>,
+    masses: Vec<u64>,
+    /// The tokens by position, for the buckets below `placed`.
+    entries: Vec<Entry>,
+    placed: usize,
+    sorted: Vec<bool>,
+}
+
+impl Ranked {
+    /// Weights at `temperature` (> 0) of finite, non-empty `logits`.
+    fn new(logits: &[f32], temperature: f32) -> Ranked {
+        let max = logits[argmax(logits)];
+        let mut bits = vec![0u32; logits.len()];
+        // Four interleaved histograms: neighbours often share a bucket, and
+        // one histogram would chain their increments through memory.
+        const WAYS: usize = 4;
+        let mut count = vec![[0usize; WAYS]; BUCKETS + 1];
+        let mut masses4 = vec![[0u64; WAYS]; BUCKETS + 1];
+        // One pass, in pieces that stay in L1: the weights (a loop the
+        // compiler vectorizes: exp_neg is branch-free), then their buckets.
+        for (out, l) in bits.chunks_mut(512).zip(logits.chunks(512)) {
+            for (o, &l) in out.iter_mut().zip(l) {
+                *o = exp_neg((l - max) / temperature).to_bits();
+            }
+            for q in out.chunks(WAYS) {
+                for (way, &w) in q.iter().enumerate() {
+                    let b = bucket(w);
+                    count[b][way] += 1;
+                    masses4[b][way] += mass(w);
+                }
             }
         }
-        // Rounding left the sum just below u: the last candidate. (No
-        // candidate only if the logits were not finite after all: token 0
-        // rather than a panic; debug builds assert above.)
-        cand.last().map_or(0, |c| c.0)
+        let mut start = Vec::with_capacity(BUCKETS + 1);
+        start.push(0usize);
+        for c in &count[..BUCKETS] {
+            start.push(start[start.len() - 1] + c.iter().sum::<usize>());
+        }
+        let masses = masses4[..BUCKETS].iter().map(|m| m.iter().sum()).collect();
+        Ranked { bits, start, masses, entries: Vec::new(), placed: 0, sorted: vec![false; BUCKETS] }
+    }
+
+    /// Tokens of non-zero mass (at least the most probable one).
+    fn len(&self) -> usize {
+        self.start[BUCKETS]
+    }
+
+    /// Bucket b's tokens in order.
+    fn members(&mut self, b: usize) -> &[Entry] {
+        if b >= self.placed {
+            // Place the buckets from `placed` to an octave past b (a later
+            // need is often near: one scan, not one a bucket).
+            let end = (b + 17).min(BUCKETS);
+            let (lo, hi) = (self.placed, end);
+            // (Positions up to the end of what is placed: a few tokens
+            // when the mass is in the top buckets, as a model's often is.)
+            self.entries.resize(self.start[hi], Entry { bits: 0, id: 0 });
+            let mut cursor = self.start[lo..hi].to_vec();
+            // Buckets lo..hi are the keys (KEY_ONE - hi, KEY_ONE - lo]: a
+            // mask of the matches per 64 weights (a loop the compiler
+            // vectorizes), then the few matches one by one.
+            let (key_lo, key_hi) = (KEY_ONE - hi as u32 + 1, KEY_ONE - lo as u32);
+            for (c, ws) in self.bits.chunks(64).enumerate() {
+                let mut hits = 0u64;
+                for (j, &w) in ws.iter().enumerate() {
+                    let k = w >> KEY_SHIFT;
+                    hits |= ((k >= key_lo && k <= key_hi) as u64) << j;
+                }
+                while hits != 0 {
+                    let j = hits.trailing_zeros() as usize;
+                    hits &= hits - 1;
+                    let w = ws[j];
+                    let at = &mut cursor[bucket(w) - lo];
+                    self.entries[*at] = Entry { bits: w, id: (c * 64 + j) as u32 };
+                    *at += 1;
+                }
+            }
+            self.placed = end;
+        }
+        let run = &mut self.entries[self.start[b]..self.start[b + 1]];
+        if !self.sorted[b] {
+            // Positive f32s order as their bits.
+            run.sort_unstable_by(|x, y| y.bits.cmp(&x.bits).then(x.id.cmp(&y.id)));
+            self.sorted[b] = true;
+        }
+        run
+    }
+
+    /// The bucket holding position `i` (< len).
+    fn bucket_of(&self, i: usize) -> usize {
+        self.start.partition_point(|&s| s <= i) - 1
+    }
+
+    /// The entry at position `i` of the order.
+    fn entry(&mut self, i: usize) -> Entry {
+        let b = self.bucket_of(i);
+        let first = self.start[b];
+        self.members(b)[i - first]
+    }
+
+    /// The mass of the first `n` entries.
+    fn prefix_mass(&mut self, n: usize) -> u64 {
+        if n == 0 {
+            return 0;
+        }
+        let last = self.bucket_of(n - 1);
+        let (whole, first): (u64, usize) = (self.masses[..last].iter().sum(), self.start[last]);
+        if n == self.start[last + 1] {
+            return whole + self.masses[last];
+        }
+        whole + self.members(last)[..n - first].iter().map(|e| mass(e.bits)).sum::<u64>()
+    }
+
+    /// The smallest n whose prefix has a mass of at least `target` (1 <=
+    /// target <= the mass of all entries; else the length).
+    fn first_reaching(&mut self, target: u64) -> usize {
+        let mut acc = 0u64;
+        for b in 0..BUCKETS {
+            if acc + self.masses[b] >= target {
+                let first = self.start[b];
+                for (i, e) in self.members(b).iter().enumerate() {
+                    acc += mass(e.bits);
+                    if acc >= target {
+                        return first + i + 1;
+                    }
+                }
+                break;
+            }
+            acc += self.masses[b];
+        }
+        self.len()
+    }
+
+    /// How many entries weigh at least `w` (in (0, 1]).
+    fn count_at_least(&mut self, w: f32) -> usize {
+        let b = bucket(w.to_bits());
+        if b >= BUCKETS {
+            return self.len();
+        }
+        let first = self.start[b];
+        first + self.members(b).partition_point(|e| f32::from_bits(e.bits) >= w)
     }
 }
 
@@ -372,5 +578,131 @@ mod tests {
         let e = sampler(1.0, 0, 1.0, 0.0, 0).sample(&[f32::INFINITY, 0.0]).unwrap_err().to_string();
         assert!(e.contains("logit 0 is inf"), "{e}");
         assert!(g.sample(&[]).is_err());
+    }
+
+    #[test]
+    fn exp_neg_is_exp_within_a_few_ulps_and_masses_are_exact() {
+        assert_eq!(exp_neg(0.0), 1.0);
+        assert!(exp_neg(f32::NEG_INFINITY) < 1e-37 && exp_neg(-1000.0) < 1e-37);
+        let mut worst = 0.0f64;
+        let mut x = 0.0f32;
+        while x > -87.0 {
+            let want = (x as f64).exp();
+            worst = worst.max((exp_neg(x) as f64 - want).abs() / want);
+            x -= 0.000_731;
+        }
+        // f32's ulp is 1.2e-7 relative at worst.
+        assert!(worst < 3e-7, "relative error {worst}");
+        let mut rng = crate::rng::Rng::new(11);
+        for _ in 0..100_000 {
+            let w = exp_neg(-(rng.next_f64() * 40.0) as f32);
+            assert_eq!(mass(w.to_bits()), (w as f64 * 2f64.powi(40)).floor() as u64, "w = {w:e}");
+        }
+        assert_eq!(mass(1.0f32.to_bits()), 1 << 40);
+        assert_eq!(mass(2f32.powi(-40).to_bits()), 1);
+        assert_eq!(mass(2f32.powi(-41).to_bits()), 0);
+    }
+
+    /// The draw by its definition (module comment above `MASS_BITS`): every
+    /// token's weight and mass, one sort of the vocabulary, the cuts by
+    /// running sums. Returns the kept (token, mass) in order, and the token
+    /// `u` picks (None when one token is kept: no draw).
+    /// (`all`: `sorted_by_definition` of the logits at p's temperature.)
+    fn by_definition(p: &SamplingParams, all: &[(u32, u32)], u: f64) -> (Vec<(u32, u64)>, Option<u32>) {
+        let run = |n: usize, all: &[(u32, u32)]| -> Vec<u64> {
+            all[..n]
+                .iter()
+                .scan(0u64, |acc, &(_, w)| {
+                    *acc += mass(w);
+                    Some(*acc)
+                })
+                .collect()
+        };
+        let mut n = all.len();
+        if p.top_k > 0 {
+            n = n.min(p.top_k);
+        }
+        if p.top_p < 1.0 {
+            let cum = run(n, all);
+            let m = cum[n - 1];
+            let target = ((m as f64 * p.top_p as f64).ceil() as u64).clamp(1, m);
+            n = cum.iter().position(|&c| c >= target).unwrap() + 1;
+        }
+        if p.min_p > 0.0 {
+            n = n.min(all.iter().filter(|&&(_, w)| f32::from_bits(w) >= p.min_p).count());
+        }
+        let kept: Vec<(u32, u64)> = all[..n].iter().map(|&(t, w)| (t, mass(w))).collect();
+        if n == 1 {
+            return (kept, None);
+        }
+        let cum = run(n, all);
+        let below = ((u * cum[n - 1] as f64) as u64).min(cum[n - 1] - 1);
+        let at = cum.iter().position(|&c| c > below).unwrap();
+        (kept, Some(all[at].0))
+    }
+
+    /// Every token of non-zero mass as (token, weight bits), by weight
+    /// descending, then token ascending.
+    fn sorted_by_definition(logits: &[f32], temperature: f32) -> Vec<(u32, u32)> {
+        let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let mut all: Vec<(u32, u32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, exp_neg((l - max) / temperature).to_bits()))
+            .filter(|&(_, w)| mass(w) > 0)
+            .collect();
+        all.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        all
+    }
+
+    #[test]
+    fn buckets_give_the_draw_of_a_full_sort() {
+        let mut rng = crate::rng::Rng::new(5);
+        let mut uniform = move |lo: f32, hi: f32| lo + (hi - lo) * (rng.next_f64() as f32);
+        let mut cases: Vec<Vec<f32>> =
+            vec![vec![0.0], vec![1.0, 1.0], vec![3.0, -1.0, 3.0], vec![f32::MAX, -f32::MAX, 0.0]];
+        for &v in &[5usize, 64, 300, 4096] {
+            cases.push((0..v).map(|_| uniform(-10.0, 10.0)).collect()); // flat
+            cases.push((0..v).map(|_| uniform(-1.0, 1.0).round() * 2.0).collect()); // ties
+            cases.push((0..v).map(|i| if i % 97 == 3 { uniform(12.0, 16.0) } else { uniform(-4.0, 4.0) }).collect());
+            cases.push((0..v).map(|_| uniform(-0.001, 0.001)).collect()); // near-ties
+        }
+        // And a vocabulary of a model's size, on a few of the parameters.
+        let big = cases.len();
+        cases
+            .push((0..151_936).map(|i| if i % 7919 == 0 { uniform(12.0, 16.0) } else { uniform(-6.0, 6.0) }).collect());
+        cases.push((0..151_936).map(|_| uniform(-10.0, 10.0)).collect());
+        let mut checked = (0, 0);
+        for (c, logits) in cases.iter().enumerate() {
+            let few = |x: &[f32]| if c >= big { x[1..3].to_vec() } else { x.to_vec() };
+            let v = logits.len();
+            for &temperature in &few(&[0.05f32, 0.7, 1.0, 3.0, 1e4]) {
+                let all = sorted_by_definition(logits, temperature);
+                for &top_k in &[0usize, 2, 40, v, v + 5][..if c >= big { 3 } else { 5 }] {
+                    for &top_p in &few(&[1.0f32, 0.95, 0.5, 1e-6]) {
+                        for &min_p in &[0.0f32, 0.05, 1.0] {
+                            let params = SamplingParams { temperature, top_k, top_p, min_p, seed: v as u64 };
+                            let mut s = Sampler::new(params.clone()).unwrap();
+                            let mut r = crate::rng::Rng::new(params.seed);
+                            let what = format!("V {v} T {temperature} k {top_k} p {top_p} min_p {min_p}");
+                            let (kept, _) = by_definition(&params, &all, 0.0);
+                            let total: u64 = kept.iter().map(|k| k.1).sum();
+                            let want: Vec<(u32, f64)> =
+                                kept.iter().map(|&(t, m)| (t, m as f64 / total as f64)).collect();
+                            assert_eq!(s.probabilities(logits).unwrap(), want, "{what}");
+                            for _ in 0..8 {
+                                let u = if kept.len() > 1 { r.next_f64() } else { 0.0 };
+                                let (_, token) = by_definition(&params, &all, u);
+                                assert_eq!(s.sample(logits).unwrap(), token.unwrap_or(kept[0].0), "{what}");
+                                checked.0 += 1;
+                            }
+                            checked.1 += kept.len().min(2) - 1;
+                        }
+                    }
+                }
+            }
+        }
+        // Draws among several tokens, not only the single-token paths.
+        assert!(checked.1 > 1000, "{checked:?}");
     }
 }

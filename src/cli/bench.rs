@@ -25,11 +25,11 @@ use strata::model::weights::{model_tensor_name, Role};
 use strata::model::ModelConfig;
 use strata::pack::{Pack, TensorData};
 use strata::rng::Rng;
-use strata::sampling::Sampler;
 use strata::session::{KvType, SessionOptions};
 use strata::{Error, Result};
 
 use super::cache_args::{stats_line, tiers_line, ExpertCacheArgs};
+use super::sampling_args::SamplingArgs;
 use super::split_args::{split_line, KvArg, PrecisionArg, SplitArgs};
 
 #[derive(Args)]
@@ -40,7 +40,8 @@ pub struct BenchArgs {
     /// Prompt length in tokens (random ids).
     #[arg(long, default_value_t = 4096)]
     prompt_len: usize,
-    /// Tokens generated after the prompt (greedy).
+    /// Tokens generated after the prompt (greedy unless --temperature:
+    /// then each step also pays for the sampling on the host).
     #[arg(long, default_value_t = 64)]
     gen: usize,
     /// Runs of prefill + decode; the medians are printed.
@@ -68,6 +69,8 @@ pub struct BenchArgs {
     cache: ExpertCacheArgs,
     #[command(flatten)]
     split: SplitArgs,
+    #[command(flatten)]
+    sampling: SamplingArgs,
 }
 
 /// Bytes a decode step reads at context `ctx`, by part.
@@ -293,6 +296,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         kv_type,
         ..Default::default()
     };
+    let sampler = a.sampling.sampler()?; // (a bad parameter fails before any work)
     let mut rng = Rng::new(7);
     let prompt: Vec<u32> = (0..a.prompt_len).map(|_| (rng.next_u64() % c.vocab_size as u64) as u32).collect();
     let (mut prefill_s, mut step_s, mut mean_s) = (Vec::new(), Vec::new(), Vec::new());
@@ -306,7 +310,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let p = t.elapsed().as_secs_f64();
         prefill_cache.add(before, engine.expert_stats(), p);
         let before = engine.expert_stats();
-        let mut sampler = Sampler::greedy();
+        let mut sampler = sampler.clone();
         let profile = profile_decode() && r + 1 == a.repeats;
         if profile {
             profiler_collect(true)?;
@@ -418,6 +422,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 cl.hbm / 1e12,
                 100.0 * floor / step,
                 bytes / step / 1e12
+            );
+        }
+        if !a.sampling.is_greedy() {
+            let p = a.sampling.params();
+            line += &format!(
+                "; sampled on the host (temperature {}, top-k {}, top-p {}, min-p {})",
+                p.temperature, p.top_k, p.top_p, p.min_p
             );
         }
         println!("{line}");

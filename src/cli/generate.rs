@@ -10,8 +10,8 @@ use clap::Args;
 use strata::engine::Engine;
 
 use super::cache_args::{stats_line, tiers_line, ExpertCacheArgs};
+use super::sampling_args::SamplingArgs;
 use super::split_args::{split_line, KvArg, PrecisionArg, SplitArgs};
-use strata::sampling::{Sampler, SamplingParams};
 use strata::session::SessionOptions;
 use strata::tokenizer::Tokenizer;
 use strata::{Error, Result};
@@ -34,20 +34,8 @@ pub struct GenerateArgs {
     /// Generate all N tokens even past the pack's end-of-generation tokens.
     #[arg(long)]
     ignore_eos: bool,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Keep the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches p (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Drop tokens less likely than min_p times the most likely (0 = off).
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Prompt chunk size in tokens (0 = the whole prompt in one forward).
     #[arg(long, default_value_t = 0)]
     chunk: usize,
@@ -93,13 +81,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
         (None, _) => a.tokens.clone(),
     };
-    let mut sampler = Sampler::new(SamplingParams {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        seed: a.seed,
-    })?;
+    let mut sampler = a.sampling.sampler()?;
     let mut session = engine.new_session(&SessionOptions {
         context_size: a.context,
         prefill_chunk: a.chunk,

@@ -15,6 +15,7 @@ mod bench;
 mod cache_args;
 mod generate;
 mod profile;
+mod sampling_args;
 mod split_args;
 
 #[derive(Parser)]

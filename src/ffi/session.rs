@@ -94,6 +94,12 @@ unsafe impl Versioned for strata_session_params {
 }
 
 /// How `strata_session_step` picks a token. The defaults are greedy.
+/// The filters apply in order (top_k, then top_p over what top_k kept,
+/// then min_p), and the draw is from what they keep, renormalized. The
+/// same parameters, seed and logits give the same tokens on every
+/// platform: the arithmetic is f32 and integer operations with no library
+/// math; a token less probable than 2^-40 times the most probable counts
+/// as probability 0.
 #[allow(non_camel_case_types)]
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
