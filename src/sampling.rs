@@ -6,6 +6,7 @@
 
 use crate::error::{Error, Result};
 use crate::rng::Rng;
+use rayon::prelude::*;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -287,31 +288,43 @@ impl Ranked {
     fn new(logits: &[f32], temperature: f32) -> Ranked {
         let max = logits[argmax(logits)];
         let mut bits = vec![0u32; logits.len()];
-        // Four interleaved histograms: neighbours often share a bucket, and
-        // one histogram would chain their increments through memory.
-        const WAYS: usize = 4;
-        let mut count = vec![[0usize; WAYS]; BUCKETS + 1];
-        let mut masses4 = vec![[0u64; WAYS]; BUCKETS + 1];
-        // One pass, in pieces that stay in L1: the weights (a loop the
-        // compiler vectorizes: exp_neg is branch-free), then their buckets.
-        for (out, l) in bits.chunks_mut(512).zip(logits.chunks(512)) {
-            for (o, &l) in out.iter_mut().zip(l) {
-                *o = exp_neg((l - max) / temperature).to_bits();
-            }
-            for q in out.chunks(WAYS) {
-                for (way, &w) in q.iter().enumerate() {
+        // Pieces of PIECE tokens on rayon's threads, each with its own
+        // histogram: the sums are integers, so the result does not depend
+        // on how the pieces are shared out. Within a piece, runs that stay
+        // in L1: the weights (a loop the compiler vectorizes: exp_neg is
+        // branch-free), then their buckets.
+        const PIECE: usize = 1 << 14;
+        let histogram = |(out, l): (&mut [u32], &[f32])| {
+            let mut h = (vec![0usize; BUCKETS + 1], vec![0u64; BUCKETS + 1]);
+            for (out, l) in out.chunks_mut(512).zip(l.chunks(512)) {
+                for (o, &l) in out.iter_mut().zip(l) {
+                    *o = exp_neg((l - max) / temperature).to_bits();
+                }
+                for &w in out.iter() {
                     let b = bucket(w);
-                    count[b][way] += 1;
-                    masses4[b][way] += mass(w);
+                    h.0[b] += 1;
+                    h.1[b] += mass(w);
                 }
             }
+            h
+        };
+        let add = |mut x: (Vec<usize>, Vec<u64>), y: (Vec<usize>, Vec<u64>)| {
+            x.0.iter_mut().zip(&y.0).for_each(|(a, b)| *a += b);
+            x.1.iter_mut().zip(&y.1).for_each(|(a, b)| *a += b);
+            x
+        };
+        let (count, masses) = if logits.len() > PIECE {
+            bits.par_chunks_mut(PIECE).zip(logits.par_chunks(PIECE)).map(histogram).reduce_with(add)
+        } else {
+            None
         }
+        .unwrap_or_else(|| histogram((&mut bits, logits)));
         let mut start = Vec::with_capacity(BUCKETS + 1);
         start.push(0usize);
         for c in &count[..BUCKETS] {
-            start.push(start[start.len() - 1] + c.iter().sum::<usize>());
+            start.push(start[start.len() - 1] + c);
         }
-        let masses = masses4[..BUCKETS].iter().map(|m| m.iter().sum()).collect();
+        let masses = masses[..BUCKETS].to_vec();
         Ranked { bits, start, masses, entries: Vec::new(), placed: 0, sorted: vec![false; BUCKETS] }
     }
 
