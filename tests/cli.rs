@@ -39,6 +39,22 @@ fn synth_inspect_generate() {
     let s1 = gen(&["--temperature", "1.0", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.01", "--seed", "9"]);
     let s2 = gen(&["--temperature", "1.0", "--top-k", "40", "--top-p", "0.95", "--min-p", "0.01", "--seed", "9"]);
     assert_eq!(s1, s2);
+    // bench takes the same sampling flags, says so, and checks them first.
+    let bench = |extra: &[&str]| {
+        let mut args =
+            vec!["bench", "--pack", p, "--device", "cpu", "--prompt-len", "4", "--gen", "3", "--repeats", "1"];
+        args.extend_from_slice(extra);
+        strata(&args)
+    };
+    let (rc, out, err) = bench(&["--temperature", "0.8", "--top-p", "0.9", "--seed", "2"]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(out.contains("sampled on the host (temperature 0.8, top-k 0, top-p 0.9, min-p 0)"), "{out}");
+    let (rc, out, err) = bench(&[]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(out.contains("decode at batch 1") && !out.contains("sampled"), "{out}");
+    let (rc, _, err) = bench(&["--temperature", "0.8", "--top-p", "2"]);
+    assert_eq!(rc, 1);
+    assert!(err.contains("top_p 2") && !err.contains("prefill"), "{err}");
 
     // The KV type and the GPU precision reach the engine: f32 is the CPU's
     // auto; its emulated int8 and bf16 caches run too.
