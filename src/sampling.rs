@@ -63,10 +63,18 @@ fn argmax(values: &[f32]) -> usize {
     block * B + c.iter().position(|&v| v == best).unwrap_or(0)
 }
 
-/// Logits a sampler can draw from: not empty, every value finite.
+/// The most logits a draw takes: their masses (each at most 2^40) add in
+/// a u64. (A model's vocabulary is at most 2^22 tokens.)
+pub const MAX_LOGITS: usize = 1 << 23;
+
+/// Logits a sampler can draw from: not empty, at most `MAX_LOGITS`, every
+/// value finite.
 pub(crate) fn check_samplable(logits: &[f32]) -> Result<()> {
     if logits.is_empty() {
         return Err(Error::InvalidArgument("no logits to sample from".into()));
+    }
+    if logits.len() > MAX_LOGITS {
+        return Err(Error::InvalidArgument(format!("{} logits: a draw takes at most {MAX_LOGITS}", logits.len())));
     }
     if let Some(i) = first_nonfinite(logits) {
         let v = logits[i];
@@ -591,6 +599,8 @@ mod tests {
         let e = sampler(1.0, 0, 1.0, 0.0, 0).sample(&[f32::INFINITY, 0.0]).unwrap_err().to_string();
         assert!(e.contains("logit 0 is inf"), "{e}");
         assert!(g.sample(&[]).is_err());
+        let e = g.sample(&vec![0.0; MAX_LOGITS + 1]).unwrap_err().to_string();
+        assert!(e.contains("8388609 logits"), "{e}");
     }
 
     #[test]
