@@ -151,7 +151,7 @@ impl Sampler {
     /// How many of `r`'s entries (a prefix of its order) the filters keep:
     /// top-k, then top-p over the mass of what top-k kept, then min-p
     /// relative to the most probable token. At least 1.
-    fn kept(&self, r: &mut Ranked) -> usize {
+    fn kept(&self, r: &mut Ranked<'_>) -> usize {
         let p = &self.params;
         let mut n = r.len();
         if p.top_k > 0 {
@@ -192,13 +192,18 @@ impl Sampler {
         if n == 1 {
             return r.entry(0).id;
         }
-        // u in [0, 1) picks the first token whose running mass exceeds
-        // u * total (integers: no rounding in the running sums).
-        let total = r.prefix_mass(n);
-        let below = ((self.rng.next_f64() * total as f64) as u64).min(total - 1);
-        let at = r.first_reaching(below + 1) - 1;
-        r.entry(at).id
+        draw(&mut r, n, self.rng.next_f64())
     }
+}
+
+/// The token `u` in [0, 1) picks among the first `n` (>= 1) of `r`: the
+/// first whose running mass exceeds u times theirs (integers: no rounding
+/// in the running sums).
+fn draw(r: &mut Ranked<'_>, n: usize, u: f64) -> u32 {
+    let total = r.prefix_mass(n);
+    let below = ((u * total as f64) as u64).min(total - 1);
+    let at = r.first_reaching(below + 1) - 1;
+    r.entry(at).id
 }
 
 // ---------------------------------------------------------------------------
@@ -206,8 +211,9 @@ impl Sampler {
 // f32 (`exp_neg`: a fixed sequence of IEEE operations, no libm, so the same
 // bits on every platform), its mass the integer floor(w_i * 2^40); masses add
 // exactly in u64 whatever the order, so the cuts and the draw do not
-// depend on how the sums are grouped. The order is weight descending, then
-// token ascending. Tokens of zero mass (w < 2^-40) are out. Nothing sorts
+// depend on how the sums are grouped. The order is logit descending, then
+// token ascending (so weight descending: ties of weight from distinct
+// logits keep the logits' order, and the first token is the argmax). Tokens of zero mass (w < 2^-40) are out. Nothing sorts
 // the vocabulary: one pass counts the tokens and their mass in buckets of
 // weight (16 an octave, by the top bits of the f32), the cuts and the draw
 // walk the buckets' masses, and only the tokens of a bucket in which one
@@ -262,6 +268,7 @@ fn mass(bits: u32) -> u64 {
 #[inline(always)]
 fn bucket(bits: u32) -> usize {
     let key = bits >> KEY_SHIFT;
+    debug_assert!(key <= KEY_ONE, "a weight above 1");
     if key >= KEY_MIN {
         (KEY_ONE - key.min(KEY_ONE)) as usize
     } else {
@@ -273,13 +280,15 @@ fn bucket(bits: u32) -> usize {
 struct Entry {
     bits: u32,
     id: u32,
+    logit: f32,
 }
 
 /// The tokens of non-zero mass by buckets of their weight, most probable
 /// bucket first: per bucket its count and mass; its tokens once something
 /// needs them (placed by a scan of the weights, with the buckets near it),
-/// sorted (weight descending, token ascending) on first use.
-struct Ranked {
+/// sorted (logit descending, token ascending) on first use.
+struct Ranked<'a> {
+    logits: &'a [f32],
     /// The weights' f32 bits, by token.
     bits: Vec<u32>,
     /// Bucket b holds the positions start[b]..start[b + 1] of the order.
@@ -291,9 +300,9 @@ struct Ranked {
     sorted: Vec<bool>,
 }
 
-impl Ranked {
+impl<'a> Ranked<'a> {
     /// Weights at `temperature` (> 0) of finite, non-empty `logits`.
-    fn new(logits: &[f32], temperature: f32) -> Ranked {
+    fn new(logits: &'a [f32], temperature: f32) -> Ranked<'a> {
         let max = logits[argmax(logits)];
         let mut bits = vec![0u32; logits.len()];
         // Pieces of PIECE tokens on rayon's threads, each with its own
@@ -333,7 +342,7 @@ impl Ranked {
             start.push(start[start.len() - 1] + c);
         }
         let masses = masses[..BUCKETS].to_vec();
-        Ranked { bits, start, masses, entries: Vec::new(), placed: 0, sorted: vec![false; BUCKETS] }
+        Ranked { logits, bits, start, masses, entries: Vec::new(), placed: 0, sorted: vec![false; BUCKETS] }
     }
 
     /// Tokens of non-zero mass (at least the most probable one).
@@ -350,7 +359,7 @@ impl Ranked {
             let (lo, hi) = (self.placed, end);
             // (Positions up to the end of what is placed: a few tokens
             // when the mass is in the top buckets, as a model's often is.)
-            self.entries.resize(self.start[hi], Entry { bits: 0, id: 0 });
+            self.entries.resize(self.start[hi], Entry { bits: 0, id: 0, logit: 0.0 });
             let mut cursor = self.start[lo..hi].to_vec();
             // Buckets lo..hi are the keys (KEY_ONE - hi, KEY_ONE - lo]: a
             // mask of the matches per 64 weights (a loop the compiler
@@ -367,7 +376,8 @@ impl Ranked {
                     hits &= hits - 1;
                     let w = ws[j];
                     let at = &mut cursor[bucket(w) - lo];
-                    self.entries[*at] = Entry { bits: w, id: (c * 64 + j) as u32 };
+                    let id = c * 64 + j;
+                    self.entries[*at] = Entry { bits: w, id: id as u32, logit: self.logits[id] };
                     *at += 1;
                 }
             }
@@ -375,8 +385,15 @@ impl Ranked {
         }
         let run = &mut self.entries[self.start[b]..self.start[b + 1]];
         if !self.sorted[b] {
-            // Positive f32s order as their bits.
-            run.sort_unstable_by(|x, y| y.bits.cmp(&x.bits).then(x.id.cmp(&y.id)));
+            // By logit: distinct logits can round to one f32 weight (high
+            // temperatures, near-equal logits), and the logit order keeps
+            // the argmax first and top-k nested. It refines the weight
+            // order (exp_neg and the division are monotone), so the
+            // buckets and the cuts by weight hold. (Finite logits: -0 ==
+            // +0, then the token.)
+            run.sort_unstable_by(|x, y| {
+                y.logit.partial_cmp(&x.logit).unwrap_or(std::cmp::Ordering::Equal).then(x.id.cmp(&y.id))
+            });
             self.sorted[b] = true;
         }
         run
@@ -664,7 +681,7 @@ mod tests {
         (kept, Some(all[at].0))
     }
 
-    /// Every token of non-zero mass as (token, weight bits), by weight
+    /// Every token of non-zero mass as (token, weight bits), by logit
     /// descending, then token ascending.
     fn sorted_by_definition(logits: &[f32], temperature: f32) -> Vec<(u32, u32)> {
         let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
@@ -674,7 +691,8 @@ mod tests {
             .map(|(i, &l)| (i as u32, exp_neg((l - max) / temperature).to_bits()))
             .filter(|&(_, w)| mass(w) > 0)
             .collect();
-        all.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        // (-0 and +0 are one logit: partial_cmp.)
+        all.sort_by(|a, b| logits[b.0 as usize].partial_cmp(&logits[a.0 as usize]).unwrap().then(a.0.cmp(&b.0)));
         all
     }
 
@@ -701,7 +719,7 @@ mod tests {
             let v = logits.len();
             for &temperature in &few(&[0.05f32, 0.7, 1.0, 3.0, 1e4]) {
                 let all = sorted_by_definition(logits, temperature);
-                for &top_k in &[0usize, 2, 40, v, v + 5][..if c >= big { 3 } else { 5 }] {
+                for &top_k in &[0usize, 2, 40, 1, v, v + 5][..if c >= big { 3 } else { 6 }] {
                     for &top_p in &few(&[1.0f32, 0.95, 0.5, 1e-6]) {
                         for &min_p in &[0.0f32, 0.05, 1.0] {
                             let params = SamplingParams { temperature, top_k, top_p, min_p, seed: v as u64 };
@@ -727,5 +745,33 @@ mod tests {
         }
         // Draws among several tokens, not only the single-token paths.
         assert!(checked.1 > 1000, "{checked:?}");
+    }
+
+    #[test]
+    fn equal_weights_of_distinct_logits_keep_the_logits_order() {
+        // At T 1e4 these weights round to 0.99999994 or 1 in f32; the
+        // filters must still rank by logit: top-1 inside top-2, argmax first.
+        let logits = [0.0, 1e-4, 2e-4, 3e-4, 4e-4];
+        let toks = |k, p: f32, m| -> Vec<u32> {
+            sampler(1e4, k, p, m, 0).probabilities(&logits).unwrap().iter().map(|c| c.0).collect()
+        };
+        assert_eq!(toks(1, 1.0, 0.0), vec![4]);
+        assert_eq!(toks(2, 1.0, 0.0), vec![4, 3]);
+        assert_eq!(toks(0, 1e-6, 0.0), vec![4]);
+        assert_eq!(toks(0, 1.0, 1.0)[0], 4);
+        assert_eq!(sampler(1e4, 0, 1e-6, 0.0, 3).sample(&logits).unwrap(), 4);
+    }
+
+    #[test]
+    fn a_draw_on_a_boundary_of_running_mass_takes_the_next_token() {
+        // Two equal tokens: masses 2^40 each. u = 1/2 lands exactly on the
+        // first token's end: the second; just below: the first.
+        let logits = [0.0f32, 0.0];
+        let mut r = Ranked::new(&logits, 1.0);
+        assert_eq!(r.prefix_mass(2), 1 << 41);
+        assert_eq!(draw(&mut r, 2, 0.5), 1);
+        assert_eq!(draw(&mut r, 2, 0.5 - 2f64.powi(-45)), 0);
+        assert_eq!(draw(&mut r, 2, 0.0), 0);
+        assert_eq!(draw(&mut r, 2, 1.0 - f64::EPSILON), 1);
     }
 }
