@@ -21,6 +21,14 @@ pub struct SamplingParams {
     pub seed: u64,
 }
 
+impl SamplingParams {
+    /// Whether every draw is the argmax (temperature 0, or top-k 1): no
+    /// random numbers used.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+}
+
 impl Default for SamplingParams {
     /// Greedy.
     fn default() -> Self {
@@ -139,7 +147,7 @@ impl Sampler {
     pub fn probabilities(&self, logits: &[f32]) -> Result<Vec<(u32, f64)>> {
         check_samplable(logits)?;
         let p = &self.params;
-        if p.temperature == 0.0 || p.top_k == 1 {
+        if p.is_greedy() {
             return Ok(vec![(argmax(logits) as u32, 1.0)]);
         }
         let mut r = Ranked::new(logits, p.temperature);
@@ -184,7 +192,7 @@ impl Sampler {
     pub(crate) fn sample_checked(&mut self, logits: &[f32]) -> u32 {
         debug_assert!(check_samplable(logits).is_ok(), "sample_checked of unchecked logits");
         let p = &self.params;
-        if p.temperature == 0.0 || p.top_k == 1 {
+        if p.is_greedy() {
             return argmax(logits) as u32;
         }
         let mut r = Ranked::new(logits, p.temperature);

@@ -242,7 +242,8 @@ fn run(arch: Arch, seed: u64, ops: usize) {
                     }
                 };
                 engine.inject_nan_at(0, usize::MAX); // disarmed if it did not fire
-                                                     // prefill and step run the poisoned position: they must fail.
+
+                // prefill and step run the poisoned position: they must fail.
                 assert!(kind >= 2 || r.is_err(), "{what}: kind {kind}: the NaN did not fail the call");
                 match r {
                     Ok(t) if kind < 2 => {

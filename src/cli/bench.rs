@@ -424,8 +424,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 bytes / step / 1e12
             );
         }
-        if !a.sampling.is_greedy() {
-            let p = a.sampling.params();
+        let p = a.sampling.params();
+        if !p.is_greedy() {
             line += &format!(
                 "; sampled on the host (temperature {}, top-k {}, top-p {}, min-p {})",
                 p.temperature, p.top_k, p.top_p, p.min_p

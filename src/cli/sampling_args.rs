@@ -39,9 +39,4 @@ impl SamplingArgs {
     pub fn sampler(&self) -> Result<Sampler> {
         Sampler::new(self.params())
     }
-
-    /// Whether every step takes the argmax.
-    pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0 || self.top_k == 1
-    }
 }
