@@ -36,6 +36,10 @@
 #             over the two GPUs with 1536 slots each (25% of the experts per
 #             GPU) against one GPU with 3072, help off and on; the hand-off
 #             line gives each hand-off's time and rate over the peer link
+#   chain     (no carried binaries needed) scripts/chain-bench.cu, compiled
+#             with the machine's nvcc: a chain of GEMVs as programmatic
+#             launches against a persistent kernel with a streamed weight
+#             ring (counter and LL hand-offs); each GEMV checked on the host
 # Run from the repository root (the suite finds tests/data there).
 set -uo pipefail
 BIN="${BIN:-.dev/carry}"
@@ -44,7 +48,10 @@ PACK="${PACK:-/tmp/p30}"
 mkdir -p "$OUT"
 suite="$BIN/gpu-suite"
 strata="$BIN/strata"
-[ -x "$suite" ] && [ -x "$strata" ] || { echo "need $suite and $strata" >&2; exit 2; }
+for p in "$@"; do
+  [ "$p" = chain ] && continue
+  [ -x "$suite" ] && [ -x "$strata" ] || { echo "need $suite and $strata" >&2; exit 2; }
+done
 
 pack() {
   [ -d "$PACK" ] || "$strata" synth --preset 30b-a3b --out "$PACK" >/dev/null
@@ -136,7 +143,13 @@ for p in "$@"; do
       phase two-gpu-resident "$strata" bench --pack "$PACK" --device cuda:0,cuda:1 --prompt-len 4096 --gen 64 \
         --repeats 3 || status=1
       ;;
-    *) echo "unknown phase $p (suite, stress, memcheck, bench, split, cache, breakdown, crossover, ktrace, two-gpu)" >&2; status=2 ;;
+    chain)
+      nvcc="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+      "$nvcc" -O3 -std=c++17 -arch=sm_90a -Xcompiler -fopenmp -o "$OUT/chain-bench" \
+        "$(dirname "$0")/chain-bench.cu" || { status=1; continue; }
+      phase chain "$OUT/chain-bench" all 20 || status=1
+      ;;
+    *) echo "unknown phase $p (suite, stress, memcheck, bench, split, cache, breakdown, crossover, ktrace, two-gpu, chain)" >&2; status=2 ;;
   esac
 done
 exit "$status"

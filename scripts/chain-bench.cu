@@ -1,0 +1,860 @@
+// chain-bench: what a dependent step costs in a chain of BF16 GEMVs, and
+// whether a persistent kernel can hide it behind the weight stream.
+//
+// Issue 6's unmet line (decode within 1.5x of its floor with every expert
+// resident) needs the weights of each decode stage read while the stage
+// before it is still running (docs/performance.md, "What limits it now").
+// The eleventh session's persistent chain lost to programmatic launches
+// (4.6 us a dependent step against 1.35 us), but its barrier was five
+// dependent L2 round trips long (a read of the generation, two fences, an
+// atomic, a reset, a poll) and every thread both issued and consumed the
+// weight copies. This program measures the two mechanisms a persistent
+// decode would rest on, against the launches, in one process:
+//
+//   launches  one kernel a GEMV, a warp a row, its weights loaded into
+//             registers before griddepcontrol.wait (after it for a routed
+//             step); programmatic dependent launches in one CUDA graph (the
+//             engine's decode design)
+//   counter   one persistent kernel, a block an SM: a producer warp streams
+//             the block's rows of every matrix, in chain order, into a ring
+//             of shared memory with bulk copies (cp.async.bulk, an mbarrier
+//             a slot) and waits on the chain only before a routed step's
+//             weights; eight consumer warps wait for their input, dot the
+//             ring's rows with it and write their rows. A step's output is
+//             complete when a per-step counter (red.release, polled with
+//             ld.acquire) reaches the number of blocks: one dependent round
+//             trip, then the input read
+//   ll        the same kernel, each output value written with its run's
+//             epoch as one 8-byte word (the low-latency protocol of NCCL's
+//             LL): the input read is the wait, with no counter
+//
+// Chains (distinct weights for every GEMV; a step reads the first k values
+// of an earlier step's output, and waits for all of it):
+//   small   48 of 0.5 MB, [512, 512]: a step with no bytes to speak of
+//   big     48 of 16.8 MB, [4096, 2048] and [2048, 4096] alternating (the
+//           eleventh session's)
+//   decode  48 layers of 30b-a3b's 7 dependent decode stages, each a GEMV
+//           with the stage's bytes: q/k/v [5120, 2048] (21 MB), prep
+//           [512, 512] (weightless in the engine: latency only), attention
+//           [4096, 512] (4.2 MB, the int8 KV at 4K context), o_proj [2048,
+//           4096], router [128, 2048], the routed gate/up [3584, 2048]
+//           (14.7 MB, the 8 experts' NVFP4 bytes as BF16 rows; it reads
+//           o_proj's output, and its weights are requested only once the
+//           router's output is complete, as expert addresses would be) and
+//           the down [2048, 1536] (6.3 MB). 64 MB a layer.
+//
+// Each GEMV's output is checked against the host's double-precision product
+// of its weights with the input the GPU read (relative to the output's rms:
+// at most 1e-4; NaN fails), for every mode, before timing. The floor is the
+// weight bytes over the bandwidth of a 1 GiB device-to-device copy (bytes
+// read + written), as `strata bench` measures it. After the timed runs, one
+// traced run per mode stamps (%globaltimer, whose tick is printed) each
+// step's first input-ready and last output-written time over its blocks:
+// "increment" is a step's last write minus the step before's (what it adds
+// to the chain, per stage kind; medians over the chain), "hand-off" is a
+// step's first input-ready minus its input step's last write (steps that
+// read the step just before; median).
+//
+// Build and run on the device (nvcc 13.0 there; sm_90a for cp.async.bulk):
+//   nvcc -O3 -std=c++17 -arch=sm_90a -Xcompiler -fopenmp -o chain-bench scripts/chain-bench.cu
+//   ./chain-bench [small|big|decode|all] [timed runs a mode, default 20]
+// (Here, without a GPU: add -L.cuda/site/nvidia/cu13/lib after
+// scripts/install-nvcc.sh; the binary then reports the missing driver.)
+// Exit status: 0 when every check passed, 1 when one failed, 2 on a CUDA
+// error (a persistent block that waits 2 s for anything traps: a protocol
+// slip fails instead of hanging). Status: compiled here (ptxas: no spills);
+// not yet run on a GPU.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#define CK(x)                                                                                      \
+    do {                                                                                           \
+        cudaError_t e_ = (x);                                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+// ---- shared by the kernels ------------------------------------------------
+
+struct Step {
+    const __nv_bfloat16* w;  // [n, k] row-major
+    int n, k;
+    int in;    // the step whose output's first k values are the input; -1: y0
+    int gate;  // -1, or a step whose output must be complete before the weights are read
+};
+
+constexpr int MAX_M = 512;        // steps of a chain
+constexpr int MAX_K = 4096;       // widest input
+constexpr int MAX_IN = 5120;      // longest output a step waits for
+constexpr int MAX_GATE = 256;     // longest output a routed step's weights wait for
+constexpr int MAX_ROWS = 64;      // rows of one matrix a block owns
+constexpr int CONSUMERS = 8;      // consumer warps of a persistent block
+constexpr int CT = CONSUMERS * 32;
+constexpr int P_THREADS = CT + 32;
+constexpr int CHUNK = 16384;      // bytes of a ring slot (whole rows)
+constexpr int STAGES = 12;        // ring slots: 192 KB
+constexpr int MAX_PARTS = MAX_K / 512;
+constexpr unsigned long long SPIN_LIMIT_NS = 2000000000ull;
+
+// Dynamic shared memory of a persistent block, in bytes from its start.
+constexpr int OFF_RING = 0;
+constexpr int OFF_YS = OFF_RING + STAGES * CHUNK;                // f32 [2][MAX_K / 2]
+constexpr int OFF_RED = OFF_YS + MAX_K * 4;                      // f32 [MAX_ROWS][MAX_PARTS]
+constexpr int OFF_STEPS = OFF_RED + MAX_ROWS * MAX_PARTS * 4;    // Step [MAX_M]
+constexpr int OFF_BARS = OFF_STEPS + MAX_M * (int)sizeof(Step);  // u64 [2 STAGES]
+constexpr int OFF_OUT = OFF_BARS + 2 * STAGES * 8;               // int [MAX_M]: output offsets
+constexpr int P_SMEM = OFF_OUT + MAX_M * 4;
+static_assert(sizeof(Step) == 24, "Step packs in 24 bytes");
+static_assert(OFF_BARS % 8 == 0, "mbarriers are 8-byte aligned");
+static_assert(P_SMEM <= 232448, "a persistent block fits an SM's shared memory");
+
+__host__ __device__ inline int row0(int n, int b, int nb) { return (int)((long long)n * b / nb); }
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 8 products of BF16 weights (one 16-byte piece) with f32 inputs.
+__device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b, float acc) {
+    acc = fmaf(__uint_as_float(w.x << 16), a.x, acc);
+    acc = fmaf(__uint_as_float(w.x & 0xffff0000u), a.y, acc);
+    acc = fmaf(__uint_as_float(w.y << 16), a.z, acc);
+    acc = fmaf(__uint_as_float(w.y & 0xffff0000u), a.w, acc);
+    acc = fmaf(__uint_as_float(w.z << 16), b.x, acc);
+    acc = fmaf(__uint_as_float(w.z & 0xffff0000u), b.y, acc);
+    acc = fmaf(__uint_as_float(w.w << 16), b.z, acc);
+    acc = fmaf(__uint_as_float(w.w & 0xffff0000u), b.w, acc);
+    return acc;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// A wait that has lasted SPIN_LIMIT_NS is a bug of the protocol: trap.
+__device__ __forceinline__ void spin_guard(unsigned long long t0, int step, const char* what) {
+    if (globaltimer() - t0 > SPIN_LIMIT_NS) {
+        printf("chain-bench: block %d thread %d waited 2 s for %s of step %d\n", blockIdx.x, threadIdx.x, what, step);
+        __trap();
+    }
+}
+
+// The smallest step of %globaltimer seen in a busy loop.
+__global__ void timer_tick(unsigned long long* out) {
+    unsigned long long prev = globaltimer(), best = ~0ull;
+    for (int i = 0; i < 200000; ++i) {
+        const unsigned long long t = globaltimer();
+        if (t != prev) {
+            best = t - prev < best ? t - prev : best;
+            prev = t;
+        }
+    }
+    *out = best;
+}
+
+// ---- launches: the engine's design ---------------------------------------
+
+// A warp a row, 8 rows a block; the row's weights into registers before the
+// programmatic wait (EARLY) or after it (a routed step), the input after it.
+// ready/done (a traced run; else null): the step's first wait return and
+// last block end.
+template <int K, bool EARLY>
+__global__ void __launch_bounds__(256)
+    gemv_pdl(const __nv_bfloat16* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, int n, int step,
+             unsigned long long* __restrict__ ready, unsigned long long* __restrict__ done) {
+    constexpr int V = K / 256;  // 16-byte pieces a lane
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row = blockIdx.x * 8 + warp;
+    const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)min(row, n - 1) * K);
+    uint4 wv[V];
+    if (EARLY) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) wv[v] = ld_stream(wr + lane + 32 * v);
+    }
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (ready != nullptr && threadIdx.x == 0) atomicMin(ready + step, globaltimer());
+    if (!EARLY) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) wv[v] = ld_stream(wr + lane + 32 * v);
+    }
+    float acc = 0.0f;
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        const int p = lane + 32 * v;
+        acc = dot8(wv[v], __ldcg(x4 + 2 * p), __ldcg(x4 + 2 * p + 1), acc);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0 && row < n) y[row] = acc;
+    if (done != nullptr) {
+        __syncthreads();
+        if (threadIdx.x == 0) atomicMax(done + step, globaltimer());
+    }
+}
+
+// ---- persistent: a producer warp and a ring ------------------------------
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, int step) {
+    uint32_t ok;
+    unsigned long long t0 = 0;
+    for (int i = 0;; ++i) {
+        asm volatile(
+            "{\n\t.reg .pred p;\n\t"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+            "selp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(ok)
+            : "r"(bar), "r"(parity)
+            : "memory");
+        if (ok) return;
+        if (i == 0) t0 = globaltimer();
+        else if ((i & 1023) == 0) spin_guard(t0, step, "a ring slot");
+    }
+}
+// bytes from global memory into this block's shared memory; the mbarrier's
+// transaction count falls by them when they have landed.
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_relaxed_u64(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned int ld_acquire_u32(const unsigned int* p) {
+    unsigned int v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release_add(unsigned int* p, unsigned int v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// The consumer warps' barrier (the producer warp never joins it).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CT) : "memory"); }
+
+__device__ __forceinline__ bool fresh(unsigned long long word, unsigned int epoch) {
+    return (unsigned int)(word >> 32) == epoch;
+}
+
+// Waits until words [0, n) of src (LL words) carry `epoch`; word i belongs
+// to thread t of nt where i = t + nt j, j < W. Spins on one stale word at a
+// time (one load in flight: as light on L2 as a flag), but once it turns
+// fresh reloads every later stale word at once (one by one would cost a
+// serial L2 round trip each). Returns with the values in v.
+template <int W>
+__device__ __forceinline__ void wait_words(const unsigned long long* src, int n, int t, int nt, unsigned int epoch,
+                                           unsigned long long (&v)[W], int step) {
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+        const int i = t + nt * j;
+        if (i < n) v[j] = ld_relaxed_u64(src + i);
+    }
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+        const int i = t + nt * j;
+        if (i < n && !fresh(v[j], epoch)) {
+            const unsigned long long t0 = globaltimer();
+            do {
+                __nanosleep(32);
+                v[j] = ld_relaxed_u64(src + i);
+                spin_guard(t0, step, "an input word");
+            } while (!fresh(v[j], epoch));
+#pragma unroll
+            for (int q = j + 1; q < W; ++q) {
+                const int iq = t + nt * q;
+                if (iq < n && !fresh(v[q], epoch)) v[q] = ld_relaxed_u64(src + iq);
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void wait_count(const unsigned int* c, unsigned int target, int step) {
+    const unsigned long long t0 = globaltimer();
+    while (ld_acquire_u32(c) < target) {
+        __nanosleep(32);
+        spin_guard(t0, step, "a counter");
+    }
+}
+
+// Input value i into the two halves of ys: elements 8c..8c+3 at ysa[4c..],
+// 8c+4..8c+7 at ysb[4c..], so that a warp's float4 reads of either are
+// contiguous (no bank conflicts).
+__device__ __forceinline__ void ys_put(float* ysa, float* ysb, int i, float v) {
+    const int c = i >> 3, e = i & 7;
+    (e < 4 ? ysa : ysb)[4 * c + (e & 3)] = v;
+}
+
+// grid: the SM count, one block each, launched cooperatively (the blocks
+// wait on each other, so all must be resident). steps/out_off: m_count
+// steps and the offset of each one's output in ll (LL) or yf (counter).
+// y0: the chain's input. counters: m_count u32 (counter mode), never reset:
+// the epoch-th run (1, 2, ...) of this mode waits for epoch x gridDim.x.
+// LL words are (f32 bits, epoch); the buffer starts zeroed. ready/done: a
+// traced run's stamps (else null), [m_count], ~0 / 0 before it.
+template <bool LL>
+__global__ void __launch_bounds__(P_THREADS, 1)
+    persist_chain(const Step* __restrict__ steps_g, const int* __restrict__ out_off_g, int m_count,
+                  const float* __restrict__ y0, unsigned long long* __restrict__ ll, float* __restrict__ yf,
+                  unsigned int* __restrict__ counters, unsigned int epoch, unsigned long long* __restrict__ ready,
+                  unsigned long long* __restrict__ done) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    Step* steps = reinterpret_cast<Step*>(smem + OFF_STEPS);
+    int* out_off = reinterpret_cast<int*>(smem + OFF_OUT);
+    const uint32_t ring = smem_addr(smem + OFF_RING);
+    const uint32_t full = smem_addr(smem + OFF_BARS), empty = full + 8 * STAGES;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, b = blockIdx.x, nb = gridDim.x;
+    const unsigned int target = epoch * (unsigned int)nb;
+    for (int i = tid; i < m_count; i += P_THREADS) {
+        steps[i] = steps_g[i];
+        out_off[i] = out_off_g[i];
+    }
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, CONSUMERS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == CONSUMERS) {
+        // The producer: the block's rows of every matrix in chain order,
+        // whole rows a slot, as fast as slots free up; a routed step's only
+        // once its gate's output is complete (the whole warp waits for it,
+        // lane 0 issues the copies).
+        int s = 0;
+        for (int m = 0; m < m_count; ++m) {
+            const Step g = steps[m];
+            if (g.gate >= 0) {
+                if (LL) {
+                    unsigned long long v[MAX_GATE / 32];
+                    wait_words(ll + out_off[g.gate], steps[g.gate].n, lane, 32, epoch, v, m);
+                } else if (lane == 0) {
+                    wait_count(counters + g.gate, target, m);
+                }
+                __syncwarp();
+            }
+            if (lane != 0) continue;
+            const int r0 = row0(g.n, b, nb), rows = row0(g.n, b + 1, nb) - r0, rpc = CHUNK / (2 * g.k);
+            for (int c = 0; c * rpc < rows; ++c, ++s) {
+                const int slot = s % STAGES;
+                if (s >= STAGES) mbar_wait(empty + 8 * slot, ((s / STAGES) - 1) & 1, m);
+                const uint32_t bytes = (uint32_t)(min(rpc, rows - c * rpc) * 2 * g.k);
+                mbar_expect_tx(full + 8 * slot, bytes);
+                bulk_g2s(ring + slot * CHUNK, g.w + ((size_t)r0 + (size_t)c * rpc) * g.k, bytes, full + 8 * slot);
+            }
+        }
+        return;
+    }
+
+    // The consumers.
+    float* ysa = reinterpret_cast<float*>(smem + OFF_YS);
+    float* ysb = ysa + MAX_K / 2;
+    const float4* ya4 = reinterpret_cast<const float4*>(ysa);
+    const float4* yb4 = reinterpret_cast<const float4*>(ysb);
+    float* red = reinterpret_cast<float*>(smem + OFF_RED);
+    int s = 0;
+    for (int m = 0; m < m_count; ++m) {
+        const Step g = steps[m];
+        const int k = g.k, r0 = row0(g.n, b, nb), rows = row0(g.n, b + 1, nb) - r0;
+        // The input: y0, or the first k values of step g.in's output once
+        // all of it is complete.
+        if (g.in < 0) {
+            for (int i = tid; i < k; i += CT) ys_put(ysa, ysb, i, y0[i]);
+        } else if (LL) {
+            unsigned long long v[MAX_IN / CT];
+            wait_words(ll + out_off[g.in], steps[g.in].n, tid, CT, epoch, v, m);
+#pragma unroll
+            for (int j = 0; j < MAX_IN / CT; ++j) {
+                const int i = tid + CT * j;
+                if (i < k) ys_put(ysa, ysb, i, __uint_as_float((unsigned int)v[j]));
+            }
+        } else {
+            if (tid == 0) wait_count(counters + g.in, target, m);
+            consumers_sync();
+            const float* src = yf + out_off[g.in];
+            for (int i = tid; i < k; i += CT) ys_put(ysa, ysb, i, __ldcg(src + i));
+        }
+        consumers_sync();  // ys complete; red free (every thread has summed the last step's)
+        if (ready != nullptr && tid == 0) atomicMin(ready + m, globaltimer());
+        // The products: warp w dots 512-element parts of the slot's rows.
+        const int kv = k / 8, rpc = CHUNK / (2 * k);
+        for (int c = 0; c * rpc < rows; ++c, ++s) {
+            const int slot = s % STAGES, rc = min(rpc, rows - c * rpc);
+            mbar_wait(full + 8 * slot, (s / STAGES) & 1, m);
+            const uint4* sl = reinterpret_cast<const uint4*>(smem + OFF_RING + slot * CHUNK);
+            for (int base = warp * 64; base < rc * kv; base += CONSUMERS * 64) {
+                // kv is a multiple of 64: the 64 pieces lie in one row.
+                const int rr = base / kv, col0 = base - rr * kv;
+                float acc = 0.0f;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int col = col0 + lane + 32 * h;
+                    acc = dot8(sl[base + lane + 32 * h], ya4[col], yb4[col], acc);
+                }
+                acc = warp_sum(acc);
+                if (lane == 0) red[(c * rpc + rr) * MAX_PARTS + col0 / 64] = acc;
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + 8 * slot);
+        }
+        consumers_sync();  // red complete
+        const int parts = kv / 64;
+        for (int r = tid; r < rows; r += CT) {
+            float v = 0.0f;
+            for (int p = 0; p < parts; ++p) v += red[r * MAX_PARTS + p];
+            if (LL)
+                st_relaxed_u64(ll + out_off[m] + r0 + r,
+                               ((unsigned long long)epoch << 32) | (unsigned long long)__float_as_uint(v));
+            else
+                yf[out_off[m] + r0 + r] = v;
+        }
+        if (!LL) {
+            consumers_sync();  // every row of the block stored before the release
+            if (tid == 0) red_release_add(counters + m, 1u);
+        }
+        if (done != nullptr) {
+            consumers_sync();
+            if (tid == 0) atomicMax(done + m, globaltimer());
+        }
+    }
+}
+
+// ---- host -----------------------------------------------------------------
+
+struct Chain {
+    std::string name;
+    std::vector<int> n, k, in, gate;
+    std::vector<std::string> kinds;  // stage names, repeating
+};
+
+static Chain make_chain(const std::string& name) {
+    Chain c{name, {}, {}, {}, {}, {}};
+    auto add = [&](int n, int k, int in_back, int gate_back) {
+        const int m = (int)c.n.size();
+        c.n.push_back(n);
+        c.k.push_back(k);
+        c.in.push_back(m - in_back);  // -1 for the first step
+        c.gate.push_back(gate_back > 0 ? m - gate_back : -1);
+    };
+    for (int l = 0; l < 48; ++l) {
+        if (name == "small") {
+            add(512, 512, 1, 0);
+        } else if (name == "big") {
+            if (l % 2 == 0) add(4096, 2048, 1, 0); else add(2048, 4096, 1, 0);
+        } else {
+            add(5120, 2048, 1, 0);  // q/k/v, from the last layer's down
+            add(512, 512, 1, 0);    // prep
+            add(4096, 512, 1, 0);   // attention
+            add(2048, 4096, 1, 0);  // o_proj
+            add(128, 2048, 1, 0);   // router
+            add(3584, 2048, 2, 1);  // gate/up: o_proj's output, weights after the router
+            add(2048, 1536, 1, 0);  // down
+        }
+    }
+    c.in[0] = -1;
+    if (name == "small") c.kinds = {"512x512"};
+    else if (name == "big") c.kinds = {"4096x2048", "2048x4096"};
+    else c.kinds = {"q/k/v", "prep", "attention", "o_proj", "router", "gate/up", "down"};
+    return c;
+}
+
+static uint64_t splitmix(uint64_t& s) {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static uint16_t to_bf16(float f) {  // round to nearest even (finite inputs)
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static float from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static double median(std::vector<double> v) {
+    if (v.empty()) return NAN;
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// GB/s of a 1 GiB device-to-device copy, bytes read + written, median of 5.
+static double copy_bandwidth() {
+    const size_t bytes = 1ull << 30;
+    void *a, *b;
+    CK(cudaMalloc(&a, bytes));
+    CK(cudaMalloc(&b, bytes));
+    CK(cudaMemset(a, 1, bytes));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<double> gbs;
+    for (int i = 0; i < 6; ++i) {
+        CK(cudaEventRecord(e0));
+        CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (i > 0) gbs.push_back(2.0 * bytes / (ms * 1e6));
+    }
+    CK(cudaFree(a));
+    CK(cudaFree(b));
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    return median(gbs);
+}
+
+struct Run {
+    const Chain& c;
+    int M;
+    std::vector<std::vector<uint16_t>> hw;  // host weights
+    std::vector<float> hy0;
+    std::vector<int> off;       // output offset of each step
+    std::vector<size_t> woff;   // weight offset of each step, in elements
+    int total_out = 0;
+    double bytes = 0;
+    __nv_bfloat16* dw = nullptr;
+    Step* dsteps = nullptr;
+    int* doff = nullptr;
+    float *dy0 = nullptr, *dyf = nullptr;
+    unsigned long long *dll = nullptr, *dready = nullptr, *ddone = nullptr;
+    unsigned int* dcnt = nullptr;
+
+    Run(const Chain& ch) : c(ch), M((int)ch.n.size()) {
+        size_t wtotal = 0;
+        for (int m = 0; m < M; ++m) {
+            off.push_back(total_out);
+            woff.push_back(wtotal);
+            total_out += c.n[m];
+            wtotal += (size_t)c.n[m] * c.k[m];
+            bytes += 2.0 * c.n[m] * c.k[m];
+        }
+        hw.resize(M);
+#pragma omp parallel for schedule(dynamic)
+        for (int m = 0; m < M; ++m) {
+            // Uniform in +-sqrt(3 / k): a GEMV keeps its input's scale.
+            uint64_t s = 0x5eed0000ull + (uint64_t)m * 7919u;
+            const float a = std::sqrt(3.0f / c.k[m]);
+            hw[m].resize((size_t)c.n[m] * c.k[m]);
+            for (auto& v : hw[m]) v = to_bf16(a * (2.0f * (float)(splitmix(s) >> 40) / 16777216.0f - 1.0f));
+        }
+        uint64_t s = 42;
+        hy0.resize(c.k[0]);
+        for (auto& v : hy0) v = 2.0f * (float)(splitmix(s) >> 40) / 16777216.0f - 1.0f;
+        CK(cudaMalloc(&dw, wtotal * 2));
+        std::vector<Step> steps(M);
+        for (int m = 0; m < M; ++m) {
+            CK(cudaMemcpy(dw + woff[m], hw[m].data(), hw[m].size() * 2, cudaMemcpyHostToDevice));
+            steps[m] = Step{dw + woff[m], c.n[m], c.k[m], c.in[m], c.gate[m]};
+        }
+        CK(cudaMalloc(&dsteps, M * sizeof(Step)));
+        CK(cudaMemcpy(dsteps, steps.data(), M * sizeof(Step), cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&doff, M * sizeof(int)));
+        CK(cudaMemcpy(doff, off.data(), M * sizeof(int), cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&dy0, c.k[0] * 4));
+        CK(cudaMemcpy(dy0, hy0.data(), c.k[0] * 4, cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&dyf, (size_t)total_out * 4));
+        CK(cudaMalloc(&dll, (size_t)total_out * 8));
+        CK(cudaMemset(dll, 0, (size_t)total_out * 8));
+        CK(cudaMalloc(&dcnt, M * 4));
+        CK(cudaMemset(dcnt, 0, M * 4));
+        CK(cudaMalloc(&dready, M * 8));
+        CK(cudaMalloc(&ddone, M * 8));
+    }
+    ~Run() {
+        cudaFree(dw);
+        cudaFree(dsteps);
+        cudaFree(doff);
+        cudaFree(dy0);
+        cudaFree(dyf);
+        cudaFree(dll);
+        cudaFree(dcnt);
+        cudaFree(dready);
+        cudaFree(ddone);
+    }
+
+    // Every step's output against the host's product of its weights with
+    // the input the GPU read; the worst error relative to the output's rms.
+    double check(const std::vector<float>& out) const {
+        double worst = 0.0;
+        for (int m = 0; m < M; ++m) {
+            const float* x = c.in[m] < 0 ? hy0.data() : out.data() + off[c.in[m]];
+            const float* y = out.data() + off[m];
+            const int n = c.n[m], k = c.k[m];
+            std::vector<double> ref(n);
+#pragma omp parallel for
+            for (int r = 0; r < n; ++r) {
+                double acc = 0.0;
+                const uint16_t* wr = hw[m].data() + (size_t)r * k;
+                for (int j = 0; j < k; ++j) acc += (double)from_bf16(wr[j]) * (double)x[j];
+                ref[r] = acc;
+            }
+            double ss = 0.0, err = 0.0;
+            for (int r = 0; r < n; ++r) {
+                ss += ref[r] * ref[r];
+                err = std::isnan(y[r]) ? INFINITY : std::max(err, std::fabs((double)y[r] - ref[r]));
+            }
+            const double rms = std::sqrt(ss / n);
+            worst = std::max(worst, rms > 0 ? err / rms : INFINITY);
+        }
+        return worst;
+    }
+
+    // A traced run's stamps: increments per stage kind and the hand-off.
+    std::string trace_summary() const {
+        std::vector<unsigned long long> ready(M), done(M);
+        CK(cudaMemcpy(ready.data(), dready, M * 8, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(done.data(), ddone, M * 8, cudaMemcpyDeviceToHost));
+        const size_t kinds = c.kinds.size();
+        std::vector<std::vector<double>> inc(kinds);
+        std::vector<double> hand;
+        for (int m = 1; m < M; ++m) {
+            inc[m % kinds].push_back(((double)done[m] - (double)done[m - 1]) / 1e3);
+            if (c.in[m] == m - 1) hand.push_back(((double)ready[m] - (double)done[m - 1]) / 1e3);
+        }
+        std::string s = "    traced: increments";
+        char buf[96];
+        for (size_t i = 0; i < kinds; ++i) {
+            snprintf(buf, sizeof buf, " %s %.2f", c.kinds[i].c_str(), median(inc[i]));
+            s += buf;
+        }
+        snprintf(buf, sizeof buf, " us; hand-off %.2f us", median(hand));
+        return s + buf;
+    }
+    void trace_reset(cudaStream_t st) const {
+        CK(cudaMemsetAsync(dready, 0xff, M * 8, st));
+        CK(cudaMemsetAsync(ddone, 0, M * 8, st));
+    }
+};
+
+typedef void (*GemvFn)(const __nv_bfloat16*, const float*, float*, int, int, unsigned long long*,
+                       unsigned long long*);
+
+static GemvFn gemv_for(int k, bool early) {
+    switch (k) {
+        case 512: return early ? gemv_pdl<512, true> : gemv_pdl<512, false>;
+        case 1536: return early ? gemv_pdl<1536, true> : gemv_pdl<1536, false>;
+        case 2048: return early ? gemv_pdl<2048, true> : gemv_pdl<2048, false>;
+        case 4096: return early ? gemv_pdl<4096, true> : gemv_pdl<4096, false>;
+        default: return nullptr;
+    }
+}
+
+// The chain as one graph of programmatic launches; stamps when traced.
+static cudaGraphExec_t capture(const Run& run, cudaStream_t st, bool traced) {
+    const Chain& c = run.c;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    for (int m = 0; m < run.M; ++m) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3((c.n[m] + 7) / 8);
+        cfg.blockDim = dim3(256);
+        cfg.stream = st;
+        cudaLaunchAttribute at[1];
+        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = at;
+        cfg.numAttrs = m == 0 ? 0 : 1;
+        const __nv_bfloat16* w = run.dw + run.woff[m];
+        const float* x = c.in[m] < 0 ? run.dy0 : run.dyf + run.off[c.in[m]];
+        float* y = run.dyf + run.off[m];
+        unsigned long long* ready = traced ? run.dready : nullptr;
+        unsigned long long* done = traced ? run.ddone : nullptr;
+        CK(cudaLaunchKernelEx(&cfg, gemv_for(c.k[m], c.gate[m] < 0), w, x, y, c.n[m], m, ready, done));
+    }
+    cudaGraph_t graph;
+    CK(cudaStreamEndCapture(st, &graph));
+    cudaGraphExec_t exec;
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    CK(cudaGraphDestroy(graph));
+    return exec;
+}
+
+int main(int argc, char** argv) {
+    const std::string which = argc > 1 ? argv[1] : "all";
+    const int reps = std::max(1, argc > 2 ? atoi(argv[2]) : 20);
+    int dev = 0, nsm = 0;
+    CK(cudaSetDevice(dev));
+    CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, dev));
+    CK(cudaFuncSetAttribute(persist_chain<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
+    CK(cudaFuncSetAttribute(persist_chain<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
+    const double bw = copy_bandwidth();
+    unsigned long long* dtick;
+    unsigned long long tick = 0;
+    CK(cudaMalloc(&dtick, 8));
+    timer_tick<<<1, 1>>>(dtick);
+    CK(cudaMemcpy(&tick, dtick, 8, cudaMemcpyDeviceToHost));
+    CK(cudaFree(dtick));
+    printf("%s, %d SMs; copy bandwidth %.0f GB/s (1 GiB, read + written); %%globaltimer ticks by %llu ns; "
+           "%d timed runs a mode, medians\n",
+           prop.name, nsm, bw, tick, reps);
+    std::vector<std::string> names;
+    if (which == "all") names = {"small", "big", "decode"};
+    else names = {which};
+    bool ok = true;
+    for (const auto& name : names) {
+        if (name != "small" && name != "big" && name != "decode") {
+            fprintf(stderr, "unknown chain %s (small, big, decode, all)\n", name.c_str());
+            return 2;
+        }
+        const Chain c = make_chain(name);
+        // The kernels' shape limits (red, ys, the waits' registers, steps).
+        const int M = (int)c.n.size();
+        for (int m = 0; m < M; ++m) {
+            const int in = c.in[m], gate = c.gate[m];
+            if (M > MAX_M || c.k[m] % 512 || c.k[m] > MAX_K || c.n[m] > MAX_IN || (c.n[m] + nsm - 1) / nsm > MAX_ROWS ||
+                (in >= 0 && (in >= m || c.k[m] > c.n[in])) || (in < 0 && m != 0) ||
+                (gate >= 0 && (gate >= m || c.n[gate] > MAX_GATE)) || !gemv_for(c.k[m], true)) {
+                fprintf(stderr, "chain %s step %d [%d, %d] is outside the kernels' limits on %d SMs\n", name.c_str(),
+                        m, c.n[m], c.k[m], nsm);
+                return 2;
+            }
+        }
+        Run run(c);
+        const double floor_us = run.bytes / (bw * 1e3);
+        printf("\n%s: %d GEMVs, %.1f MB of weights, floor %.2f us (%.3f us a GEMV)\n", name.c_str(), M,
+               run.bytes / 1e6, floor_us, floor_us / M);
+        cudaStream_t st;
+        CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+        cudaEvent_t e0, e1;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        std::vector<float> out(run.total_out);
+        auto time_it = [&](auto&& launch) {
+            std::vector<double> us;
+            for (int i = 0; i < reps + 3; ++i) {
+                CK(cudaEventRecord(e0, st));
+                launch(false);
+                CK(cudaEventRecord(e1, st));
+                CK(cudaEventSynchronize(e1));
+                float ms;
+                CK(cudaEventElapsedTime(&ms, e0, e1));
+                if (i >= 3) us.push_back(ms * 1e3);
+            }
+            return median(us);
+        };
+        auto traced = [&](auto&& launch) {
+            run.trace_reset(st);
+            launch(true);
+            CK(cudaStreamSynchronize(st));
+            return run.trace_summary();
+        };
+        auto report = [&](const char* mode, double err, double us, const std::string& trace) {
+            const bool pass = err <= 1e-4;
+            ok = ok && pass;
+            printf("  %-8s %9.2f us (%.3f us a GEMV, %.2fx the floor)  check %.2e %s\n%s\n", mode, us, us / M,
+                   us / floor_us, err, pass ? "ok" : "FAILED", trace.c_str());
+            fflush(stdout);
+        };
+
+        // launches
+        {
+            cudaGraphExec_t plain = capture(run, st, false), stamped = capture(run, st, true);
+            auto launch = [&](bool t) { CK(cudaGraphLaunch(t ? stamped : plain, st)); };
+            CK(cudaMemsetAsync(run.dyf, 0xff, (size_t)run.total_out * 4, st));  // NaN: a step not run fails
+            launch(false);
+            CK(cudaStreamSynchronize(st));
+            CK(cudaMemcpy(out.data(), run.dyf, out.size() * 4, cudaMemcpyDeviceToHost));
+            const double err = run.check(out);
+            const double us = time_it(launch);
+            report("launches", err, us, traced(launch));
+            CK(cudaGraphExecDestroy(plain));
+            CK(cudaGraphExecDestroy(stamped));
+        }
+
+        // the persistent kernels, each mode with its own epochs
+        for (int mode = 0; mode < 2; ++mode) {
+            const bool ll = mode == 1;
+            unsigned int epoch = 0;
+            auto launch = [&](bool t) {
+                ++epoch;
+                cudaLaunchConfig_t cfg = {};
+                cfg.gridDim = dim3(nsm);
+                cfg.blockDim = dim3(P_THREADS);
+                cfg.dynamicSmemBytes = P_SMEM;
+                cfg.stream = st;
+                cudaLaunchAttribute at[1];
+                at[0].id = cudaLaunchAttributeCooperative;  // an error, not a hang, if the grid cannot be resident
+                at[0].val.cooperative = 1;
+                cfg.attrs = at;
+                cfg.numAttrs = 1;
+                unsigned long long* ready = t ? run.dready : nullptr;
+                unsigned long long* done = t ? run.ddone : nullptr;
+                CK(cudaLaunchKernelEx(&cfg, ll ? persist_chain<true> : persist_chain<false>, (const Step*)run.dsteps,
+                                      (const int*)run.doff, M, (const float*)run.dy0, run.dll, run.dyf, run.dcnt,
+                                      epoch, ready, done));
+            };
+            if (!ll) CK(cudaMemsetAsync(run.dcnt, 0, M * 4, st));
+            CK(cudaMemsetAsync(run.dyf, 0xff, (size_t)run.total_out * 4, st));
+            launch(false);
+            CK(cudaStreamSynchronize(st));
+            if (ll) {
+                std::vector<unsigned long long> words(run.total_out);
+                CK(cudaMemcpy(words.data(), run.dll, words.size() * 8, cudaMemcpyDeviceToHost));
+                for (size_t i = 0; i < words.size(); ++i) {
+                    const uint32_t v = (uint32_t)words[i];
+                    memcpy(&out[i], &v, 4);
+                    if ((uint32_t)(words[i] >> 32) != epoch) out[i] = NAN;  // a word not written this run
+                }
+            } else {
+                CK(cudaMemcpy(out.data(), run.dyf, out.size() * 4, cudaMemcpyDeviceToHost));
+            }
+            const double err = run.check(out);
+            const double us = time_it(launch);
+            report(ll ? "ll" : "counter", err, us, traced(launch));
+        }
+        CK(cudaEventDestroy(e0));
+        CK(cudaEventDestroy(e1));
+        CK(cudaStreamDestroy(st));
+    }
+    printf("\n%s\n", ok ? "every check passed" : "a check FAILED");
+    return ok ? 0 : 1;
+}
