@@ -13,8 +13,9 @@
 //
 //   launches  one kernel a GEMV, a warp a row, its weights loaded into
 //             registers before griddepcontrol.wait (after it for a routed
-//             step); programmatic dependent launches in one CUDA graph (the
-//             engine's decode design)
+//             step, as the engine's expert GEMVs do); programmatic
+//             dependent launches in one CUDA graph (the engine's decode
+//             design)
 //   counter   one persistent kernel, a block an SM: a producer warp streams
 //             the block's rows of every matrix, in chain order, into a ring
 //             of shared memory with bulk copies (cp.async.bulk, an mbarrier
@@ -27,6 +28,11 @@
 //   ll        the same kernel, each output value written with its run's
 //             epoch as one 8-byte word (the low-latency protocol of NCCL's
 //             LL): the input read is the wait, with no counter
+//   ll2       (a chain with routed steps) ll with two rings: routed steps
+//             stream through 4 slots of their own, filled by a second
+//             producer warp that waits for the gate, so that the first
+//             streams the dense steps' weights (8 slots) on past a routed
+//             step whose routing is not known yet
 //
 // Chains (distinct weights for every GEMV; a step reads the first k values
 // of an earlier step's output, and waits for all of it):
@@ -41,7 +47,7 @@
 //           (14.7 MB, the 8 experts' NVFP4 bytes as BF16 rows; it reads
 //           o_proj's output, and its weights are requested only once the
 //           router's output is complete, as expert addresses would be) and
-//           the down [2048, 1536] (6.3 MB). 64 MB a layer.
+//           the routed down [2048, 1536] (6.3 MB). 64 MB a layer.
 //
 // Each GEMV's output is checked against the host's double-precision product
 // of its weights with the input the GPU read (relative to the output's rms:
@@ -49,11 +55,16 @@
 // weight bytes over the bandwidth of a 1 GiB device-to-device copy (bytes
 // read + written), as `strata bench` measures it. After the timed runs, one
 // traced run per mode stamps (%globaltimer, whose tick is printed) each
-// step's first input-ready and last output-written time over its blocks:
-// "increment" is a step's last write minus the step before's (what it adds
-// to the chain, per stage kind; medians over the chain), "hand-off" is a
-// step's first input-ready minus its input step's last write (steps that
-// read the step just before; median).
+// step's first input-ready and last output-written time over its blocks
+// (input-ready: the programmatic wait's return, the count seen, or thread
+// 0's LL words fresh; output-written: after a block's barrier that follows
+// its stores): "increment" is a step's last write minus the step before's
+// (what it adds to the chain, per stage kind; medians over the chain),
+// "hand-off" is a step's first input-ready minus its input step's last
+// write (steps that read the step just before; median). The stamps' atomics
+// (one per block and step, on one address) slow a traced run a little;
+// the timed runs have none, and a spin kernel ahead of each keeps the
+// host's submission out of its interval.
 //
 // Build and run on the device (nvcc 13.0 there; sm_90a for cp.async.bulk):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -Xcompiler -fopenmp -o chain-bench scripts/chain-bench.cu
@@ -61,8 +72,8 @@
 // (Here, without a GPU: add -L.cuda/site/nvidia/cu13/lib after
 // scripts/install-nvcc.sh; the binary then reports the missing driver.)
 // Exit status: 0 when every check passed, 1 when one failed, 2 on a CUDA
-// error (a persistent block that waits 2 s for anything traps: a protocol
-// slip fails instead of hanging). Status: compiled here (ptxas: no spills);
+// error or bad arguments (a persistent block that waits 2 s for anything
+// traps: a protocol slip fails instead of hanging). Status: compiled here (ptxas: no spills);
 // not yet run on a GPU.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -102,9 +113,10 @@ constexpr int MAX_GATE = 256;     // longest output a routed step's weights wait
 constexpr int MAX_ROWS = 64;      // rows of one matrix a block owns
 constexpr int CONSUMERS = 8;      // consumer warps of a persistent block
 constexpr int CT = CONSUMERS * 32;
-constexpr int P_THREADS = CT + 32;
+constexpr int P_THREADS = CT + 64;  // and two producer warps
 constexpr int CHUNK = 16384;      // bytes of a ring slot (whole rows)
 constexpr int STAGES = 12;        // ring slots: 192 KB
+constexpr int SLOTS_A = 8;        // of them the dense ring's, with two rings
 constexpr int MAX_PARTS = MAX_K / 512;
 constexpr unsigned long long SPIN_LIMIT_NS = 2000000000ull;
 
@@ -176,6 +188,13 @@ __global__ void timer_tick(unsigned long long* out) {
         }
     }
     *out = best;
+}
+
+// Keeps the GPU busy for about ns nanoseconds.
+__global__ void spin(unsigned long long ns) {
+    const unsigned long long t0 = globaltimer();
+    while (globaltimer() - t0 < ns) {
+    }
 }
 
 // ---- launches: the engine's design ---------------------------------------
@@ -275,33 +294,37 @@ __device__ __forceinline__ bool fresh(unsigned long long word, unsigned int epoc
     return (unsigned int)(word >> 32) == epoch;
 }
 
-// Waits until words [0, n) of src (LL words) carry `epoch`; word i belongs
-// to thread t of nt where i = t + nt j, j < W. Spins on one stale word at a
-// time (one load in flight: as light on L2 as a flag), but once it turns
-// fresh reloads every later stale word at once (one by one would cost a
-// serial L2 round trip each). Returns with the values in v.
+// The word thread t of nt holds in place j of wait_words: i = t + nt j,
+// rotated by rot (< n) so that the blocks spin on different L2 lines.
+__device__ __forceinline__ int word_at(int t, int nt, int j, int rot, int n) {
+    const int i = t + nt * j + rot;
+    return i < n ? i : i - n;
+}
+
+// Waits until words [0, n) of src (LL words) carry `epoch`; thread t of nt
+// holds words word_at(t, nt, j, rot, n) for t + nt j < n, j < W. Spins on
+// one stale word at a time (one load in flight: as light on L2 as a flag),
+// but once it turns fresh reloads every later stale word at once (one by
+// one would cost a serial L2 round trip each). Returns with the words in v.
 template <int W>
-__device__ __forceinline__ void wait_words(const unsigned long long* src, int n, int t, int nt, unsigned int epoch,
-                                           unsigned long long (&v)[W], int step) {
+__device__ __forceinline__ void wait_words(const unsigned long long* src, int n, int t, int nt, int rot,
+                                           unsigned int epoch, unsigned long long (&v)[W], int step) {
 #pragma unroll
     for (int j = 0; j < W; ++j) {
-        const int i = t + nt * j;
-        if (i < n) v[j] = ld_relaxed_u64(src + i);
+        if (t + nt * j < n) v[j] = ld_relaxed_u64(src + word_at(t, nt, j, rot, n));
     }
 #pragma unroll
     for (int j = 0; j < W; ++j) {
-        const int i = t + nt * j;
-        if (i < n && !fresh(v[j], epoch)) {
+        if (t + nt * j < n && !fresh(v[j], epoch)) {
             const unsigned long long t0 = globaltimer();
             do {
                 __nanosleep(32);
-                v[j] = ld_relaxed_u64(src + i);
+                v[j] = ld_relaxed_u64(src + word_at(t, nt, j, rot, n));
                 spin_guard(t0, step, "an input word");
             } while (!fresh(v[j], epoch));
 #pragma unroll
             for (int q = j + 1; q < W; ++q) {
-                const int iq = t + nt * q;
-                if (iq < n && !fresh(v[q], epoch)) v[q] = ld_relaxed_u64(src + iq);
+                if (t + nt * q < n && !fresh(v[q], epoch)) v[q] = ld_relaxed_u64(src + word_at(t, nt, q, rot, n));
             }
         }
     }
@@ -329,8 +352,13 @@ __device__ __forceinline__ void ys_put(float* ysa, float* ysb, int i, float v) {
 // y0: the chain's input. counters: m_count u32 (counter mode), never reset:
 // the epoch-th run (1, 2, ...) of this mode waits for epoch x gridDim.x.
 // LL words are (f32 bits, epoch); the buffer starts zeroed. ready/done: a
-// traced run's stamps (else null), [m_count], ~0 / 0 before it.
-template <bool LL>
+// traced run's stamps (else null), [m_count], ~0 / 0 before it: ready when
+// the first block's thread 0 has its input (LL: its words; counter: the
+// count), done when the last block has stored its rows. TWO: routed steps
+// (gate >= 0) stream through a ring of their own (slots SLOTS_A..), filled
+// by the second producer warp, so that the first one streams the dense
+// steps' weights on past a routed step whose gate is not complete.
+template <bool LL, bool TWO>
 __global__ void __launch_bounds__(P_THREADS, 1)
     persist_chain(const Step* __restrict__ steps_g, const int* __restrict__ out_off_g, int m_count,
                   const float* __restrict__ y0, unsigned long long* __restrict__ ll, float* __restrict__ yf,
@@ -356,18 +384,28 @@ __global__ void __launch_bounds__(P_THREADS, 1)
     }
     __syncthreads();
 
-    if (warp == CONSUMERS) {
-        // The producer: the block's rows of every matrix in chain order,
+    if (warp >= CONSUMERS) {
+        // A producer: the block's rows of its ring's matrices in chain order,
         // whole rows a slot, as fast as slots free up; a routed step's only
         // once its gate's output is complete (the whole warp waits for it,
         // lane 0 issues the copies).
+        const int p = warp - CONSUMERS;  // 1: the routed ring (TWO)
+        if (!TWO && p == 1) return;
+        const int first = p == 1 ? SLOTS_A : 0, nslots = TWO ? (p == 1 ? STAGES - SLOTS_A : SLOTS_A) : STAGES;
         int s = 0;
         for (int m = 0; m < m_count; ++m) {
             const Step g = steps[m];
+            if (TWO && (g.gate >= 0) != (p == 1)) continue;
             if (g.gate >= 0) {
+                // Lanes 1..31 skip the copies and would reach the gate early:
+                // hold them until lane 0 has issued every earlier step's, so
+                // that the warp polls only from when it must (not through
+                // the whole stages before, on the same few L2 lines).
+                __syncwarp();
                 if (LL) {
                     unsigned long long v[MAX_GATE / 32];
-                    wait_words(ll + out_off[g.gate], steps[g.gate].n, lane, 32, epoch, v, m);
+                    const int n = steps[g.gate].n;
+                    wait_words(ll + out_off[g.gate], n, lane, 32, (b * 32) % n, epoch, v, m);
                 } else if (lane == 0) {
                     wait_count(counters + g.gate, target, m);
                 }
@@ -376,8 +414,8 @@ __global__ void __launch_bounds__(P_THREADS, 1)
             if (lane != 0) continue;
             const int r0 = row0(g.n, b, nb), rows = row0(g.n, b + 1, nb) - r0, rpc = CHUNK / (2 * g.k);
             for (int c = 0; c * rpc < rows; ++c, ++s) {
-                const int slot = s % STAGES;
-                if (s >= STAGES) mbar_wait(empty + 8 * slot, ((s / STAGES) - 1) & 1, m);
+                const int slot = first + s % nslots;
+                if (s >= nslots) mbar_wait(empty + 8 * slot, ((s / nslots) - 1) & 1, m);
                 const uint32_t bytes = (uint32_t)(min(rpc, rows - c * rpc) * 2 * g.k);
                 mbar_expect_tx(full + 8 * slot, bytes);
                 bulk_g2s(ring + slot * CHUNK, g.w + ((size_t)r0 + (size_t)c * rpc) * g.k, bytes, full + 8 * slot);
@@ -392,7 +430,7 @@ __global__ void __launch_bounds__(P_THREADS, 1)
     const float4* ya4 = reinterpret_cast<const float4*>(ysa);
     const float4* yb4 = reinterpret_cast<const float4*>(ysb);
     float* red = reinterpret_cast<float*>(smem + OFF_RED);
-    int s = 0;
+    int sa = 0, sb = 0;  // chunks consumed from each ring
     for (int m = 0; m < m_count; ++m) {
         const Step g = steps[m];
         const int k = g.k, r0 = row0(g.n, b, nb), rows = row0(g.n, b + 1, nb) - r0;
@@ -400,27 +438,35 @@ __global__ void __launch_bounds__(P_THREADS, 1)
         // all of it is complete.
         if (g.in < 0) {
             for (int i = tid; i < k; i += CT) ys_put(ysa, ysb, i, y0[i]);
+            if (ready != nullptr && tid == 0) atomicMin(ready + m, globaltimer());
         } else if (LL) {
             unsigned long long v[MAX_IN / CT];
-            wait_words(ll + out_off[g.in], steps[g.in].n, tid, CT, epoch, v, m);
+            const int n = steps[g.in].n, rot = (b * CT) % n;
+            wait_words(ll + out_off[g.in], n, tid, CT, rot, epoch, v, m);
+            if (ready != nullptr && tid == 0) atomicMin(ready + m, globaltimer());
 #pragma unroll
             for (int j = 0; j < MAX_IN / CT; ++j) {
-                const int i = tid + CT * j;
-                if (i < k) ys_put(ysa, ysb, i, __uint_as_float((unsigned int)v[j]));
+                const int i = word_at(tid, CT, j, rot, n);
+                if (tid + CT * j < n && i < k) ys_put(ysa, ysb, i, __uint_as_float((unsigned int)v[j]));
             }
         } else {
-            if (tid == 0) wait_count(counters + g.in, target, m);
+            if (tid == 0) {
+                wait_count(counters + g.in, target, m);
+                if (ready != nullptr) atomicMin(ready + m, globaltimer());
+            }
             consumers_sync();
             const float* src = yf + out_off[g.in];
             for (int i = tid; i < k; i += CT) ys_put(ysa, ysb, i, __ldcg(src + i));
         }
         consumers_sync();  // ys complete; red free (every thread has summed the last step's)
-        if (ready != nullptr && tid == 0) atomicMin(ready + m, globaltimer());
         // The products: warp w dots 512-element parts of the slot's rows.
+        const bool routed_ring = TWO && g.gate >= 0;
+        int& s = routed_ring ? sb : sa;
+        const int first = routed_ring ? SLOTS_A : 0, nslots = TWO ? (routed_ring ? STAGES - SLOTS_A : SLOTS_A) : STAGES;
         const int kv = k / 8, rpc = CHUNK / (2 * k);
         for (int c = 0; c * rpc < rows; ++c, ++s) {
-            const int slot = s % STAGES, rc = min(rpc, rows - c * rpc);
-            mbar_wait(full + 8 * slot, (s / STAGES) & 1, m);
+            const int slot = first + s % nslots, rc = min(rpc, rows - c * rpc);
+            mbar_wait(full + 8 * slot, (s / nslots) & 1, m);
             const uint4* sl = reinterpret_cast<const uint4*>(smem + OFF_RING + slot * CHUNK);
             for (int base = warp * 64; base < rc * kv; base += CONSUMERS * 64) {
                 // kv is a multiple of 64: the 64 pieces lie in one row.
@@ -488,7 +534,7 @@ static Chain make_chain(const std::string& name) {
             add(2048, 4096, 1, 0);  // o_proj
             add(128, 2048, 1, 0);   // router
             add(3584, 2048, 2, 1);  // gate/up: o_proj's output, weights after the router
-            add(2048, 1536, 1, 0);  // down
+            add(2048, 1536, 1, 2);  // down: its experts' weights after the router too
         }
     }
     c.in[0] = -1;
@@ -656,8 +702,10 @@ struct Run {
         std::vector<std::vector<double>> inc(kinds);
         std::vector<double> hand;
         for (int m = 1; m < M; ++m) {
-            inc[m % kinds].push_back(((double)done[m] - (double)done[m - 1]) / 1e3);
-            if (c.in[m] == m - 1) hand.push_back(((double)ready[m] - (double)done[m - 1]) / 1e3);
+            // Differences in integers first: %globaltimer is ~1.7e18 ns, where
+            // a double's step is 256 ns.
+            inc[m % kinds].push_back((double)(long long)(done[m] - done[m - 1]) / 1e3);
+            if (c.in[m] == m - 1) hand.push_back((double)(long long)(ready[m] - done[m - 1]) / 1e3);
         }
         std::string s = "    traced: increments";
         char buf[96];
@@ -724,8 +772,9 @@ int main(int argc, char** argv) {
     CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev));
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, dev));
-    CK(cudaFuncSetAttribute(persist_chain<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
-    CK(cudaFuncSetAttribute(persist_chain<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
+    CK(cudaFuncSetAttribute(persist_chain<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
+    CK(cudaFuncSetAttribute(persist_chain<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
+    CK(cudaFuncSetAttribute(persist_chain<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     const double bw = copy_bandwidth();
     unsigned long long* dtick;
     unsigned long long tick = 0;
@@ -771,6 +820,10 @@ int main(int argc, char** argv) {
         auto time_it = [&](auto&& launch) {
             std::vector<double> us;
             for (int i = 0; i < reps + 3; ++i) {
+                // The GPU busy while the host submits: the interval holds the
+                // chain, not the submission.
+                spin<<<1, 1, 0, st>>>(20000);
+                CK(cudaGetLastError());
                 CK(cudaEventRecord(e0, st));
                 launch(false);
                 CK(cudaEventRecord(e1, st));
@@ -810,10 +863,15 @@ int main(int argc, char** argv) {
             CK(cudaGraphExecDestroy(stamped));
         }
 
-        // the persistent kernels, each mode with its own epochs
-        for (int mode = 0; mode < 2; ++mode) {
-            const bool ll = mode == 1;
-            unsigned int epoch = 0;
+        // the persistent kernels: counter, ll, and (for a chain with routed
+        // steps) ll2, ll with a ring of their own for the routed steps. The
+        // LL modes share the LL buffer, so their epochs run on across both.
+        const bool routed = std::any_of(c.gate.begin(), c.gate.end(), [](int g) { return g >= 0; });
+        unsigned int ll_epoch = 0;
+        for (int mode = 0; mode < (routed ? 3 : 2); ++mode) {
+            const bool ll = mode >= 1, two = mode == 2;
+            unsigned int cnt_epoch = 0;
+            unsigned int& epoch = ll ? ll_epoch : cnt_epoch;
             auto launch = [&](bool t) {
                 ++epoch;
                 cudaLaunchConfig_t cfg = {};
@@ -828,7 +886,8 @@ int main(int argc, char** argv) {
                 cfg.numAttrs = 1;
                 unsigned long long* ready = t ? run.dready : nullptr;
                 unsigned long long* done = t ? run.ddone : nullptr;
-                CK(cudaLaunchKernelEx(&cfg, ll ? persist_chain<true> : persist_chain<false>, (const Step*)run.dsteps,
+                auto kernel = two ? persist_chain<true, true> : ll ? persist_chain<true, false> : persist_chain<false, false>;
+                CK(cudaLaunchKernelEx(&cfg, kernel, (const Step*)run.dsteps,
                                       (const int*)run.doff, M, (const float*)run.dy0, run.dll, run.dyf, run.dcnt,
                                       epoch, ready, done));
             };
@@ -849,7 +908,7 @@ int main(int argc, char** argv) {
             }
             const double err = run.check(out);
             const double us = time_it(launch);
-            report(ll ? "ll" : "counter", err, us, traced(launch));
+            report(two ? "ll2" : ll ? "ll" : "counter", err, us, traced(launch));
         }
         CK(cudaEventDestroy(e0));
         CK(cudaEventDestroy(e1));
