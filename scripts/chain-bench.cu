@@ -305,10 +305,11 @@ __device__ __forceinline__ int word_at(int t, int nt, int j, int rot, int n) {
 // holds words word_at(t, nt, j, rot, n) for t + nt j < n, j < W. Spins on
 // one stale word at a time (one load in flight: as light on L2 as a flag),
 // but once it turns fresh reloads every later stale word at once (one by
-// one would cost a serial L2 round trip each). Returns with the words in v.
+// one would cost a serial L2 round trip each), napping `nap` ns between
+// polls. Returns with the words in v.
 template <int W>
 __device__ __forceinline__ void wait_words(const unsigned long long* src, int n, int t, int nt, int rot,
-                                           unsigned int epoch, unsigned long long (&v)[W], int step) {
+                                           unsigned int epoch, unsigned long long (&v)[W], int step, unsigned int nap) {
 #pragma unroll
     for (int j = 0; j < W; ++j) {
         if (t + nt * j < n) v[j] = ld_relaxed_u64(src + word_at(t, nt, j, rot, n));
@@ -318,7 +319,7 @@ __device__ __forceinline__ void wait_words(const unsigned long long* src, int n,
         if (t + nt * j < n && !fresh(v[j], epoch)) {
             const unsigned long long t0 = globaltimer();
             do {
-                __nanosleep(32);
+                __nanosleep(nap);
                 v[j] = ld_relaxed_u64(src + word_at(t, nt, j, rot, n));
                 spin_guard(t0, step, "an input word");
             } while (!fresh(v[j], epoch));
@@ -405,7 +406,7 @@ __global__ void __launch_bounds__(P_THREADS, 1)
                 if (LL) {
                     unsigned long long v[MAX_GATE / 32];
                     const int n = steps[g.gate].n;
-                    wait_words(ll + out_off[g.gate], n, lane, 32, (b * 32) % n, epoch, v, m);
+                    wait_words(ll + out_off[g.gate], n, lane, 32, (b * 32) % n, epoch, v, m, 128);
                 } else if (lane == 0) {
                     wait_count(counters + g.gate, target, m);
                 }
@@ -442,7 +443,7 @@ __global__ void __launch_bounds__(P_THREADS, 1)
         } else if (LL) {
             unsigned long long v[MAX_IN / CT];
             const int n = steps[g.in].n, rot = (b * CT) % n;
-            wait_words(ll + out_off[g.in], n, tid, CT, rot, epoch, v, m);
+            wait_words(ll + out_off[g.in], n, tid, CT, rot, epoch, v, m, 32);
             if (ready != nullptr && tid == 0) atomicMin(ready + m, globaltimer());
 #pragma unroll
             for (int j = 0; j < MAX_IN / CT; ++j) {
@@ -461,7 +462,7 @@ __global__ void __launch_bounds__(P_THREADS, 1)
         consumers_sync();  // ys complete; red free (every thread has summed the last step's)
         // The products: warp w dots 512-element parts of the slot's rows.
         const bool routed_ring = TWO && g.gate >= 0;
-        int& s = routed_ring ? sb : sa;
+        int s = routed_ring ? sb : sa;  // a copy (a reference put sa, sb in local memory)
         const int first = routed_ring ? SLOTS_A : 0, nslots = TWO ? (routed_ring ? STAGES - SLOTS_A : SLOTS_A) : STAGES;
         const int kv = k / 8, rpc = CHUNK / (2 * k);
         for (int c = 0; c * rpc < rows; ++c, ++s) {
@@ -483,6 +484,8 @@ __global__ void __launch_bounds__(P_THREADS, 1)
             __syncwarp();
             if (lane == 0) mbar_arrive(empty + 8 * slot);
         }
+        if (routed_ring) sb = s;
+        else sa = s;
         consumers_sync();  // red complete
         const int parts = kv / 64;
         for (int r = tid; r < rows; r += CT) {
@@ -822,7 +825,7 @@ int main(int argc, char** argv) {
             for (int i = 0; i < reps + 3; ++i) {
                 // The GPU busy while the host submits: the interval holds the
                 // chain, not the submission.
-                spin<<<1, 1, 0, st>>>(20000);
+                spin<<<1, 1, 0, st>>>(100000);
                 CK(cudaGetLastError());
                 CK(cudaEventRecord(e0, st));
                 launch(false);
