@@ -30,6 +30,9 @@ fn main() {
         ("T 0.7, top-k 40, top-p 0.95", 0.7, 40, 0.95, 0.0),
         ("T 1", 1.0, 0, 1.0, 0.0),
         ("T 0.7, min-p 0.05", 0.7, 0, 1.0, 0.05),
+        // Near-flat weights: most of the vocabulary in one bucket.
+        ("T 1000", 1000.0, 0, 1.0, 0.0),
+        ("T 1000, top-p 0.9", 1000.0, 0, 0.9, 0.0),
     ];
     for (shape, logits) in [("model-like", &model_like), ("flat", &flat)] {
         for (name, temperature, top_k, top_p, min_p) in sets {

@@ -153,6 +153,7 @@ impl Sampler {
         let mut r = Ranked::new(logits, p.temperature);
         let n = self.kept(&mut r);
         let total = r.prefix_mass(n) as f64;
+        r.sort_prefix(n);
         Ok((0..n).map(|i| r.entry(i)).map(|e| (e.id, mass(e.bits) as f64 / total)).collect())
     }
 
@@ -225,7 +226,9 @@ fn draw(r: &mut Ranked<'_>, n: usize, u: f64) -> u32 {
 // the vocabulary: one pass counts the tokens and their mass in buckets of
 // weight (16 an octave, by the top bits of the f32), the cuts and the draw
 // walk the buckets' masses, and only the tokens of a bucket in which one
-// of them falls are collected (one more pass) and sorted.
+// of them falls are collected (one more pass) and sorted; a bucket of more
+// than SORT_AT_MOST tokens (near-flat weights: a very high temperature) is
+// not sorted: a selection (expected linear) finds the entries there.
 
 /// Fractional bits of a token's mass.
 const MASS_BITS: i32 = 40;
@@ -236,6 +239,9 @@ const KEY_SHIFT: u32 = 19;
 const KEY_ONE: u32 = 1.0f32.to_bits() >> KEY_SHIFT;
 const KEY_MIN: u32 = (1.0f32 / (1u64 << MASS_BITS) as f32).to_bits() >> KEY_SHIFT;
 const BUCKETS: usize = (KEY_ONE - KEY_MIN + 1) as usize;
+/// The largest bucket a cut or a draw sorts (the tests' value sends most
+/// of their cases through the selection).
+const SORT_AT_MOST: usize = if cfg!(test) { 64 } else { 4096 };
 
 /// e^x for x <= 0, in f32 from IEEE operations only (Cephes' expf: x = n
 /// ln2 + r, a degree-6 polynomial in r, times 2^n; rounding of n by the
@@ -291,10 +297,44 @@ struct Entry {
     logit: f32,
 }
 
+/// The order: logit descending, then token ascending. Distinct logits can
+/// round to one f32 weight (high temperatures, near-equal logits), and the
+/// logit order keeps the argmax first and top-k nested. It refines the
+/// weight order (exp_neg and the division are monotone), so the buckets
+/// and the cuts by weight hold. (Finite logits: -0 == +0, then the token.)
+fn order(x: &Entry, y: &Entry) -> std::cmp::Ordering {
+    y.logit.partial_cmp(&x.logit).unwrap_or(std::cmp::Ordering::Equal).then(x.id.cmp(&y.id))
+}
+
+/// The smallest j >= 1 whose first j entries of `run` (in `order`) have a
+/// mass of at least `need` (1 <= need <= the mass of all of them), by
+/// selection: each round puts the middle rank of the range in place, the
+/// better ones before it, and keeps the half the answer lies in. Expected
+/// linear in the length; `run` is left permuted.
+fn select_reaching(run: &mut [Entry], need: u64) -> usize {
+    // The answer is in (lo, hi]; the first lo entries are the lo best, of
+    // mass `above` < need.
+    let (mut lo, mut hi, mut above) = (0, run.len(), 0u64);
+    loop {
+        let mid = lo + (hi - lo) / 2;
+        run[lo..hi].select_nth_unstable_by(mid - lo, order);
+        let left: u64 = run[lo..mid].iter().map(|e| mass(e.bits)).sum();
+        if above + left >= need {
+            hi = mid;
+            continue;
+        }
+        let with = above + left + mass(run[mid].bits);
+        if with >= need {
+            return mid + 1;
+        }
+        (above, lo) = (with, mid + 1);
+    }
+}
+
 /// The tokens of non-zero mass by buckets of their weight, most probable
 /// bucket first: per bucket its count and mass; its tokens once something
 /// needs them (placed by a scan of the weights, with the buckets near it),
-/// sorted (logit descending, token ascending) on first use.
+/// sorted (`order`) on first use unless there are more than SORT_AT_MOST.
 struct Ranked<'a> {
     logits: &'a [f32],
     /// The weights' f32 bits, by token.
@@ -358,8 +398,24 @@ impl<'a> Ranked<'a> {
         self.start[BUCKETS]
     }
 
+    /// Whether bucket b is answered by selection, not by a sort.
+    fn selects(&self, b: usize) -> bool {
+        !self.sorted[b] && self.start[b + 1] - self.start[b] > SORT_AT_MOST
+    }
+
     /// Bucket b's tokens in order.
     fn members(&mut self, b: usize) -> &[Entry] {
+        self.placed_members(b);
+        let sorted = std::mem::replace(&mut self.sorted[b], true);
+        let run = &mut self.entries[self.start[b]..self.start[b + 1]];
+        if !sorted {
+            run.sort_unstable_by(order);
+        }
+        run
+    }
+
+    /// Bucket b's tokens, in order if it has been sorted.
+    fn placed_members(&mut self, b: usize) -> &mut [Entry] {
         if b >= self.placed {
             // Place the buckets from `placed` to an octave past b (a later
             // need is often near: one scan, not one a bucket).
@@ -391,20 +447,17 @@ impl<'a> Ranked<'a> {
             }
             self.placed = end;
         }
-        let run = &mut self.entries[self.start[b]..self.start[b + 1]];
-        if !self.sorted[b] {
-            // By logit: distinct logits can round to one f32 weight (high
-            // temperatures, near-equal logits), and the logit order keeps
-            // the argmax first and top-k nested. It refines the weight
-            // order (exp_neg and the division are monotone), so the
-            // buckets and the cuts by weight hold. (Finite logits: -0 ==
-            // +0, then the token.)
-            run.sort_unstable_by(|x, y| {
-                y.logit.partial_cmp(&x.logit).unwrap_or(std::cmp::Ordering::Equal).then(x.id.cmp(&y.id))
-            });
-            self.sorted[b] = true;
+        &mut self.entries[self.start[b]..self.start[b + 1]]
+    }
+
+    /// Sorts the buckets of the first `n` entries (`entry` of each of them
+    /// then costs no selection).
+    fn sort_prefix(&mut self, n: usize) {
+        if n > 0 {
+            for b in 0..=self.bucket_of(n - 1) {
+                self.members(b);
+            }
         }
-        run
     }
 
     /// The bucket holding position `i` (< len).
@@ -415,8 +468,12 @@ impl<'a> Ranked<'a> {
     /// The entry at position `i` of the order.
     fn entry(&mut self, i: usize) -> Entry {
         let b = self.bucket_of(i);
-        let first = self.start[b];
-        self.members(b)[i - first]
+        let j = i - self.start[b];
+        if self.selects(b) {
+            let run = self.placed_members(b);
+            return *run.select_nth_unstable_by(j, order).1;
+        }
+        self.members(b)[j]
     }
 
     /// The mass of the first `n` entries.
@@ -429,7 +486,15 @@ impl<'a> Ranked<'a> {
         if n == self.start[last + 1] {
             return whole + self.masses[last];
         }
-        whole + self.members(last)[..n - first].iter().map(|e| mass(e.bits)).sum::<u64>()
+        let j = n - first;
+        let best = if self.selects(last) {
+            let run = self.placed_members(last);
+            run.select_nth_unstable_by(j, order);
+            &run[..j]
+        } else {
+            &self.members(last)[..j]
+        };
+        whole + best.iter().map(|e| mass(e.bits)).sum::<u64>()
     }
 
     /// The smallest n whose prefix has a mass of at least `target` (1 <=
@@ -439,6 +504,9 @@ impl<'a> Ranked<'a> {
         for b in 0..BUCKETS {
             if acc + self.masses[b] >= target {
                 let first = self.start[b];
+                if self.selects(b) {
+                    return first + select_reaching(self.placed_members(b), target - acc);
+                }
                 for (i, e) in self.members(b).iter().enumerate() {
                     acc += mass(e.bits);
                     if acc >= target {
@@ -459,6 +527,10 @@ impl<'a> Ranked<'a> {
             return self.len();
         }
         let first = self.start[b];
+        if self.selects(b) {
+            // The weight falls along the order: count, in any order.
+            return first + self.placed_members(b).iter().filter(|e| f32::from_bits(e.bits) >= w).count();
+        }
         first + self.members(b).partition_point(|e| f32::from_bits(e.bits) >= w)
     }
 }
@@ -753,6 +825,46 @@ mod tests {
         }
         // Draws among several tokens, not only the single-token paths.
         assert!(checked.1 > 1000, "{checked:?}");
+    }
+
+    #[test]
+    fn ranked_answers_any_sequence_of_queries_as_a_full_sort_does() {
+        // Selection leaves a big bucket permuted: each query must hold
+        // whatever the queries before it did. Near-flat weights put
+        // hundreds of tokens in a bucket (the tests sort at most 64).
+        let mut rng = crate::rng::Rng::new(11);
+        for (v, spread, temperature) in [(3000usize, 1.0f32, 50.0f32), (6000, 2.0, 1.0), (500, 0.001, 1e4)] {
+            let logits: Vec<f32> = (0..v).map(|_| spread * (rng.next_f64() as f32 - 0.5)).collect();
+            let all = sorted_by_definition(&logits, temperature);
+            let mut r = Ranked::new(&logits, temperature);
+            assert_eq!(r.len(), all.len());
+            assert!((0..BUCKETS).any(|b| r.selects(b)), "V {v}: no bucket above {SORT_AT_MOST}");
+            let cum: Vec<u64> = all
+                .iter()
+                .scan(0u64, |acc, &(_, w)| {
+                    *acc += mass(w);
+                    Some(*acc)
+                })
+                .collect();
+            let n = all.len();
+            for q in 0..400 {
+                let i = (rng.next_f64() * n as f64) as usize;
+                match q % 4 {
+                    0 => assert_eq!(r.entry(i).id, all[i].0, "V {v} entry {i}"),
+                    1 => assert_eq!(r.prefix_mass(i), if i == 0 { 0 } else { cum[i - 1] }, "V {v} prefix {i}"),
+                    2 => {
+                        let target = 1 + (rng.next_f64() * cum[n - 1] as f64) as u64 % cum[n - 1];
+                        let want = cum.iter().position(|&c| c >= target).unwrap() + 1;
+                        assert_eq!(r.first_reaching(target), want, "V {v} reaching {target}");
+                    }
+                    _ => {
+                        let w = f32::from_bits(all[i].1);
+                        let want = all.iter().filter(|&&(_, x)| f32::from_bits(x) >= w).count();
+                        assert_eq!(r.count_at_least(w), want, "V {v} at least {w}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
