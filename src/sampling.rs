@@ -188,8 +188,9 @@ impl Sampler {
     /// `sample` of logits known to be finite and not empty (a session's:
     /// the engine checked them): one scan of the vocabulary fewer per
     /// decode step. Costs a few scans of the vocabulary and a sort of the
-    /// few tokens next to the cuts and the draw, not a sort of the
-    /// vocabulary (docs/performance.md, nineteenth session).
+    /// few tokens next to the cuts and the draw (a selection among them
+    /// where they are many), not a sort of the vocabulary
+    /// (docs/performance.md, nineteenth and twentieth sessions).
     pub(crate) fn sample_checked(&mut self, logits: &[f32]) -> u32 {
         debug_assert!(check_samplable(logits).is_ok(), "sample_checked of unchecked logits");
         let p = &self.params;
@@ -242,6 +243,17 @@ const BUCKETS: usize = (KEY_ONE - KEY_MIN + 1) as usize;
 /// The largest bucket a cut or a draw sorts (the tests' value sends most
 /// of their cases through the selection).
 const SORT_AT_MOST: usize = if cfg!(test) { 64 } else { 4096 };
+
+#[cfg(test)]
+thread_local!(static SELECTIONS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) });
+
+/// Counts a query answered by selection (the tests bound how many a
+/// caller makes: one a position would be quadratic).
+#[inline(always)]
+fn selecting() {
+    #[cfg(test)]
+    SELECTIONS.with(|c| c.set(c.get() + 1));
+}
 
 /// e^x for x <= 0, in f32 from IEEE operations only (Cephes' expf: x = n
 /// ln2 + r, a degree-6 polynomial in r, times 2^n; rounding of n by the
@@ -312,6 +324,7 @@ fn order(x: &Entry, y: &Entry) -> std::cmp::Ordering {
 /// better ones before it, and keeps the half the answer lies in. Expected
 /// linear in the length; `run` is left permuted.
 fn select_reaching(run: &mut [Entry], need: u64) -> usize {
+    debug_assert!(need >= 1 && need <= run.iter().map(|e| mass(e.bits)).sum::<u64>(), "need {need}");
     // The answer is in (lo, hi]; the first lo entries are the lo best, of
     // mass `above` < need.
     let (mut lo, mut hi, mut above) = (0, run.len(), 0u64);
@@ -470,6 +483,7 @@ impl<'a> Ranked<'a> {
         let b = self.bucket_of(i);
         let j = i - self.start[b];
         if self.selects(b) {
+            selecting();
             let run = self.placed_members(b);
             return *run.select_nth_unstable_by(j, order).1;
         }
@@ -488,6 +502,7 @@ impl<'a> Ranked<'a> {
         }
         let j = n - first;
         let best = if self.selects(last) {
+            selecting();
             let run = self.placed_members(last);
             run.select_nth_unstable_by(j, order);
             &run[..j]
@@ -505,6 +520,7 @@ impl<'a> Ranked<'a> {
             if acc + self.masses[b] >= target {
                 let first = self.start[b];
                 if self.selects(b) {
+                    selecting();
                     return first + select_reaching(self.placed_members(b), target - acc);
                 }
                 for (i, e) in self.members(b).iter().enumerate() {
@@ -847,13 +863,27 @@ mod tests {
                 })
                 .collect();
             let n = all.len();
-            for q in 0..400 {
+            for q in 0..480 {
                 let i = (rng.next_f64() * n as f64) as usize;
+                if q >= 400 && q % 8 == 0 {
+                    // A bucket the selections left permuted, sorted by
+                    // `members`: in order, and the queries after it agree.
+                    let b = r.bucket_of(i);
+                    let (s, e) = (r.start[b], r.start[b + 1]);
+                    let ids: Vec<u32> = r.members(b).iter().map(|x| x.id).collect();
+                    assert_eq!(ids, all[s..e].iter().map(|x| x.0).collect::<Vec<u32>>(), "V {v} members {b}");
+                    continue;
+                }
                 match q % 4 {
                     0 => assert_eq!(r.entry(i).id, all[i].0, "V {v} entry {i}"),
                     1 => assert_eq!(r.prefix_mass(i), if i == 0 { 0 } else { cum[i - 1] }, "V {v} prefix {i}"),
                     2 => {
-                        let target = 1 + (rng.next_f64() * cum[n - 1] as f64) as u64 % cum[n - 1];
+                        // Random, or on a boundary of the running mass (or one past it).
+                        let target = if q % 8 == 2 {
+                            1 + (rng.next_f64() * cum[n - 1] as f64) as u64 % cum[n - 1]
+                        } else {
+                            (cum[i] + (q as u64 / 8) % 2).min(cum[n - 1])
+                        };
                         let want = cum.iter().position(|&c| c >= target).unwrap() + 1;
                         assert_eq!(r.first_reaching(target), want, "V {v} reaching {target}");
                     }
@@ -864,6 +894,24 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn a_near_flat_vocabulary_costs_a_few_selections_not_one_a_token() {
+        // One bucket of 20,000 tokens at T 1e4: the cuts and the draw select
+        // in it a few times; `probabilities` sorts it once (`sort_prefix`)
+        // instead of a selection per listed token.
+        let mut rng = crate::rng::Rng::new(13);
+        let logits: Vec<f32> = (0..20_000).map(|_| rng.next_f64() as f32).collect();
+        for top_p in [1.0f32, 0.9] {
+            let mut s = sampler(1e4, 0, top_p, 0.0, 1);
+            SELECTIONS.with(|c| c.set(0));
+            let d = s.probabilities(&logits).unwrap();
+            assert!(d.len() > 10_000);
+            s.sample(&logits).unwrap();
+            let n = SELECTIONS.with(|c| c.get());
+            assert!(n <= 8, "top_p {top_p}: {n} selections");
         }
     }
 
