@@ -322,8 +322,9 @@ fn order(x: &Entry, y: &Entry) -> std::cmp::Ordering {
 /// mass of at least `need` (1 <= need <= the mass of all of them), by
 /// selection: each round puts the middle rank of the range in place, the
 /// better ones before it, and keeps the half the answer lies in. Expected
-/// linear in the length; `run` is left permuted.
-fn select_reaching(run: &mut [Entry], need: u64) -> usize {
+/// linear in the length; `run` is left permuted, with the answer's last
+/// entry in place. Returns j and the mass of the first j.
+fn select_reaching(run: &mut [Entry], need: u64) -> (usize, u64) {
     debug_assert!(need >= 1 && need <= run.iter().map(|e| mass(e.bits)).sum::<u64>(), "need {need}");
     // The answer is in (lo, hi]; the first lo entries are the lo best, of
     // mass `above` < need.
@@ -338,7 +339,7 @@ fn select_reaching(run: &mut [Entry], need: u64) -> usize {
         }
         let with = above + left + mass(run[mid].bits);
         if with >= need {
-            return mid + 1;
+            return (mid + 1, with);
         }
         (above, lo) = (with, mid + 1);
     }
@@ -359,6 +360,12 @@ struct Ranked<'a> {
     entries: Vec<Entry>,
     placed: usize,
     sorted: Vec<bool>,
+    /// What the last selection found (facts of the order, whatever the
+    /// permutations since): the entry at a position, and the mass of a
+    /// prefix. A draw asks for both right after the selection that found
+    /// them.
+    known_entry: Option<(usize, Entry)>,
+    known_prefix: Option<(usize, u64)>,
 }
 
 impl<'a> Ranked<'a> {
@@ -403,7 +410,17 @@ impl<'a> Ranked<'a> {
             start.push(start[start.len() - 1] + c);
         }
         let masses = masses[..BUCKETS].to_vec();
-        Ranked { logits, bits, start, masses, entries: Vec::new(), placed: 0, sorted: vec![false; BUCKETS] }
+        Ranked {
+            logits,
+            bits,
+            start,
+            masses,
+            entries: Vec::new(),
+            placed: 0,
+            sorted: vec![false; BUCKETS],
+            known_entry: None,
+            known_prefix: None,
+        }
     }
 
     /// Tokens of non-zero mass (at least the most probable one).
@@ -483,9 +500,14 @@ impl<'a> Ranked<'a> {
         let b = self.bucket_of(i);
         let j = i - self.start[b];
         if self.selects(b) {
+            if let Some((_, e)) = self.known_entry.filter(|k| k.0 == i) {
+                return e;
+            }
             selecting();
             let run = self.placed_members(b);
-            return *run.select_nth_unstable_by(j, order).1;
+            let e = *run.select_nth_unstable_by(j, order).1;
+            self.known_entry = Some((i, e));
+            return e;
         }
         self.members(b)[j]
     }
@@ -500,16 +522,20 @@ impl<'a> Ranked<'a> {
         if n == self.start[last + 1] {
             return whole + self.masses[last];
         }
+        if let Some((_, m)) = self.known_prefix.filter(|k| k.0 == n) {
+            return m;
+        }
         let j = n - first;
-        let best = if self.selects(last) {
-            selecting();
-            let run = self.placed_members(last);
-            run.select_nth_unstable_by(j, order);
-            &run[..j]
-        } else {
-            &self.members(last)[..j]
-        };
-        whole + best.iter().map(|e| mass(e.bits)).sum::<u64>()
+        let sum = |run: &[Entry]| whole + run[..j].iter().map(|e| mass(e.bits)).sum::<u64>();
+        if !self.selects(last) {
+            return sum(self.members(last));
+        }
+        selecting();
+        let run = self.placed_members(last);
+        let at_n = *run.select_nth_unstable_by(j, order).1;
+        let m = sum(run);
+        (self.known_entry, self.known_prefix) = (Some((n, at_n)), Some((n, m)));
+        m
     }
 
     /// The smallest n whose prefix has a mass of at least `target` (1 <=
@@ -521,7 +547,11 @@ impl<'a> Ranked<'a> {
                 let first = self.start[b];
                 if self.selects(b) {
                     selecting();
-                    return first + select_reaching(self.placed_members(b), target - acc);
+                    let run = self.placed_members(b);
+                    let (j, m) = select_reaching(run, target - acc);
+                    self.known_entry = Some((first + j - 1, run[j - 1]));
+                    self.known_prefix = Some((first + j, acc + m));
+                    return first + j;
                 }
                 for (i, e) in self.members(b).iter().enumerate() {
                     acc += mass(e.bits);
@@ -863,6 +893,15 @@ mod tests {
                 })
                 .collect();
             let n = all.len();
+            // What the selections remember is a fact of the order.
+            let facts = |r: &Ranked<'_>| {
+                if let Some((p, e)) = r.known_entry {
+                    assert_eq!(e.id, all[p].0, "V {v} known entry {p}");
+                }
+                if let Some((m, mass)) = r.known_prefix {
+                    assert_eq!(mass, cum[m - 1], "V {v} known prefix {m}");
+                }
+            };
             for q in 0..480 {
                 let i = (rng.next_f64() * n as f64) as usize;
                 if q >= 400 && q % 8 == 0 {
@@ -876,7 +915,12 @@ mod tests {
                 }
                 match q % 4 {
                     0 => assert_eq!(r.entry(i).id, all[i].0, "V {v} entry {i}"),
-                    1 => assert_eq!(r.prefix_mass(i), if i == 0 { 0 } else { cum[i - 1] }, "V {v} prefix {i}"),
+                    1 => {
+                        assert_eq!(r.prefix_mass(i), if i == 0 { 0 } else { cum[i - 1] }, "V {v} prefix {i}");
+                        facts(&r);
+                        // What the selection found on the way (`known_entry`).
+                        assert_eq!(r.entry(i).id, all[i].0, "V {v} entry {i} after its prefix");
+                    }
                     2 => {
                         // Random, or on a boundary of the running mass (or one past it).
                         let target = if q % 8 == 2 {
@@ -886,6 +930,10 @@ mod tests {
                         };
                         let want = cum.iter().position(|&c| c >= target).unwrap() + 1;
                         assert_eq!(r.first_reaching(target), want, "V {v} reaching {target}");
+                        facts(&r);
+                        // What the selection found on the way (as a draw asks).
+                        assert_eq!(r.entry(want - 1).id, all[want - 1].0, "V {v} entry {} after reaching", want - 1);
+                        assert_eq!(r.prefix_mass(want), cum[want - 1], "V {v} prefix {want} after reaching");
                     }
                     _ => {
                         let w = f32::from_bits(all[i].1);
@@ -893,6 +941,7 @@ mod tests {
                         assert_eq!(r.count_at_least(w), want, "V {v} at least {w}");
                     }
                 }
+                facts(&r);
             }
         }
     }
