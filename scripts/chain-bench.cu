@@ -28,6 +28,7 @@
 //   ll        the same kernel, each output value written with its run's
 //             epoch as one 8-byte word (the low-latency protocol of NCCL's
 //             LL): the input read is the wait, with no counter
+//   counter2  (a chain with routed steps) counter with two rings, as ll2
 //   ll2       (a chain with routed steps) ll with two rings: routed steps
 //             stream through 4 slots of their own, filled by a second
 //             producer warp that waits for the gate, so that the first
@@ -778,6 +779,7 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(persist_chain<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     CK(cudaFuncSetAttribute(persist_chain<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     CK(cudaFuncSetAttribute(persist_chain<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
+    CK(cudaFuncSetAttribute(persist_chain<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     const double bw = copy_bandwidth();
     unsigned long long* dtick;
     unsigned long long tick = 0;
@@ -871,8 +873,8 @@ int main(int argc, char** argv) {
         // LL modes share the LL buffer, so their epochs run on across both.
         const bool routed = std::any_of(c.gate.begin(), c.gate.end(), [](int g) { return g >= 0; });
         unsigned int ll_epoch = 0;
-        for (int mode = 0; mode < (routed ? 3 : 2); ++mode) {
-            const bool ll = mode >= 1, two = mode == 2;
+        for (int mode = 0; mode < (routed ? 4 : 2); ++mode) {
+            const bool ll = mode == 1 || mode == 2, two = mode >= 2;
             unsigned int cnt_epoch = 0;
             unsigned int& epoch = ll ? ll_epoch : cnt_epoch;
             auto launch = [&](bool t) {
@@ -889,7 +891,9 @@ int main(int argc, char** argv) {
                 cfg.numAttrs = 1;
                 unsigned long long* ready = t ? run.dready : nullptr;
                 unsigned long long* done = t ? run.ddone : nullptr;
-                auto kernel = two ? persist_chain<true, true> : ll ? persist_chain<true, false> : persist_chain<false, false>;
+                auto kernel = two ? (ll ? persist_chain<true, true> : persist_chain<false, true>)
+                                  : ll ? persist_chain<true, false>
+                                       : persist_chain<false, false>;
                 CK(cudaLaunchKernelEx(&cfg, kernel, (const Step*)run.dsteps,
                                       (const int*)run.doff, M, (const float*)run.dy0, run.dll, run.dyf, run.dcnt,
                                       epoch, ready, done));
@@ -911,7 +915,7 @@ int main(int argc, char** argv) {
             }
             const double err = run.check(out);
             const double us = time_it(launch);
-            report(two ? "ll2" : ll ? "ll" : "counter", err, us, traced(launch));
+            report(two ? (ll ? "ll2" : "counter2") : ll ? "ll" : "counter", err, us, traced(launch));
         }
         CK(cudaEventDestroy(e0));
         CK(cudaEventDestroy(e1));
