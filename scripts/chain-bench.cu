@@ -348,6 +348,68 @@ __device__ __forceinline__ void ys_put(float* ysa, float* ysb, int i, float v) {
     (e < 4 ? ysa : ysb)[4 * c + (e & 3)] = v;
 }
 
+// The producer warps of a persistent block (p 0, and p 1 with TWO): the
+// block's rows of their ring's matrices in chain order, whole rows a slot,
+// as fast as slots free up; a routed step's only once its gate's output is
+// complete (the whole warp waits for it, lane 0 issues the copies). A gate
+// is complete at `target` (counter) or when its LL words carry `epoch`.
+template <bool LL, bool TWO>
+__device__ __forceinline__ void produce(int p, int lane, int b, int nb, const Step* steps, const int* out_off,
+                                        int m_count, uint32_t ring, uint32_t full, uint32_t empty,
+                                        const unsigned long long* ll, const unsigned int* counters,
+                                        unsigned int target, unsigned int epoch) {
+    const int first = p == 1 ? SLOTS_A : 0, nslots = TWO ? (p == 1 ? STAGES - SLOTS_A : SLOTS_A) : STAGES;
+    int s = 0;
+    for (int m = 0; m < m_count; ++m) {
+        const Step g = steps[m];
+        if (TWO && (g.gate >= 0) != (p == 1)) continue;
+        if (g.gate >= 0) {
+            // Lanes 1..31 skip the copies and would reach the gate early:
+            // hold them until lane 0 has issued every earlier step's, so
+            // that the warp polls only from when it must (not through the
+            // whole stages before, on the same few L2 lines).
+            __syncwarp();
+            if (LL) {
+                unsigned long long v[MAX_GATE / 32];
+                const int n = steps[g.gate].n;
+                wait_words(ll + out_off[g.gate], n, lane, 32, (b * 32) % n, epoch, v, m, 128);
+            } else if (lane == 0) {
+                wait_count(counters + g.gate, target, m);
+            }
+            __syncwarp();
+        }
+        if (lane != 0) continue;
+        const int r0 = row0(g.n, b, nb), rows = row0(g.n, b + 1, nb) - r0, rpc = CHUNK / (2 * g.k);
+        for (int c = 0; c * rpc < rows; ++c, ++s) {
+            const int slot = first + s % nslots;
+            if (s >= nslots) mbar_wait(empty + 8 * slot, ((s / nslots) - 1) & 1, m);
+            const uint32_t bytes = (uint32_t)(min(rpc, rows - c * rpc) * 2 * g.k);
+            mbar_expect_tx(full + 8 * slot, bytes);
+            bulk_g2s(ring + slot * CHUNK, g.w + ((size_t)r0 + (size_t)c * rpc) * g.k, bytes, full + 8 * slot);
+        }
+    }
+}
+
+// A persistent block's start: the chain's steps and output offsets into
+// shared memory, the ring's mbarriers initialised (a full one completes
+// with its producer's copies, an empty one with every consumer warp's
+// arrival).
+__device__ __forceinline__ void persist_setup(int tid, const Step* steps_g, const int* out_off_g, int m_count,
+                                              Step* steps, int* out_off, uint32_t full, uint32_t empty) {
+    for (int i = tid; i < m_count; i += P_THREADS) {
+        steps[i] = steps_g[i];
+        out_off[i] = out_off_g[i];
+    }
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, CONSUMERS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+}
+
 // grid: the SM count, one block each, launched cooperatively (the blocks
 // wait on each other, so all must be resident). steps/out_off: m_count
 // steps and the offset of each one's output in ll (LL) or yf (counter).
@@ -373,56 +435,12 @@ __global__ void __launch_bounds__(P_THREADS, 1)
     const uint32_t full = smem_addr(smem + OFF_BARS), empty = full + 8 * STAGES;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, b = blockIdx.x, nb = gridDim.x;
     const unsigned int target = epoch * (unsigned int)nb;
-    for (int i = tid; i < m_count; i += P_THREADS) {
-        steps[i] = steps_g[i];
-        out_off[i] = out_off_g[i];
-    }
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, CONSUMERS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    persist_setup(tid, steps_g, out_off_g, m_count, steps, out_off, full, empty);
 
     if (warp >= CONSUMERS) {
-        // A producer: the block's rows of its ring's matrices in chain order,
-        // whole rows a slot, as fast as slots free up; a routed step's only
-        // once its gate's output is complete (the whole warp waits for it,
-        // lane 0 issues the copies).
         const int p = warp - CONSUMERS;  // 1: the routed ring (TWO)
-        if (!TWO && p == 1) return;
-        const int first = p == 1 ? SLOTS_A : 0, nslots = TWO ? (p == 1 ? STAGES - SLOTS_A : SLOTS_A) : STAGES;
-        int s = 0;
-        for (int m = 0; m < m_count; ++m) {
-            const Step g = steps[m];
-            if (TWO && (g.gate >= 0) != (p == 1)) continue;
-            if (g.gate >= 0) {
-                // Lanes 1..31 skip the copies and would reach the gate early:
-                // hold them until lane 0 has issued every earlier step's, so
-                // that the warp polls only from when it must (not through
-                // the whole stages before, on the same few L2 lines).
-                __syncwarp();
-                if (LL) {
-                    unsigned long long v[MAX_GATE / 32];
-                    const int n = steps[g.gate].n;
-                    wait_words(ll + out_off[g.gate], n, lane, 32, (b * 32) % n, epoch, v, m, 128);
-                } else if (lane == 0) {
-                    wait_count(counters + g.gate, target, m);
-                }
-                __syncwarp();
-            }
-            if (lane != 0) continue;
-            const int r0 = row0(g.n, b, nb), rows = row0(g.n, b + 1, nb) - r0, rpc = CHUNK / (2 * g.k);
-            for (int c = 0; c * rpc < rows; ++c, ++s) {
-                const int slot = first + s % nslots;
-                if (s >= nslots) mbar_wait(empty + 8 * slot, ((s / nslots) - 1) & 1, m);
-                const uint32_t bytes = (uint32_t)(min(rpc, rows - c * rpc) * 2 * g.k);
-                mbar_expect_tx(full + 8 * slot, bytes);
-                bulk_g2s(ring + slot * CHUNK, g.w + ((size_t)r0 + (size_t)c * rpc) * g.k, bytes, full + 8 * slot);
-            }
-        }
+        if (TWO || p == 0)
+            produce<LL, TWO>(p, lane, b, nb, steps, out_off, m_count, ring, full, empty, ll, counters, target, epoch);
         return;
     }
 
@@ -505,6 +523,121 @@ __global__ void __launch_bounds__(P_THREADS, 1)
         if (done != nullptr) {
             consumers_sync();
             if (tid == 0) atomicMax(done + m, globaltimer());
+        }
+    }
+}
+
+// One row of a ring slot dotted with the block's input (ys, split as
+// ys_put writes it) by one warp: lane l takes the row's 16-byte pieces l,
+// l + 32, ... (V of them), four accumulators, one reduction a row.
+template <int V>
+__device__ __forceinline__ float row_dot(const uint4* w, const float4* ya4, const float4* yb4, int lane) {
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        const int p = lane + 32 * v;
+        acc[v & 3] = dot8(w[p], ya4[p], yb4[p], acc[v & 3]);
+    }
+    return warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+}
+
+__device__ __forceinline__ float row_dot_k(int k, const uint4* w, const float4* ya4, const float4* yb4, int lane) {
+    switch (k) {
+        case 512: return row_dot<2>(w, ya4, yb4, lane);
+        case 1536: return row_dot<6>(w, ya4, yb4, lane);
+        case 2048: return row_dot<8>(w, ya4, yb4, lane);
+        default: return row_dot<16>(w, ya4, yb4, lane);  // 4096 (the host checks the shapes)
+    }
+}
+
+// persist_chain's counter hand-off with consumers that keep up with the
+// stream (the twentieth session's counter consumers held a 16.8 MB GEMV to
+// 7.51 us on the H200, against 5.96 us for the engine's launches): a warp
+// takes whole rows (row j of the block's rows of a step is warp j % 8's)
+// and reduces once a row, where persist_chain's reduce once 64 pieces;
+// each row's lane 0 stores it; warp 0 alone waits for the input and reads
+// it (float4, all at once), so a step has two barriers of the consumers
+// (input read; rows stored, before the release) where persist_chain's has
+// four. Same arguments and counters as persist_chain<false, TWO> (ll is
+// not read).
+template <bool TWO>
+__global__ void __launch_bounds__(P_THREADS, 1)
+    persist_rows(const Step* __restrict__ steps_g, const int* __restrict__ out_off_g, int m_count,
+                 const float* __restrict__ y0, unsigned long long* __restrict__ ll, float* __restrict__ yf,
+                 unsigned int* __restrict__ counters, unsigned int epoch, unsigned long long* __restrict__ ready,
+                 unsigned long long* __restrict__ done) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    Step* steps = reinterpret_cast<Step*>(smem + OFF_STEPS);
+    int* out_off = reinterpret_cast<int*>(smem + OFF_OUT);
+    const uint32_t ring = smem_addr(smem + OFF_RING);
+    const uint32_t full = smem_addr(smem + OFF_BARS), empty = full + 8 * STAGES;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, b = blockIdx.x, nb = gridDim.x;
+    const unsigned int target = epoch * (unsigned int)nb;
+    persist_setup(tid, steps_g, out_off_g, m_count, steps, out_off, full, empty);
+
+    if (warp >= CONSUMERS) {
+        const int p = warp - CONSUMERS;
+        if (TWO || p == 0)
+            produce<false, TWO>(p, lane, b, nb, steps, out_off, m_count, ring, full, empty, ll, counters, target,
+                                epoch);
+        return;
+    }
+
+    float4* ya4 = reinterpret_cast<float4*>(smem + OFF_YS);
+    float4* yb4 = ya4 + MAX_K / 8;
+    int sa = 0, sb = 0;  // chunks consumed from each ring
+    for (int m = 0; m < m_count; ++m) {
+        const Step g = steps[m];
+        const int k = g.k, r0 = row0(g.n, b, nb), rows = row0(g.n, b + 1, nb) - r0;
+        if (warp == 0) {
+            const float* src = y0;
+            if (g.in >= 0) {
+                if (lane == 0) wait_count(counters + g.in, target, m);
+                __syncwarp();
+                src = yf + out_off[g.in];
+            }
+            if (ready != nullptr && lane == 0) atomicMin(ready + m, globaltimer());
+            // k / 4 float4s, 8 a lane in flight at once; float4 q holds
+            // elements 4q..4q+3, ya4's when q is even (ys_put's layout).
+            const float4* s4 = reinterpret_cast<const float4*>(src);
+            for (int q0 = 0; q0 < k / 4; q0 += 256) {
+                float4 v[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int q = q0 + lane + 32 * j;
+                    if (q < k / 4) v[j] = __ldcg(s4 + q);
+                }
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int q = q0 + lane + 32 * j;
+                    if (q < k / 4) ((q & 1) ? yb4 : ya4)[q >> 1] = v[j];
+                }
+            }
+        }
+        consumers_sync();  // ys complete
+        const bool routed_ring = TWO && g.gate >= 0;
+        int s = routed_ring ? sb : sa;
+        const int first = routed_ring ? SLOTS_A : 0, nslots = TWO ? (routed_ring ? STAGES - SLOTS_A : SLOTS_A) : STAGES;
+        const int kv = k / 8, rpc = CHUNK / (2 * k);
+        for (int c = 0; c * rpc < rows; ++c, ++s) {
+            const int slot = first + s % nslots, rc = min(rpc, rows - c * rpc);
+            // Every warp waits for the slot, so that its arrival below is
+            // this fill's and never the next one's.
+            mbar_wait(full + 8 * slot, (s / nslots) & 1, m);
+            const uint4* sl = reinterpret_cast<const uint4*>(smem + OFF_RING + slot * CHUNK);
+            for (int rr = ((warp - c * rpc) % CONSUMERS + CONSUMERS) % CONSUMERS; rr < rc; rr += CONSUMERS) {
+                const float v = row_dot_k(k, sl + rr * kv, ya4, yb4, lane);
+                if (lane == 0) yf[out_off[m] + r0 + c * rpc + rr] = v;
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + 8 * slot);
+        }
+        if (routed_ring) sb = s;
+        else sa = s;
+        consumers_sync();  // every row of the block stored; ys free
+        if (tid == 0) {
+            red_release_add(counters + m, 1u);
+            if (done != nullptr) atomicMax(done + m, globaltimer());
         }
     }
 }
@@ -780,6 +913,8 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(persist_chain<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     CK(cudaFuncSetAttribute(persist_chain<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     CK(cudaFuncSetAttribute(persist_chain<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
+    CK(cudaFuncSetAttribute(persist_rows<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
+    CK(cudaFuncSetAttribute(persist_rows<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     const double bw = copy_bandwidth();
     unsigned long long* dtick;
     unsigned long long tick = 0;
@@ -868,13 +1003,16 @@ int main(int argc, char** argv) {
             CK(cudaGraphExecDestroy(stamped));
         }
 
-        // the persistent kernels: counter, ll, and (for a chain with routed
-        // steps) ll2, ll with a ring of their own for the routed steps. The
-        // LL modes share the LL buffer, so their epochs run on across both.
+        // the persistent kernels: counter, ll, rows, and (for a chain with
+        // routed steps) ll2, counter2 and rows2, with a ring of their own for
+        // the routed steps. The LL modes share the LL buffer, so their epochs
+        // run on across both.
         const bool routed = std::any_of(c.gate.begin(), c.gate.end(), [](int g) { return g >= 0; });
+        std::vector<std::string> modes = {"counter", "ll", "rows"};
+        if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2"});
         unsigned int ll_epoch = 0;
-        for (int mode = 0; mode < (routed ? 4 : 2); ++mode) {
-            const bool ll = mode == 1 || mode == 2, two = mode >= 2;
+        for (const std::string& mode : modes) {
+            const bool ll = mode.rfind("ll", 0) == 0, two = mode.back() == '2', rows = mode.rfind("rows", 0) == 0;
             unsigned int cnt_epoch = 0;
             unsigned int& epoch = ll ? ll_epoch : cnt_epoch;
             auto launch = [&](bool t) {
@@ -891,9 +1029,10 @@ int main(int argc, char** argv) {
                 cfg.numAttrs = 1;
                 unsigned long long* ready = t ? run.dready : nullptr;
                 unsigned long long* done = t ? run.ddone : nullptr;
-                auto kernel = two ? (ll ? persist_chain<true, true> : persist_chain<false, true>)
-                                  : ll ? persist_chain<true, false>
-                                       : persist_chain<false, false>;
+                auto kernel = rows ? (two ? persist_rows<true> : persist_rows<false>)
+                              : two ? (ll ? persist_chain<true, true> : persist_chain<false, true>)
+                              : ll  ? persist_chain<true, false>
+                                    : persist_chain<false, false>;
                 CK(cudaLaunchKernelEx(&cfg, kernel, (const Step*)run.dsteps,
                                       (const int*)run.doff, M, (const float*)run.dy0, run.dll, run.dyf, run.dcnt,
                                       epoch, ready, done));
@@ -915,7 +1054,7 @@ int main(int argc, char** argv) {
             }
             const double err = run.check(out);
             const double us = time_it(launch);
-            report(two ? (ll ? "ll2" : "counter2") : ll ? "ll" : "counter", err, us, traced(launch));
+            report(mode.c_str(), err, us, traced(launch));
         }
         CK(cudaEventDestroy(e0));
         CK(cudaEventDestroy(e1));
