@@ -288,8 +288,12 @@ __device__ __forceinline__ unsigned int ld_acquire_u32(const unsigned int* p) {
 __device__ __forceinline__ void red_release_add(unsigned int* p, unsigned int v) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-// The consumer warps' barrier (the producer warp never joins it).
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CT) : "memory"); }
+// The consumer warps' barrier (the producer warps never join it).
+template <int N>
+__device__ __forceinline__ void bar_sync_n() {
+    asm volatile("bar.sync 1, %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void consumers_sync() { bar_sync_n<CT>(); }
 
 __device__ __forceinline__ bool fresh(unsigned long long word, unsigned int epoch) {
     return (unsigned int)(word >> 32) == epoch;
@@ -394,16 +398,17 @@ __device__ __forceinline__ void produce(int p, int lane, int b, int nb, const St
 // shared memory, the ring's mbarriers initialised (a full one completes
 // with its producer's copies, an empty one with every consumer warp's
 // arrival).
-__device__ __forceinline__ void persist_setup(int tid, const Step* steps_g, const int* out_off_g, int m_count,
-                                              Step* steps, int* out_off, uint32_t full, uint32_t empty) {
-    for (int i = tid; i < m_count; i += P_THREADS) {
+__device__ __forceinline__ void persist_setup(int tid, int nthreads, int consumers, const Step* steps_g,
+                                              const int* out_off_g, int m_count, Step* steps, int* out_off,
+                                              uint32_t full, uint32_t empty) {
+    for (int i = tid; i < m_count; i += nthreads) {
         steps[i] = steps_g[i];
         out_off[i] = out_off_g[i];
     }
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, CONSUMERS);
+            mbar_init(empty + 8 * s, consumers);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -435,7 +440,7 @@ __global__ void __launch_bounds__(P_THREADS, 1)
     const uint32_t full = smem_addr(smem + OFF_BARS), empty = full + 8 * STAGES;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, b = blockIdx.x, nb = gridDim.x;
     const unsigned int target = epoch * (unsigned int)nb;
-    persist_setup(tid, steps_g, out_off_g, m_count, steps, out_off, full, empty);
+    persist_setup(tid, P_THREADS, CONSUMERS, steps_g, out_off_g, m_count, steps, out_off, full, empty);
 
     if (warp >= CONSUMERS) {
         const int p = warp - CONSUMERS;  // 1: the routed ring (TWO)
@@ -553,15 +558,15 @@ __device__ __forceinline__ float row_dot_k(int k, const uint4* w, const float4* 
 // persist_chain's counter hand-off with consumers that keep up with the
 // stream (the twentieth session's counter consumers held a 16.8 MB GEMV to
 // 7.51 us on the H200, against 5.96 us for the engine's launches): a warp
-// takes whole rows (row j of the block's rows of a step is warp j % 8's)
+// takes whole rows (row j of the block's rows of a step is warp j % NC's)
 // and reduces once a row, where persist_chain's reduce once 64 pieces;
 // each row's lane 0 stores it; warp 0 alone waits for the input and reads
 // it (float4, all at once), so a step has two barriers of the consumers
 // (input read; rows stored, before the release) where persist_chain's has
-// four. Same arguments and counters as persist_chain<false, TWO> (ll is
-// not read).
-template <bool TWO>
-__global__ void __launch_bounds__(P_THREADS, 1)
+// four. NC consumer warps (8 as persist_chain's, or more). Same arguments
+// and counters as persist_chain<false, TWO> (ll is not read).
+template <bool TWO, int NC>
+__global__ void __launch_bounds__(NC * 32 + 64, 1)
     persist_rows(const Step* __restrict__ steps_g, const int* __restrict__ out_off_g, int m_count,
                  const float* __restrict__ y0, unsigned long long* __restrict__ ll, float* __restrict__ yf,
                  unsigned int* __restrict__ counters, unsigned int epoch, unsigned long long* __restrict__ ready,
@@ -573,10 +578,10 @@ __global__ void __launch_bounds__(P_THREADS, 1)
     const uint32_t full = smem_addr(smem + OFF_BARS), empty = full + 8 * STAGES;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, b = blockIdx.x, nb = gridDim.x;
     const unsigned int target = epoch * (unsigned int)nb;
-    persist_setup(tid, steps_g, out_off_g, m_count, steps, out_off, full, empty);
+    persist_setup(tid, NC * 32 + 64, NC, steps_g, out_off_g, m_count, steps, out_off, full, empty);
 
-    if (warp >= CONSUMERS) {
-        const int p = warp - CONSUMERS;
+    if (warp >= NC) {
+        const int p = warp - NC;
         if (TWO || p == 0)
             produce<false, TWO>(p, lane, b, nb, steps, out_off, m_count, ring, full, empty, ll, counters, target,
                                 epoch);
@@ -614,7 +619,7 @@ __global__ void __launch_bounds__(P_THREADS, 1)
                 }
             }
         }
-        consumers_sync();  // ys complete
+        bar_sync_n<NC * 32>();  // ys complete
         const bool routed_ring = TWO && g.gate >= 0;
         int s = routed_ring ? sb : sa;
         const int first = routed_ring ? SLOTS_A : 0, nslots = TWO ? (routed_ring ? STAGES - SLOTS_A : SLOTS_A) : STAGES;
@@ -625,7 +630,7 @@ __global__ void __launch_bounds__(P_THREADS, 1)
             // this fill's and never the next one's.
             mbar_wait(full + 8 * slot, (s / nslots) & 1, m);
             const uint4* sl = reinterpret_cast<const uint4*>(smem + OFF_RING + slot * CHUNK);
-            for (int rr = ((warp - c * rpc) % CONSUMERS + CONSUMERS) % CONSUMERS; rr < rc; rr += CONSUMERS) {
+            for (int rr = ((warp - c * rpc) % NC + NC) % NC; rr < rc; rr += NC) {
                 const float v = row_dot_k(k, sl + rr * kv, ya4, yb4, lane);
                 if (lane == 0) yf[out_off[m] + r0 + c * rpc + rr] = v;
             }
@@ -634,7 +639,7 @@ __global__ void __launch_bounds__(P_THREADS, 1)
         }
         if (routed_ring) sb = s;
         else sa = s;
-        consumers_sync();  // every row of the block stored; ys free
+        bar_sync_n<NC * 32>();  // every row of the block stored; ys free
         if (tid == 0) {
             red_release_add(counters + m, 1u);
             if (done != nullptr) atomicMax(done + m, globaltimer());
@@ -913,8 +918,9 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(persist_chain<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     CK(cudaFuncSetAttribute(persist_chain<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     CK(cudaFuncSetAttribute(persist_chain<false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
-    CK(cudaFuncSetAttribute(persist_rows<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
-    CK(cudaFuncSetAttribute(persist_rows<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
+    CK(cudaFuncSetAttribute(persist_rows<false, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
+    CK(cudaFuncSetAttribute(persist_rows<false, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
+    CK(cudaFuncSetAttribute(persist_rows<true, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     const double bw = copy_bandwidth();
     unsigned long long* dtick;
     unsigned long long tick = 0;
@@ -1008,18 +1014,19 @@ int main(int argc, char** argv) {
         // the routed steps. The LL modes share the LL buffer, so their epochs
         // run on across both.
         const bool routed = std::any_of(c.gate.begin(), c.gate.end(), [](int g) { return g >= 0; });
-        std::vector<std::string> modes = {"counter", "ll", "rows"};
+        std::vector<std::string> modes = {"counter", "ll", "rows", "rows16"};
         if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2"});
         unsigned int ll_epoch = 0;
         for (const std::string& mode : modes) {
-            const bool ll = mode.rfind("ll", 0) == 0, two = mode.back() == '2', rows = mode.rfind("rows", 0) == 0;
+            const bool ll = mode.rfind("ll", 0) == 0, two = mode.back() == '2', rows = mode.rfind("rows", 0) == 0,
+                       wide = mode == "rows16";
             unsigned int cnt_epoch = 0;
             unsigned int& epoch = ll ? ll_epoch : cnt_epoch;
             auto launch = [&](bool t) {
                 ++epoch;
                 cudaLaunchConfig_t cfg = {};
                 cfg.gridDim = dim3(nsm);
-                cfg.blockDim = dim3(P_THREADS);
+                cfg.blockDim = dim3(wide ? 16 * 32 + 64 : P_THREADS);
                 cfg.dynamicSmemBytes = P_SMEM;
                 cfg.stream = st;
                 cudaLaunchAttribute at[1];
@@ -1029,7 +1036,7 @@ int main(int argc, char** argv) {
                 cfg.numAttrs = 1;
                 unsigned long long* ready = t ? run.dready : nullptr;
                 unsigned long long* done = t ? run.ddone : nullptr;
-                auto kernel = rows ? (two ? persist_rows<true> : persist_rows<false>)
+                auto kernel = rows ? (two ? persist_rows<true, 8> : wide ? persist_rows<false, 16> : persist_rows<false, 8>)
                               : two ? (ll ? persist_chain<true, true> : persist_chain<false, true>)
                               : ll  ? persist_chain<true, false>
                                     : persist_chain<false, false>;
