@@ -34,6 +34,12 @@
 //             producer warp that waits for the gate, so that the first
 //             streams the dense steps' weights (8 slots) on past a routed
 //             step whose routing is not known yet
+//   rows      counter with consumers that keep up with the stream: a warp
+//             takes whole rows and reduces once a row, warp 0 alone reads
+//             the input, two barriers a step (persist_rows)
+//   rows16    rows with 16 consumer warps
+//   rows2, rows16x2  (a chain with routed steps) rows and rows16 with two
+//             rings, as counter2
 //
 // Chains (distinct weights for every GEMV; a step reads the first k values
 // of an earlier step's output, and waits for all of it):
@@ -921,6 +927,7 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(persist_rows<false, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     CK(cudaFuncSetAttribute(persist_rows<false, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     CK(cudaFuncSetAttribute(persist_rows<true, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
+    CK(cudaFuncSetAttribute(persist_rows<true, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     const double bw = copy_bandwidth();
     unsigned long long* dtick;
     unsigned long long tick = 0;
@@ -1009,17 +1016,17 @@ int main(int argc, char** argv) {
             CK(cudaGraphExecDestroy(stamped));
         }
 
-        // the persistent kernels: counter, ll, rows, and (for a chain with
-        // routed steps) ll2, counter2 and rows2, with a ring of their own for
-        // the routed steps. The LL modes share the LL buffer, so their epochs
+        // the persistent kernels: counter, ll, rows, rows16, and (for a chain
+        // with routed steps) ll2, counter2, rows2 and rows16x2, with a ring of
+        // their own for the routed steps. The LL modes share the LL buffer, so their epochs
         // run on across both.
         const bool routed = std::any_of(c.gate.begin(), c.gate.end(), [](int g) { return g >= 0; });
         std::vector<std::string> modes = {"counter", "ll", "rows", "rows16"};
-        if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2"});
+        if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2", "rows16x2"});
         unsigned int ll_epoch = 0;
         for (const std::string& mode : modes) {
             const bool ll = mode.rfind("ll", 0) == 0, two = mode.back() == '2', rows = mode.rfind("rows", 0) == 0,
-                       wide = mode == "rows16";
+                       wide = mode.rfind("rows16", 0) == 0;
             unsigned int cnt_epoch = 0;
             unsigned int& epoch = ll ? ll_epoch : cnt_epoch;
             auto launch = [&](bool t) {
@@ -1036,7 +1043,8 @@ int main(int argc, char** argv) {
                 cfg.numAttrs = 1;
                 unsigned long long* ready = t ? run.dready : nullptr;
                 unsigned long long* done = t ? run.ddone : nullptr;
-                auto kernel = rows ? (two ? persist_rows<true, 8> : wide ? persist_rows<false, 16> : persist_rows<false, 8>)
+                auto kernel = rows ? (two ? (wide ? persist_rows<true, 16> : persist_rows<true, 8>)
+                                          : (wide ? persist_rows<false, 16> : persist_rows<false, 8>))
                               : two ? (ll ? persist_chain<true, true> : persist_chain<false, true>)
                               : ll  ? persist_chain<true, false>
                                     : persist_chain<false, false>;
