@@ -35,8 +35,8 @@
 //             streams the dense steps' weights (8 slots) on past a routed
 //             step whose routing is not known yet
 //   rows      counter with consumers that keep up with the stream: a warp
-//             takes whole rows and reduces once a row, warp 0 alone reads
-//             the input, two barriers a step (persist_rows)
+//             takes whole rows and reduces once a row, the input read in
+//             one round trip (persist_rows)
 //   rows16    rows with 16 consumer warps
 //   rows2, rows16x2  (a chain with routed steps) rows and rows16 with two
 //             rings, as counter2
@@ -137,6 +137,7 @@ constexpr int OFF_OUT = OFF_BARS + 2 * STAGES * 8;               // int [MAX_M]:
 constexpr int P_SMEM = OFF_OUT + MAX_M * 4;
 static_assert(sizeof(Step) == 24, "Step packs in 24 bytes");
 static_assert(OFF_BARS % 8 == 0, "mbarriers are 8-byte aligned");
+static_assert(MAX_ROWS * MAX_PARTS * 4 >= 64, "persist_rows' yb4 fits in OFF_RED");
 static_assert(P_SMEM <= 232448, "a persistent block fits an SM's shared memory");
 
 __host__ __device__ inline int row0(int n, int b, int nb) { return (int)((long long)n * b / nb); }
@@ -566,10 +567,10 @@ __device__ __forceinline__ float row_dot_k(int k, const uint4* w, const float4* 
 // 7.51 us on the H200, against 5.96 us for the engine's launches): a warp
 // takes whole rows (row j of the block's rows of a step is warp j % NC's)
 // and reduces once a row, where persist_chain's reduce once 64 pieces;
-// each row's lane 0 stores it; warp 0 alone waits for the input and reads
-// it (float4, all at once), so a step has two barriers of the consumers
-// (input read; rows stored, before the release) where persist_chain's has
-// four. NC consumer warps (8 as persist_chain's, or more). Same arguments
+// each row's lane 0 stores it; thread 0 waits for the input and every
+// consumer thread reads its share of it (float4s, one round trip), so a
+// step has three barriers of the consumers (count seen; input read; rows
+// stored, before the release) where persist_chain's has four. NC consumer warps (8 as persist_chain's, or more). Same arguments
 // and counters as persist_chain<false, TWO> (ll is not read).
 template <bool TWO, int NC>
 __global__ void __launch_bounds__(NC * 32 + 64, 1)
@@ -595,34 +596,38 @@ __global__ void __launch_bounds__(NC * 32 + 64, 1)
     }
 
     float4* ya4 = reinterpret_cast<float4*>(smem + OFF_YS);
-    float4* yb4 = ya4 + MAX_K / 8;
+    // yb4 64 bytes past ya4's end (into OFF_RED, which this kernel does not
+    // use): the input's stores to ya4[i] and yb4[i] by neighbouring lanes
+    // fall in different banks.
+    float4* yb4 = ya4 + MAX_K / 8 + 4;
     int sa = 0, sb = 0;  // chunks consumed from each ring
     for (int m = 0; m < m_count; ++m) {
         const Step g = steps[m];
         const int k = g.k, r0 = row0(g.n, b, nb), rows = row0(g.n, b + 1, nb) - r0;
-        if (warp == 0) {
-            const float* src = y0;
-            if (g.in >= 0) {
-                if (lane == 0) wait_count(counters + g.in, target, m);
-                __syncwarp();
-                src = yf + out_off[g.in];
-            }
-            if (ready != nullptr && lane == 0) atomicMin(ready + m, globaltimer());
-            // k / 4 float4s, 8 a lane in flight at once; float4 q holds
-            // elements 4q..4q+3, ya4's when q is even (ys_put's layout).
+        // The input: y0, or the first k values of step g.in's output once its
+        // count is complete; thread 0 waits, then every consumer thread reads
+        // its share at once (one L2 round trip: at most MAX_K / 4 / (NC 32)
+        // float4s a thread). Float4 q holds elements 4q..4q+3, ya4's when q
+        // is even (ys_put's layout).
+        const float* src = g.in < 0 ? y0 : yf + out_off[g.in];
+        if (g.in >= 0) {
+            if (tid == 0) wait_count(counters + g.in, target, m);
+            bar_sync_n<NC * 32>();  // the count seen (thread 0's acquire orders the reads below)
+        }
+        if (ready != nullptr && tid == 0) atomicMin(ready + m, globaltimer());
+        {
+            constexpr int QT = MAX_K / 4 / (NC * 32);
             const float4* s4 = reinterpret_cast<const float4*>(src);
-            for (int q0 = 0; q0 < k / 4; q0 += 256) {
-                float4 v[8];
+            float4 v[QT];
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int q = q0 + lane + 32 * j;
-                    if (q < k / 4) v[j] = __ldcg(s4 + q);
-                }
+            for (int j = 0; j < QT; ++j) {
+                const int q = tid + NC * 32 * j;
+                if (q < k / 4) v[j] = __ldcg(s4 + q);
+            }
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int q = q0 + lane + 32 * j;
-                    if (q < k / 4) ((q & 1) ? yb4 : ya4)[q >> 1] = v[j];
-                }
+            for (int j = 0; j < QT; ++j) {
+                const int q = tid + NC * 32 * j;
+                if (q < k / 4) ((q & 1) ? yb4 : ya4)[q >> 1] = v[j];
             }
         }
         bar_sync_n<NC * 32>();  // ys complete
@@ -952,7 +957,7 @@ int main(int argc, char** argv) {
         const int M = (int)c.n.size();
         for (int m = 0; m < M; ++m) {
             const int in = c.in[m], gate = c.gate[m];
-            if (M > MAX_M || c.k[m] % 512 || c.k[m] > MAX_K || c.n[m] > MAX_IN || (c.n[m] + nsm - 1) / nsm > MAX_ROWS ||
+            if (M > MAX_M || c.k[m] % 512 || c.n[m] % 4 || c.k[m] > MAX_K || c.n[m] > MAX_IN || (c.n[m] + nsm - 1) / nsm > MAX_ROWS ||
                 (in >= 0 && (in >= m || c.k[m] > c.n[in])) || (in < 0 && m != 0) ||
                 (gate >= 0 && (gate >= m || c.n[gate] > MAX_GATE)) || !gemv_for(c.k[m], true)) {
                 fprintf(stderr, "chain %s step %d [%d, %d] is outside the kernels' limits on %d SMs\n", name.c_str(),
@@ -987,11 +992,32 @@ int main(int argc, char** argv) {
             }
             return median(us);
         };
-        auto traced = [&](auto&& launch) {
-            run.trace_reset(st);
-            launch(true);
+        // The outputs of the run just finished against the host's products:
+        // yf, or (ll) the LL words, those not of `epoch` NaN.
+        auto check_out = [&](bool ll, unsigned int epoch) {
+            if (ll) {
+                std::vector<unsigned long long> words(run.total_out);
+                CK(cudaMemcpy(words.data(), run.dll, words.size() * 8, cudaMemcpyDeviceToHost));
+                for (size_t i = 0; i < words.size(); ++i) {
+                    const uint32_t v = (uint32_t)words[i];
+                    memcpy(&out[i], &v, 4);
+                    if ((uint32_t)(words[i] >> 32) != epoch) out[i] = NAN;  // a word not written this run
+                }
+            } else {
+                CK(cudaMemcpy(out.data(), run.dyf, out.size() * 4, cudaMemcpyDeviceToHost));
+            }
+            return run.check(out);
+        };
+        // One run from NaN outputs (a step not run fails its check), checked:
+        // the first, untimed run, and the traced run after the timed ones (a
+        // race that shows only in warm runs would otherwise read the values
+        // an earlier run left).
+        auto checked = [&](auto&& launch, bool ll, const unsigned int& epoch, bool t) {
+            CK(cudaMemsetAsync(run.dyf, 0xff, (size_t)run.total_out * 4, st));
+            if (t) run.trace_reset(st);
+            launch(t);
             CK(cudaStreamSynchronize(st));
-            return run.trace_summary();
+            return check_out(ll, epoch);
         };
         auto report = [&](const char* mode, double err, double us, const std::string& trace) {
             const bool pass = err <= 1e-4;
@@ -1005,13 +1031,11 @@ int main(int argc, char** argv) {
         {
             cudaGraphExec_t plain = capture(run, st, false), stamped = capture(run, st, true);
             auto launch = [&](bool t) { CK(cudaGraphLaunch(t ? stamped : plain, st)); };
-            CK(cudaMemsetAsync(run.dyf, 0xff, (size_t)run.total_out * 4, st));  // NaN: a step not run fails
-            launch(false);
-            CK(cudaStreamSynchronize(st));
-            CK(cudaMemcpy(out.data(), run.dyf, out.size() * 4, cudaMemcpyDeviceToHost));
-            const double err = run.check(out);
+            const unsigned int no_epoch = 0;
+            const double err = checked(launch, false, no_epoch, false);
             const double us = time_it(launch);
-            report("launches", err, us, traced(launch));
+            const double err_t = checked(launch, false, no_epoch, true);
+            report("launches", std::max(err, err_t), us, run.trace_summary());
             CK(cudaGraphExecDestroy(plain));
             CK(cudaGraphExecDestroy(stamped));
         }
@@ -1053,23 +1077,10 @@ int main(int argc, char** argv) {
                                       epoch, ready, done));
             };
             if (!ll) CK(cudaMemsetAsync(run.dcnt, 0, M * 4, st));
-            CK(cudaMemsetAsync(run.dyf, 0xff, (size_t)run.total_out * 4, st));
-            launch(false);
-            CK(cudaStreamSynchronize(st));
-            if (ll) {
-                std::vector<unsigned long long> words(run.total_out);
-                CK(cudaMemcpy(words.data(), run.dll, words.size() * 8, cudaMemcpyDeviceToHost));
-                for (size_t i = 0; i < words.size(); ++i) {
-                    const uint32_t v = (uint32_t)words[i];
-                    memcpy(&out[i], &v, 4);
-                    if ((uint32_t)(words[i] >> 32) != epoch) out[i] = NAN;  // a word not written this run
-                }
-            } else {
-                CK(cudaMemcpy(out.data(), run.dyf, out.size() * 4, cudaMemcpyDeviceToHost));
-            }
-            const double err = run.check(out);
+            const double err = checked(launch, ll, epoch, false);
             const double us = time_it(launch);
-            report(mode.c_str(), err, us, traced(launch));
+            const double err_t = checked(launch, ll, epoch, true);
+            report(mode.c_str(), std::max(err, err_t), us, run.trace_summary());
         }
         CK(cudaEventDestroy(e0));
         CK(cudaEventDestroy(e1));
