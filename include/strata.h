@@ -783,7 +783,8 @@ strata_status strata_session_position(strata_session *s, size_t *out);
 
 /*
  Records the current position and logits; `*out_id` is an id for
- `strata_session_rewind` (never 0, never reused by this session). The
+ `strata_session_rewind` (never 0, never reused: ids are unique in the
+ process, so another session's id is `STRATA_ERR_NOT_FOUND` here). The
  checkpoint stays valid until the session is rewound below its position
  (by a rewind to an earlier checkpoint, `strata_session_rewind_to` or
  `strata_session_state_load`) or it is released. It costs `vocab_size`

@@ -975,10 +975,12 @@ fn load_progress_is_reported_and_can_cancel() {
 
 #[test]
 fn the_log_callback_hears_loads_and_failures() {
-    type Log = Mutex<Vec<(strata_log_level, String)>>;
+    // (level, message, strata_last_error() when the message came)
+    type Log = Mutex<Vec<(strata_log_level, String, String)>>;
     unsafe extern "C" fn sink(user_data: *mut c_void, level: strata_log_level, message: *const c_char) {
         let log = &*(user_data as *const Log);
-        log.lock().unwrap().push((level, CStr::from_ptr(message).to_string_lossy().into_owned()));
+        let message = CStr::from_ptr(message).to_string_lossy().into_owned();
+        log.lock().unwrap().push((level, message, last_error()));
         // A failing call from inside the callback does not recurse.
         let mut n = 0;
         strata_session_position(ptr::null_mut(), &mut n);
@@ -993,6 +995,8 @@ fn the_log_callback_hears_loads_and_failures() {
     let s = open(&e);
     let my_rewind = 987_654_321;
     let _ = unsafe { strata_session_rewind(s.0, my_rewind) };
+    // The callback's own failing call does not replace this call's error.
+    assert!(last_error().contains(&my_rewind.to_string()), "{}", last_error());
     let mut buf = [0f32; 1];
     let mut n = 0;
     prefill(&s, &PROMPT);
@@ -1002,14 +1006,47 @@ fn the_log_callback_hears_loads_and_failures() {
     let pack = path.display().to_string();
     assert!(
         log.iter()
-            .any(|(l, m)| *l == strata_log_level::STRATA_LOG_INFO && m.contains("loaded pack") && m.contains(&pack)),
+            .any(|(l, m, _)| *l == strata_log_level::STRATA_LOG_INFO && m.contains("loaded pack") && m.contains(&pack)),
         "{log:?}"
     );
-    assert!(log.iter().any(|(l, m)| *l == strata_log_level::STRATA_LOG_WARN
+    // The callback heard the failure, and strata_last_error() was already
+    // that failure's message when it did.
+    assert!(log.iter().any(|(l, m, last)| *l == strata_log_level::STRATA_LOG_WARN
         && m.contains("strata_session_rewind")
-        && m.contains(&my_rewind.to_string())));
-    assert!(!log.iter().any(|(_, m)| m.contains("buf holds 1 floats")), "DEBUG messages were filtered");
-    assert!(!log.iter().any(|(_, m)| m.contains("session is NULL")), "no recursion from inside the callback");
+        && m.contains(&my_rewind.to_string())
+        && last == m));
+    assert!(!log.iter().any(|(_, m, _)| m.contains("buf holds 1 floats")), "DEBUG messages were filtered");
+    assert!(!log.iter().any(|(_, m, _)| m.contains("session is NULL")), "no recursion from inside the callback");
+}
+
+/// A failing call from a pthread key's destructor, which runs after the
+/// thread's Rust thread-locals are gone (the last error among them),
+/// returns its status: recording the error must not panic (a panic there
+/// is outside the panic boundary, and would abort the host).
+#[test]
+fn a_failing_call_while_the_thread_exits_returns_its_status() {
+    use std::sync::atomic::{AtomicI64, Ordering};
+    static STATUS: AtomicI64 = AtomicI64::new(i64::MIN);
+    static LAST: Mutex<Option<String>> = Mutex::new(None);
+    // (A NULL engine: the log test, which may run meanwhile, expects no
+    // "session is NULL" in its log.)
+    unsafe extern "C" fn at_exit(_: *mut c_void) {
+        let mut info = MaybeUninit::<strata_model_info>::uninit();
+        STATUS.store(strata_engine_info(ptr::null(), info.as_mut_ptr()) as i64, Ordering::SeqCst);
+        *LAST.lock().unwrap() = Some(last_error());
+    }
+    std::thread::spawn(|| unsafe {
+        // A failure first, so that the thread's last error exists.
+        let mut info = MaybeUninit::<strata_model_info>::uninit();
+        expect_err(strata_engine_info(ptr::null(), info.as_mut_ptr()), STRATA_ERR_NULL_POINTER, "engine");
+        let mut key: libc::pthread_key_t = 0;
+        assert_eq!(libc::pthread_key_create(&mut key, Some(at_exit)), 0);
+        assert_eq!(libc::pthread_setspecific(key, ptr::dangling::<c_void>()), 0);
+    })
+    .join()
+    .unwrap();
+    assert_eq!(STATUS.load(Ordering::SeqCst), STRATA_ERR_NULL_POINTER as i64);
+    assert!(LAST.lock().unwrap().is_some(), "strata_last_error answered");
 }
 
 #[test]
@@ -1085,12 +1122,16 @@ fn checkpoint_policy_params_reach_the_session() {
     p.checkpoint_every = 4;
     let s = open_with(&e, &p);
     prefill(&s, &PROMPT);
-    // Automatic checkpoints take ids 1, 2, 3 (positions 4, 8, 10).
+    // Automatic checkpoints take the ids before the next explicit one's
+    // (positions 4, 8, 10: ids mine - 3, mine - 2, mine - 1).
+    let mut mine = 0;
+    ok(unsafe { strata_session_checkpoint(s.0, &mut mine) });
+    ok(unsafe { strata_session_checkpoint_release(s.0, mine) });
     ok(unsafe { strata_session_rewind_to(s.0, 9) });
     let fresh = open_with(&e, &p);
     prefill(&fresh, &PROMPT[..9]);
     assert_eq!(logits(&s, -1), logits(&fresh, -1));
-    ok(unsafe { strata_session_rewind(s.0, 1) });
+    ok(unsafe { strata_session_rewind(s.0, mine - 3) });
     assert_eq!(position(&s), 4);
     let fresh = open_with(&e, &p);
     prefill(&fresh, &PROMPT[..4]);
@@ -1099,7 +1140,8 @@ fn checkpoint_policy_params_reach_the_session() {
     p.checkpoint_budget = 1;
     let tight = open_with(&e, &p);
     prefill(&tight, &PROMPT);
-    expect_err(unsafe { strata_session_rewind(tight.0, 1) }, STRATA_ERR_NOT_FOUND, "checkpoint 1");
+    ok(unsafe { strata_session_checkpoint(tight.0, &mut mine) });
+    expect_err(unsafe { strata_session_rewind(tight.0, mine - 3) }, STRATA_ERR_NOT_FOUND, "is unknown");
 }
 
 #[test]

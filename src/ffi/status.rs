@@ -212,6 +212,10 @@ impl FfiError {
             STRATA_ERR_BUSY | STRATA_ERR_NOT_FOUND | STRATA_ERR_CANCELLED => strata_log_level::STRATA_LOG_WARN,
             _ => strata_log_level::STRATA_LOG_ERROR,
         };
+        // The last error before the log: a callback that asks for it sees
+        // this one; and after it: a failing call inside the callback
+        // recorded its own, and this call's is the last.
+        set_last_error(&message);
         log(level, &message);
         set_last_error(&message);
         self.status
@@ -228,13 +232,17 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
+// Both run outside `catch` (after it, and in `strata_last_error`), so they
+// must not panic: on a thread whose thread-locals are being destroyed (a
+// call from a pthread key's destructor) `with` would, and the error is then
+// not kept (`strata_last_error` answers "").
 fn set_last_error(message: &str) {
-    let c = CString::new(message.replace('\0', "\\0")).expect("NULs were replaced");
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+    let c = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
 }
 
 fn last_error_ptr() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    LAST_ERROR.try_with(|e| e.borrow().as_ptr()).unwrap_or(c"".as_ptr())
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

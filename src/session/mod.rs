@@ -12,12 +12,25 @@ pub(crate) mod kv;
 pub mod state;
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::backend::DeltaNetState;
 use crate::engine::{Engine, HostLogits, Logits, Piece};
 use crate::error::{Error, Result};
 use crate::sampling::{Sampler, SamplingParams};
 use kv::Cache;
+
+/// Checkpoint ids: a session's are `base + 1`, `base + 2`, ... in the order
+/// taken (automatic and explicit alike), with a `base` (a multiple of 2^32)
+/// no other session of the process has, so an id is never reused and never
+/// names a checkpoint of another session (whose rewind then fails with
+/// `NotFound` and changes nothing).
+static NEXT_ID_BASE: AtomicU64 = AtomicU64::new(0);
+const IDS_PER_BASE: u64 = 1 << 32;
+
+fn new_id_base() -> u64 {
+    NEXT_ID_BASE.fetch_add(1, Ordering::Relaxed) * IDS_PER_BASE
+}
 
 #[derive(Clone, Debug, Default)]
 pub struct SessionOptions {
@@ -110,7 +123,7 @@ pub struct Session {
     /// the tokens before it are unchanged, because shortening the session
     /// below a checkpoint's position drops the checkpoint.
     checkpoints: BTreeMap<u64, Checkpoint>,
-    /// Ids are never reused, so a stale id cannot name a new checkpoint.
+    /// The id the next checkpoint takes (`new_id_base` + 1 at the start).
     next_checkpoint: u64,
     /// The sampler of `step_with`, kept while its parameters are unchanged.
     sampler: Option<Sampler>,
@@ -161,7 +174,7 @@ impl Session {
                 opts.checkpoint_budget
             },
             checkpoints: BTreeMap::new(),
-            next_checkpoint: 1,
+            next_checkpoint: new_id_base() + 1,
             sampler: None,
             forwarded: 0,
         })
@@ -426,7 +439,7 @@ impl Session {
 
     fn take_checkpoint(&mut self, automatic: bool) -> u64 {
         let id = self.next_checkpoint;
-        self.next_checkpoint += 1;
+        self.next_checkpoint = if (id + 1) % IDS_PER_BASE == 0 { new_id_base() + 1 } else { id + 1 };
         let deltas = if self.kv.is_hybrid() { self.kv.deltas() } else { Vec::new() };
         let logits = self.logits.as_deref().map(<[f32]>::to_vec);
         let cp = Checkpoint { position: self.tokens.len(), logits, deltas, automatic };
@@ -962,6 +975,27 @@ mod tests {
         assert_eq!(s.checkpoint_info(cp).unwrap().position, PROMPT.len());
         s.release_checkpoint(cp).unwrap();
         assert!(matches!(s.rewind(cp), Err(Error::NotFound(_))));
+    }
+
+    #[test]
+    fn another_sessions_checkpoint_id_is_not_found_and_changes_nothing() {
+        // Ids counted per session would make A's first id B's first id too:
+        // B's rewind to it would succeed and cut B back.
+        let (_d, e) = tiny_engine(&TinyPack::default());
+        let (mut a, mut b) = (session(&e, 0), session(&e, 0));
+        a.prefill(&PROMPT[..2]).unwrap();
+        let from_a = a.checkpoint();
+        b.prefill(&PROMPT).unwrap();
+        let own = b.checkpoint();
+        assert_ne!(own, from_a);
+        b.prefill(&PROMPT[..2]).unwrap();
+        let (tokens, logits) = (b.tokens().to_vec(), b.logits().unwrap().to_vec());
+        assert!(matches!(b.rewind(from_a), Err(Error::NotFound(_))));
+        assert_eq!((b.tokens(), b.logits().unwrap()), (&tokens[..], &logits[..]));
+        b.rewind(own).unwrap();
+        assert_eq!(b.len(), PROMPT.len());
+        a.rewind(from_a).unwrap();
+        assert_eq!(a.len(), 2);
     }
 
     #[test]
