@@ -869,7 +869,8 @@ strata_status strata_session_state_save(strata_session *s, uint8_t *buf, size_t 
  `strata_session_state_save` from a session of the same model (another
  model's state: `STRATA_ERR_INVALID_ARGUMENT`). The bytes are checked
  completely (format, version, model, checksum, vocabulary, this
- session's context size) before anything changes. The session's
+ session's context size, finite logits, caches and recurrent state)
+ before anything changes. The session's
  checkpoints are dropped. `buf` is read during the call only.
 
  Thread-safety: one call per session at a time (else `STRATA_ERR_BUSY`).

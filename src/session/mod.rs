@@ -1152,6 +1152,16 @@ mod tests {
         }
         assert!(matches!(c.load_state(&token), Err(Error::TokenOutOfRange { token: 1000, index: 0, .. })));
         assert_eq!(c.save_state(), keep);
+        // A NaN in the key cache (layer 0's first value, after the header
+        // and the tokens), the checksum made right: refused.
+        let mut nan = bytes.clone();
+        let at = 44 + 4 * (PROMPT.len() + 1);
+        nan[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        let crc = crc32fast::hash(&nan[..body]);
+        nan[body..].copy_from_slice(&crc.to_le_bytes());
+        let err = c.load_state(&nan).unwrap_err().to_string();
+        assert!(err.contains("layer 0 key cache value 0 is NaN"), "{err}");
+        assert_eq!(c.save_state(), keep);
 
         // A session cut by truncate without logits round-trips as it is (a
         // load refused such states until a random sequence of operations
