@@ -32,13 +32,7 @@ impl StageKv<'_> {
         for (dst, src) in [(&mut l.k, k), (&mut l.v, v)] {
             let at = dst.len();
             dst.extend_from_slice(src);
-            match rounding {
-                KvRounding::None => {}
-                KvRounding::Bf16 => crate::quant::bf16_round_trip(&mut dst[at..]),
-                KvRounding::Int8 { head_dim } => {
-                    dst[at..].chunks_exact_mut(head_dim).for_each(crate::quant::int8_block_round_trip)
-                }
-            }
+            rounding.apply(&mut dst[at..]);
         }
     }
 
@@ -72,6 +66,20 @@ pub enum KvRounding {
     Int8 {
         head_dim: usize,
     },
+}
+
+impl KvRounding {
+    /// Rounds whole rows of keys or values in place, as the cache stores
+    /// them.
+    pub fn apply(self, rows: &mut [f32]) {
+        match self {
+            KvRounding::None => {}
+            KvRounding::Bf16 => crate::quant::bf16_round_trip(rows),
+            KvRounding::Int8 { head_dim } => {
+                rows.chunks_exact_mut(head_dim).for_each(crate::quant::int8_block_round_trip)
+            }
+        }
+    }
 }
 
 pub struct KvCache {
@@ -405,6 +413,14 @@ impl Cache {
     ) -> crate::error::Result<Cache> {
         match self {
             Cache::Host(kv) => {
+                // Stored as an append stores them (the device cache's restore
+                // appends them through its kernel): a state saved by a
+                // session of another KV type holds other values.
+                let mut layers = layers;
+                for (k, v) in &mut layers {
+                    kv.rounding.apply(k);
+                    kv.rounding.apply(v);
+                }
                 Ok(Cache::Host(KvCache::from_state(kv_dim, len, linear, layers, deltas).with_rounding(kv.rounding)))
             }
             #[cfg(feature = "cuda")]

@@ -1694,4 +1694,32 @@ mod tests {
             assert!(got.iter().all(|x| x.is_finite()) && got != want, "{kv_type:?}");
         }
     }
+
+    /// A state saved by an f32 session and loaded into an int8 or bf16 one
+    /// holds what that cache stores: every row rounded as an append rounds
+    /// it (the CUDA cache's restore appends through its kernel).
+    #[test]
+    fn a_state_loaded_into_a_rounding_cache_is_rounded_as_appends_are() {
+        use super::kv::KvRounding;
+        let (_d, e) = tiny_engine(&TinyPack::default());
+        let open = |kv_type| e.new_session(&SessionOptions { kv_type, ..Default::default() }).unwrap();
+        let mut f = open(KvType::F32);
+        f.prefill(&PROMPT).unwrap();
+        let state = f.save_state();
+        let fk = f.kv.host().expect("a host cache");
+        let hd = e.config().head_dim;
+        for (kv_type, rounding) in [(KvType::Int8, KvRounding::Int8 { head_dim: hd }), (KvType::Bf16, KvRounding::Bf16)]
+        {
+            let mut s = open(kv_type);
+            s.load_state(&state).unwrap();
+            let sk = s.kv.host().expect("a host cache");
+            for layer in 0..fk.num_layers() {
+                let (mut k, mut v) = (fk.layer(layer).0.to_vec(), fk.layer(layer).1.to_vec());
+                rounding.apply(&mut k);
+                rounding.apply(&mut v);
+                assert_ne!(k, fk.layer(layer).0, "{kv_type:?} must round something");
+                assert_eq!(sk.layer(layer), (&k[..], &v[..]), "{kv_type:?}: layer {layer}");
+            }
+        }
+    }
 }
