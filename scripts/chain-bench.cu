@@ -81,7 +81,8 @@
 // Exit status: 0 when every check passed, 1 when one failed, 2 on a CUDA
 // error or bad arguments (a persistent block that waits 2 s for anything
 // traps: a protocol slip fails instead of hanging). First run: an H100,
-// every check passed (docs/performance.md, twentieth session).
+// every check passed (docs/performance.md, twentieth session); the rows
+// modes: an H200, every check passed (twenty-first session).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <omp.h>
@@ -570,8 +571,10 @@ __device__ __forceinline__ float row_dot_k(int k, const uint4* w, const float4* 
 // each row's lane 0 stores it; thread 0 waits for the input and every
 // consumer thread reads its share of it (float4s, one round trip), so a
 // step has three barriers of the consumers (count seen; input read; rows
-// stored, before the release) where persist_chain's has four. NC consumer warps (8 as persist_chain's, or more). Same arguments
-// and counters as persist_chain<false, TWO> (ll is not read).
+// stored, before the release) where persist_chain's has four. NC consumer
+// warps (8 as persist_chain's, or more). Same arguments and counters as
+// persist_chain<false, TWO> (ll is not read); its signature and preamble
+// repeat persist_chain's (a kernel's parameters cannot be shared).
 template <bool TWO, int NC>
 __global__ void __launch_bounds__(NC * 32 + 64, 1)
     persist_rows(const Step* __restrict__ steps_g, const int* __restrict__ out_off_g, int m_count,
