@@ -269,7 +269,9 @@ pub unsafe extern "C" fn strata_session_free(session: *mut strata_session) {
 /// `strata_session_logits`. Every id is checked against the vocabulary
 /// (`STRATA_ERR_TOKEN_OUT_OF_RANGE`) and the context is checked for room
 /// (`STRATA_ERR_CONTEXT_OVERFLOW`) before anything changes; on any failure
-/// the session is as it was. `tokens` is read during the call only.
+/// the session is as it was (on a hybrid model, automatic checkpoints the
+/// call took may have evicted older ones). `tokens` is read during the call
+/// only.
 ///
 /// Thread-safety: one call per session at a time (else `STRATA_ERR_BUSY`).
 ///
