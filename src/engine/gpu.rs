@@ -38,7 +38,7 @@ use crate::backend::cuda::deltanet::{
 };
 use crate::backend::cuda::dense::{self, GemmPrecision, NormIn, RopeTable, Write};
 use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping, GroupedPrecision};
-use crate::backend::cuda::{CudaEvent, CudaSlice, DevicePtr, Gpu};
+use crate::backend::cuda::{CudaEvent, CudaSlice, DevicePtr, Gpu, StreamHold};
 use crate::backend::{AttentionShape, DeltaNetState, Rope};
 use crate::error::{Error, Result};
 use crate::experts::gpu::{GpuExpertCache, TracePhase};
@@ -308,6 +308,12 @@ impl GpuModel {
         Ok(GpuModel { config: c, stages, helpable })
     }
 
+    /// Every stage's stream, held by this thread (`Gpu::queue`): a session
+    /// on another thread queues nothing on them meanwhile.
+    fn hold(&self) -> StreamHold {
+        StreamHold::new(self.stages.iter().map(|s| s.gpu.clone()).collect())
+    }
+
     /// The statistics of the expert caches, every stage's added up (`None`
     /// without a cache).
     pub(crate) fn expert_stats(&self) -> Option<ExpertStats> {
@@ -322,6 +328,8 @@ impl GpuModel {
     /// The statistics of the expert caches and the tokens routed to each
     /// (layer, expert), every stage's layers in order.
     pub(crate) fn expert_routed(&self) -> Option<(ExpertStats, Vec<Vec<u64>>)> {
+        // (Measuring the copies may record on the compute streams.)
+        let _held = self.hold();
         let mut all: Option<(ExpertStats, Vec<Vec<u64>>)> = None;
         for x in self.stages.iter().filter_map(|s| s.experts.as_ref()) {
             let mut x = x.lock();
@@ -380,6 +388,7 @@ impl GpuModel {
             }
         };
         let places = self.stages.iter().map(|s| (s.gpu.clone(), s.range.clone())).collect();
+        let _held = self.hold();
         DeviceCache::new(places, &self.config, dtype)
     }
 
@@ -393,6 +402,7 @@ impl GpuModel {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<HostLogits> {
+        let _held = self.hold();
         let start = cache.len;
         cache.reserve(tokens.len())?;
         let hybrid = cache.is_hybrid();
@@ -593,6 +603,7 @@ impl GpuModel {
         pieces: &[Piece<'_>],
         keep_completed: bool,
     ) -> (Vec<HostLogits>, Option<Error>) {
+        let _held = self.hold();
         let start = cache.len;
         let mut starts = vec![start];
         for p in pieces {
@@ -2301,8 +2312,14 @@ impl DeviceCache {
         self.len = n;
     }
 
+    /// Every stage's stream, held by this thread (`Gpu::queue`).
+    fn hold(&self) -> StreamHold {
+        StreamHold::new(self.stages.iter().map(|s| s.gpu.clone()).collect())
+    }
+
     /// Grows every layer's KV (doubling) to hold `n` more positions.
     pub(crate) fn reserve(&mut self, n: usize) -> Result<()> {
+        let _held = self.hold();
         let len = self.len;
         self.stages.iter_mut().try_for_each(|s| s.reserve(len, len + n))
     }
@@ -2331,10 +2348,12 @@ impl DeviceCache {
 
     /// The Gated DeltaNet states, in layer order.
     pub(crate) fn deltas(&self) -> Result<Vec<DeltaNetState>> {
+        let _held = self.hold();
         self.stages.iter().flat_map(|s| s.delta.iter().flatten().map(|d| d.download(&s.gpu))).collect()
     }
 
     pub(crate) fn restore_deltas(&mut self, states: &[DeltaNetState]) -> Result<()> {
+        let _held = self.hold();
         let mut it = states.iter();
         for s in &mut self.stages {
             for d in s.delta.iter_mut().flatten() {
@@ -2353,6 +2372,7 @@ impl DeviceCache {
     }
 
     pub(crate) fn reset_deltas(&mut self) -> Result<()> {
+        let _held = self.hold();
         for s in &mut self.stages {
             for d in s.delta.iter_mut().flatten() {
                 s.gpu.stream().memset_zeros(&mut d.conv)?;
@@ -2364,6 +2384,7 @@ impl DeviceCache {
 
     /// Keys and values of `layer`, positions `0..len`, dequantized.
     pub(crate) fn layer_f32(&self, layer: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let _held = self.hold();
         let s = self.stages.iter().find(|s| s.kv[layer].is_some()).expect("layer_f32 of a Gated DeltaNet layer");
         attention::kv_read_f32(&s.gpu, s.kv[layer].as_ref().expect("found above"), self.len)
     }
@@ -2375,6 +2396,7 @@ impl DeviceCache {
         layers: Vec<(Vec<f32>, Vec<f32>)>,
         deltas: &[DeltaNetState],
     ) -> Result<DeviceCache> {
+        let _held = self.hold();
         let places = self.stages.iter().map(|s| (s.gpu.clone(), s.range.clone())).collect();
         let mut d = DeviceCache::new(places, &self.config, self.dtype)?;
         d.reserve(len)?;
@@ -2392,6 +2414,15 @@ impl DeviceCache {
         d.restore_deltas(deltas)?;
         d.len = len;
         Ok(d)
+    }
+}
+
+impl Drop for DeviceCache {
+    /// Frees the state on its streams, held (a free is queued on a stream
+    /// that another thread's forward may be capturing).
+    fn drop(&mut self) {
+        let _held = self.hold();
+        self.stages.clear();
     }
 }
 

@@ -17,6 +17,7 @@ pub const TESTS: &[GpuTest] = &[
     ("model_qwen3_moe_fixtures_match_the_cpu", qwen3_moe_fixtures),
     ("model_qwen3_next_fixtures_match_the_cpu", qwen3_next_fixtures),
     ("model_rewind_and_state_are_exact_on_the_gpu", rewind_and_state),
+    ("model_sessions_on_threads_match_one_thread", sessions_on_threads),
     #[cfg(feature = "test-hooks")]
     ("model_nan_guard_on_the_gpu", nan_guard),
 ];
@@ -167,6 +168,81 @@ fn rewind_and_state(_gpu: &Arc<Gpu>) -> Result<(), String> {
         let b = t.prefill(&tokens[30..45]).map_err(e)?.to_vec();
         if a != b {
             return Err(format!("{set}/{model}: a loaded state continues differently"));
+        }
+    }
+    Ok(())
+}
+
+/// One session's work in `sessions_on_threads`: a prompt of its own, then
+/// greedy decode steps (each a captured CUDA graph after the first), every
+/// step's logits.
+fn session_run(engine: &Engine, seed: usize, steps: usize) -> Result<Vec<Vec<f32>>, String> {
+    let vocab = engine.config().vocab_size;
+    let tokens: Vec<u32> = (0..12 + seed).map(|i| ((i * 97 + seed * 31 + 5) % vocab) as u32).collect();
+    let mut s = session(engine, 0, KvType::Int8)?;
+    let mut out = vec![s.prefill(&tokens).map_err(e)?.to_vec()];
+    for _ in 0..steps {
+        let l = &out[out.len() - 1];
+        let next = (0..l.len()).fold(0, |b, i| if l[i] > l[b] { i } else { b }) as u32;
+        out.push(s.prefill(&[next]).map_err(e)?.to_vec());
+    }
+    Ok(out)
+}
+
+/// Sessions of one GPU engine on several threads at once (each captures
+/// its decode step while the others queue theirs on the same stream), and
+/// a thread that makes, saves, loads and drops sessions meanwhile: every
+/// session's logits are bit for bit those it has alone on one thread, for
+/// both architectures.
+fn sessions_on_threads(_gpu: &Arc<Gpu>) -> Result<(), String> {
+    const THREADS: usize = 4;
+    const STEPS: usize = 24;
+    let dir = tempfile::tempdir().map_err(e)?;
+    for (set, model) in [("fixtures", "a"), ("fixtures_next", "b")] {
+        let (_, gpu) = engines(set, model, "nvfp4_modelopt", dir.path())?;
+        let alone = (0..THREADS).map(|t| session_run(&gpu, t, STEPS)).collect::<Result<Vec<_>, _>>()?;
+        for round in 0..3 {
+            let start = std::sync::Barrier::new(THREADS + 1);
+            let done = std::sync::atomic::AtomicBool::new(false);
+            let (runs, churned) = std::thread::scope(|scope| {
+                let runs: Vec<_> = (0..THREADS)
+                    .map(|t| {
+                        let (gpu, start) = (&gpu, &start);
+                        scope.spawn(move || {
+                            start.wait();
+                            session_run(gpu, t, STEPS)
+                        })
+                    })
+                    .collect();
+                let churn = scope.spawn(|| -> Result<usize, String> {
+                    start.wait();
+                    let tokens = prompt(gpu.config().vocab_size, 9);
+                    let mut n = 0;
+                    while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                        let mut s = session(&gpu, 0, KvType::Int8)?;
+                        s.prefill(&tokens).map_err(e)?;
+                        let mut t = session(&gpu, 0, KvType::Int8)?;
+                        t.load_state(&s.save_state()).map_err(e)?;
+                        n += 1;
+                    }
+                    Ok(n)
+                });
+                let runs: Vec<_> = runs.into_iter().map(|h| h.join().expect("a session thread panicked")).collect();
+                done.store(true, std::sync::atomic::Ordering::Relaxed);
+                (runs, churn.join().expect("the churning thread panicked"))
+            });
+            let churned = churned.map_err(|x| format!("{set}/{model} round {round}, the churning thread: {x}"))?;
+            for (t, (run, want)) in runs.into_iter().zip(&alone).enumerate() {
+                let run = run.map_err(|x| format!("{set}/{model} round {round}, thread {t}: {x}"))?;
+                if let Some(step) = (0..want.len()).find(|&i| run[i] != want[i]) {
+                    return Err(format!(
+                        "{set}/{model} round {round}, thread {t}: step {step}'s logits differ from the same \
+                         session run alone (max |diff| {})",
+                        run[step].iter().zip(&want[step]).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+                    ));
+                }
+            }
+            println!("    {set}/{model} round {round}: {THREADS} threads x {STEPS} steps as alone; {churned} sessions made, saved, loaded meanwhile");
         }
     }
     Ok(())

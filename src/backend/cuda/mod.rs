@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{sys, CudaModule, DriverError};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, ReentrantMutex};
 
 /// The whole binding, for what the names below do not cover (tests reach
 /// it through here: cudarc is not a dependency of theirs).
@@ -169,6 +169,12 @@ pub struct Gpu {
     /// wait (`PREWAIT_ATTN | PREWAIT_DOWN` unless `STRATA_PREWAIT` says
     /// otherwise; tests may switch it: `set_prewait`).
     prewait: AtomicU8,
+    /// Held (`StreamHold`) by the thread that queues work on `stream`, for
+    /// the length of one whole operation: a forward (which may capture the
+    /// stream into a CUDA graph: anything another thread queued meanwhile
+    /// would land in the graph), a session state's allocation, copy or
+    /// free. Reentrant: an operation may call another.
+    queue: ReentrantMutex<()>,
 }
 
 /// `Gpu::prewait`: the one-row attention's first key tile before its wait.
@@ -193,6 +199,36 @@ const _: () = {
     const fn send_sync<T: Send + Sync>() {}
     send_sync::<Gpu>()
 };
+
+/// The streams of some devices, held by the calling thread until this
+/// drops: no other thread queues work on them meanwhile (`Gpu::queue`).
+/// Devices are taken in the order given; every caller gives a model's
+/// devices in stage order, so two callers never wait on each other.
+pub struct StreamHold {
+    gpus: Vec<Arc<Gpu>>,
+    /// Released by the thread that took it: not `Send`.
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl StreamHold {
+    pub fn new(gpus: Vec<Arc<Gpu>>) -> StreamHold {
+        for g in &gpus {
+            // Held until `drop` (a guard would borrow `gpus`).
+            std::mem::forget(g.queue.lock());
+        }
+        StreamHold { gpus, _thread: std::marker::PhantomData }
+    }
+}
+
+impl Drop for StreamHold {
+    fn drop(&mut self) {
+        for g in self.gpus.iter().rev() {
+            // SAFETY: `new` took this lock on this thread (a StreamHold is
+            // not Send) and forgot its guard; this is its one release.
+            unsafe { g.queue.force_unlock() };
+        }
+    }
+}
 
 impl std::fmt::Debug for Gpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -240,6 +276,7 @@ impl Gpu {
             pdl: major >= 9 && std::env::var("STRATA_PDL").map_or(true, |v| v != "0"),
             tc_gemv: AtomicBool::new(major >= 8 && std::env::var("STRATA_TC_GEMV").map_or(true, |v| v != "0")),
             prewait: AtomicU8::new(prewait_from_env(std::env::var("STRATA_PREWAIT").ok().as_deref())),
+            queue: ReentrantMutex::new(()),
         }))
     }
 
