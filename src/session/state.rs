@@ -279,25 +279,25 @@ impl Session {
             .flatten()
             .map(|s| DeltaNetState { conv: r.f32s(s.conv_state_len()), recurrent: r.f32s(s.recurrent_state_len()) })
             .collect();
-        // A session's caches and recurrent state are finite (a forward that
-        // made a NaN failed and changed nothing): a state that holds one
-        // would fail every later step.
+        // A session's caches, recurrent state and logits are finite (a
+        // forward that made a NaN failed and changed nothing; Session::step
+        // relies on finite logits): a state that holds one would fail every
+        // later step.
         let finite = |what: String, values: &[f32]| match crate::sampling::first_nonfinite(values) {
-            Some(i) => Err(invalid(format!("{what} value {i} is {}: a state holds finite caches", values[i]))),
+            Some(i) => Err(invalid(format!("{what} {i} is {}: a state holds finite values", values[i]))),
             None => Ok(()),
         };
         for (layer, (k, v)) in kv.iter().enumerate() {
-            finite(format!("layer {layer} key cache"), k)?;
-            finite(format!("layer {layer} value cache"), v)?;
+            finite(format!("layer {layer} key cache value"), k)?;
+            finite(format!("layer {layer} value cache value"), v)?;
         }
         for (j, d) in deltas.iter().enumerate() {
-            finite(format!("linear-attention layer {j} conv state"), &d.conv)?;
-            finite(format!("linear-attention layer {j} recurrent state"), &d.recurrent)?;
+            finite(format!("linear-attention layer {j} conv state value"), &d.conv)?;
+            finite(format!("linear-attention layer {j} recurrent state value"), &d.recurrent)?;
         }
         let logits = (flags & FLAG_LOGITS != 0).then(|| r.f32s(vocab));
-        if let Some((i, v)) = logits.as_deref().and_then(|l| crate::sampling::first_nonfinite(l).map(|i| (i, l[i]))) {
-            // A session holds only finite logits (Session::step relies on it).
-            return Err(invalid(format!("logit {i} is {v}: a state holds finite logits")));
+        if let Some(l) = &logits {
+            finite("logit".into(), l)?;
         }
         let sampler = if flags & FLAG_SAMPLER != 0 {
             let temperature = r.f32();
