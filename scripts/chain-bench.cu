@@ -40,6 +40,13 @@
 //   rows16    rows with 16 consumer warps
 //   rows2, rows16x2  (a chain with routed steps) rows and rows16 with two
 //             rings, as counter2
+//   rowspf, rowspfa, rowspfo  (a chain with routed steps) rows whose
+//             producer, on reaching a layer's first routed step (before it
+//             waits for the router), asks L2 to fetch its block's rows of
+//             the dense steps after the routed ones (cp.async.bulk.prefetch):
+//             the next layer's q/k/v; and its prep and attention; and its
+//             o_proj too (160, 240, 330 KB a block): HBM streams them while
+//             the routed steps wait, and the ring later fills from L2
 //
 // Chains (distinct weights for every GEMV; a step reads the first k values
 // of an earlier step's output, and waits for all of it):
@@ -360,6 +367,19 @@ __device__ __forceinline__ void ys_put(float* ysa, float* ysb, int i, float v) {
     (e < 4 ? ysa : ysb)[4 * c + (e & 3)] = v;
 }
 
+// Bytes of dense weights a producer asks L2 to fetch ahead at each routed
+// block (the `rowspf*` modes; 0 in every other mode): when the producer
+// reaches the first routed step of a layer (its weights wait for the
+// router), it first asks L2 for this block's rows of the dense steps after
+// the routed ones (the next layer's q/k/v, ...) up to this many bytes, whole
+// steps, so that HBM streams them while the routed steps wait and the ring
+// later fills from L2.
+__device__ unsigned int g_l2_ahead;
+
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+
 // The producer warps of a persistent block (p 0, and p 1 with TWO): the
 // block's rows of their ring's matrices in chain order, whole rows a slot,
 // as fast as slots free up; a routed step's only once its gate's output is
@@ -371,10 +391,30 @@ __device__ __forceinline__ void produce(int p, int lane, int b, int nb, const St
                                         const unsigned long long* ll, const unsigned int* counters,
                                         unsigned int target, unsigned int epoch) {
     const int first = p == 1 ? SLOTS_A : 0, nslots = TWO ? (p == 1 ? STAGES - SLOTS_A : SLOTS_A) : STAGES;
+    const unsigned int l2_ahead = g_l2_ahead;
     int s = 0;
     for (int m = 0; m < m_count; ++m) {
         const Step g = steps[m];
         if (TWO && (g.gate >= 0) != (p == 1)) continue;
+        if (l2_ahead > 0 && lane == 0 && g.gate >= 0 && m > 0 && steps[m - 1].gate < 0) {
+            unsigned int left = l2_ahead;
+            bool dense = false;
+            for (int q = m + 1; q < m_count; ++q) {
+                const Step h = steps[q];
+                if (h.gate >= 0) {
+                    if (dense) break;  // the next routed block
+                    continue;          // this one's later routed steps
+                }
+                dense = true;
+                const int hr0 = row0(h.n, b, nb);
+                const uint32_t bytes = (uint32_t)((row0(h.n, b + 1, nb) - hr0) * 2 * h.k);
+                if (bytes > left) break;
+                left -= bytes;
+                for (uint32_t o = 0; o < bytes; o += CHUNK)
+                    prefetch_l2(reinterpret_cast<const unsigned char*>(h.w + (size_t)hr0 * h.k) + o,
+                                min((uint32_t)CHUNK, bytes - o));
+            }
+        }
         if (g.gate >= 0) {
             // Lanes 1..31 skip the copies and would reach the gate early:
             // hold them until lane 0 has issued every earlier step's, so
@@ -1049,13 +1089,20 @@ int main(int argc, char** argv) {
         // run on across both.
         const bool routed = std::any_of(c.gate.begin(), c.gate.end(), [](int g) { return g >= 0; });
         std::vector<std::string> modes = {"counter", "ll", "rows", "rows16"};
-        if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2", "rows16x2"});
+        if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2", "rows16x2", "rowspf", "rowspfa", "rowspfo"});
         unsigned int ll_epoch = 0;
         for (const std::string& mode : modes) {
             const bool ll = mode.rfind("ll", 0) == 0, two = mode.back() == '2', rows = mode.rfind("rows", 0) == 0,
                        wide = mode.rfind("rows16", 0) == 0;
             unsigned int cnt_epoch = 0;
             unsigned int& epoch = ll ? ll_epoch : cnt_epoch;
+            // rowspf: the next layer's q/k/v (156 KB a block on 132 SMs);
+            // rowspfa: and prep and the attention (189 KB); rowspfo: and
+            // o_proj (313 KB; the whole next layer's dense weights, 41 MB).
+            const unsigned int l2_ahead = mode == "rowspf" ? 160u << 10 : mode == "rowspfa" ? 240u << 10
+                                          : mode == "rowspfo"                  ? 330u << 10
+                                                                               : 0u;
+            CK(cudaMemcpyToSymbol(g_l2_ahead, &l2_ahead, sizeof l2_ahead));
             auto launch = [&](bool t) {
                 ++epoch;
                 cudaLaunchConfig_t cfg = {};
