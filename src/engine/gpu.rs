@@ -38,7 +38,7 @@ use crate::backend::cuda::deltanet::{
 };
 use crate::backend::cuda::dense::{self, GemmPrecision, NormIn, RopeTable, Write};
 use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping, GroupedPrecision};
-use crate::backend::cuda::{CudaEvent, CudaSlice, DevicePtr, Gpu, StreamHold};
+use crate::backend::cuda::{CudaEvent, CudaSlice, CudaStream, DevicePtr, Gpu, StreamHold};
 use crate::backend::{AttentionShape, DeltaNetState, Rope};
 use crate::error::{Error, Result};
 use crate::experts::gpu::{GpuExpertCache, TracePhase};
@@ -124,6 +124,19 @@ struct DecodeGraph {
 // and is only touched through `&mut` of that cache (a session is used by
 // one call at a time), so moving it to another thread is sound.
 unsafe impl Send for DecodeGraph {}
+
+/// A capture of a stream in progress: if a panic unwinds through it, its
+/// drop ends the capture (and drops the graph), so that the stream, which
+/// other sessions share, does not stay capturing.
+struct OpenCapture<'a>(Option<&'a Arc<CudaStream>>);
+
+impl Drop for OpenCapture<'_> {
+    fn drop(&mut self) {
+        if let Some(stream) = self.0.take() {
+            let _ = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        }
+    }
+}
 
 /// First capacity of a session's device KV, in positions.
 const KV_INITIAL_CAPACITY: usize = 256;
@@ -328,8 +341,6 @@ impl GpuModel {
     /// The statistics of the expert caches and the tokens routed to each
     /// (layer, expert), every stage's layers in order.
     pub(crate) fn expert_routed(&self) -> Option<(ExpertStats, Vec<Vec<u64>>)> {
-        // (Measuring the copies may record on the compute streams.)
-        let _held = self.hold();
         let mut all: Option<(ExpertStats, Vec<Vec<u64>>)> = None;
         for x in self.stages.iter().filter_map(|s| s.experts.as_ref()) {
             let mut x = x.lock();
@@ -1270,7 +1281,9 @@ impl GpuStage {
             if cache.graph.as_ref().is_none_or(|g| g.generation != cache.generation) {
                 cache.graph = None;
                 gpu.stream().begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+                let mut open = OpenCapture(Some(gpu.stream()));
                 let queued = self.enqueue(engine, cache, s, start, 1, Some(step), experts.as_deref_mut(), None);
+                open.0 = None;
                 let captured = gpu.stream().end_capture(sys::CUgraphInstantiate_flags(0));
                 queued?;
                 let graph = captured?.ok_or_else(|| Error::Cuda("capturing the decode step gave no graph".into()))?;
@@ -1977,8 +1990,10 @@ struct DeltaScratch {
 /// holds it (`PinnedLogits`) until its next logits replace it, which gives
 /// it back. A session holds at most two at once (its logits and the next
 /// step's), so the pool stays that small.
-#[derive(Default)]
 pub(crate) struct LogitPool {
+    /// Its buffers are freed with this device's stream held (a session's
+    /// last logits may outlive its device state, on any thread).
+    gpu: Arc<Gpu>,
     free: parking_lot::Mutex<Vec<PinnedHostSlice<f32>>>,
 }
 
@@ -1986,6 +2001,10 @@ pub(crate) struct LogitPool {
 const LOGIT_POOL_KEEP: usize = 4;
 
 impl LogitPool {
+    fn new(gpu: Arc<Gpu>) -> LogitPool {
+        LogitPool { gpu, free: parking_lot::Mutex::new(Vec::new()) }
+    }
+
     /// A free buffer of `len` floats, or a new one.
     fn take(&self, gpu: &Gpu, len: usize) -> Result<PinnedHostSlice<f32>> {
         let mut free = self.free.lock();
@@ -2001,7 +2020,18 @@ impl LogitPool {
         let mut free = self.free.lock();
         if free.len() < LOGIT_POOL_KEEP {
             free.push(buf);
+        } else {
+            drop(free);
+            let _held = StreamHold::new(vec![self.gpu.clone()]);
+            drop(buf);
         }
+    }
+}
+
+impl Drop for LogitPool {
+    fn drop(&mut self) {
+        let _held = StreamHold::new(vec![self.gpu.clone()]);
+        self.free.get_mut().clear();
     }
 }
 
@@ -2447,6 +2477,7 @@ impl StageCache {
                 .map(|(l, s)| s.filter(|_| range.contains(&l)).map(|s| DeviceDeltaState::new(gpu, s)).transpose())
                 .collect()
         };
+        let logit_pool = Arc::new(LogitPool::new(gpu.clone()));
         Ok(StageCache {
             delta: states(&gpu)?,
             spare: states(&gpu)?,
@@ -2462,7 +2493,7 @@ impl StageCache {
             step: None,
             graph: None,
             generation: 0,
-            logit_pool: Arc::new(LogitPool::default()),
+            logit_pool,
             handoff_bytes: 0,
             helped_layers: 0,
             helper_rows: 0,

@@ -174,12 +174,13 @@ fn rewind_and_state(_gpu: &Arc<Gpu>) -> Result<(), String> {
 }
 
 /// One session's work in `sessions_on_threads`: a prompt of its own, then
-/// greedy decode steps (each a captured CUDA graph after the first), every
-/// step's logits.
-fn session_run(engine: &Engine, seed: usize, steps: usize) -> Result<Vec<Vec<f32>>, String> {
+/// greedy decode steps (each a replay of a captured CUDA graph, captured
+/// again when the KV grows past its first 256 positions), every step's
+/// logits.
+fn session_run(engine: &Engine, kv: KvType, seed: usize, steps: usize) -> Result<Vec<Vec<f32>>, String> {
     let vocab = engine.config().vocab_size;
-    let tokens: Vec<u32> = (0..12 + seed).map(|i| ((i * 97 + seed * 31 + 5) % vocab) as u32).collect();
-    let mut s = session(engine, 0, KvType::Int8)?;
+    let tokens: Vec<u32> = (0..240 + seed).map(|i| ((i * 97 + seed * 31 + 5) % vocab) as u32).collect();
+    let mut s = session(engine, 0, kv)?;
     let mut out = vec![s.prefill(&tokens).map_err(e)?.to_vec()];
     for _ in 0..steps {
         let l = &out[out.len() - 1];
@@ -193,14 +194,14 @@ fn session_run(engine: &Engine, seed: usize, steps: usize) -> Result<Vec<Vec<f32
 /// its decode step while the others queue theirs on the same stream), and
 /// a thread that makes, saves, loads and drops sessions meanwhile: every
 /// session's logits are bit for bit those it has alone on one thread, for
-/// both architectures.
+/// both architectures (int8 KV on one, bf16 on the other).
 fn sessions_on_threads(_gpu: &Arc<Gpu>) -> Result<(), String> {
     const THREADS: usize = 4;
     const STEPS: usize = 24;
     let dir = tempfile::tempdir().map_err(e)?;
-    for (set, model) in [("fixtures", "a"), ("fixtures_next", "b")] {
+    for (set, model, kv) in [("fixtures", "a", KvType::Int8), ("fixtures_next", "b", KvType::Bf16)] {
         let (_, gpu) = engines(set, model, "nvfp4_modelopt", dir.path())?;
-        let alone = (0..THREADS).map(|t| session_run(&gpu, t, STEPS)).collect::<Result<Vec<_>, _>>()?;
+        let alone = (0..THREADS).map(|t| session_run(&gpu, kv, t, STEPS)).collect::<Result<Vec<_>, _>>()?;
         for round in 0..3 {
             let start = std::sync::Barrier::new(THREADS + 1);
             let done = std::sync::atomic::AtomicBool::new(false);
@@ -210,7 +211,7 @@ fn sessions_on_threads(_gpu: &Arc<Gpu>) -> Result<(), String> {
                         let (gpu, start) = (&gpu, &start);
                         scope.spawn(move || {
                             start.wait();
-                            session_run(gpu, t, STEPS)
+                            session_run(gpu, kv, t, STEPS)
                         })
                     })
                     .collect();
@@ -219,9 +220,9 @@ fn sessions_on_threads(_gpu: &Arc<Gpu>) -> Result<(), String> {
                     let tokens = prompt(gpu.config().vocab_size, 9);
                     let mut n = 0;
                     while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                        let mut s = session(&gpu, 0, KvType::Int8)?;
+                        let mut s = session(&gpu, 0, kv)?;
                         s.prefill(&tokens).map_err(e)?;
-                        let mut t = session(&gpu, 0, KvType::Int8)?;
+                        let mut t = session(&gpu, 0, kv)?;
                         t.load_state(&s.save_state()).map_err(e)?;
                         n += 1;
                     }
