@@ -47,6 +47,8 @@
 //             the next layer's q/k/v; and its prep and attention; and its
 //             o_proj too (160, 240, 330 KB a block): HBM streams them while
 //             the routed steps wait, and the ring later fills from L2
+//   rowsh, rowspfh  rows and rowspf with L2 eviction hints: the prefetches
+//             evict_last, every bulk copy of the ring evict_first
 //
 // Chains (distinct weights for every GEMV; a step reads the first k values
 // of an earlier step's output, and waits for all of it):
@@ -287,6 +289,15 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
+// bulk_g2s with an L2 eviction policy for what it reads.
+__device__ __forceinline__ void bulk_g2s_hint(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                              uint64_t pol) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
+        "%4;" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar), "l"(pol)
+        : "memory");
+}
 __device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* p) {
     unsigned long long v;
     asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -375,9 +386,24 @@ __device__ __forceinline__ void ys_put(float* ysa, float* ysb, int i, float v) {
 // steps, so that HBM streams them while the routed steps wait and the ring
 // later fills from L2.
 __device__ unsigned int g_l2_ahead;
+// With g_l2_hints (the `rowsh` and `rowspfh` modes): the prefetches ask L2 to
+// keep their lines (evict_last) and every bulk copy of the ring marks what
+// it reads evict_first, so that the routed steps' stream does not push the
+// prefetched rows out before their step reads them.
+__device__ unsigned int g_l2_hints;
 
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+__device__ __forceinline__ uint64_t l2_policy(bool keep) {
+    uint64_t p;
+    if (keep) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+    else asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes, bool hint, uint64_t pol) {
+    if (hint)
+        asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(src), "r"(bytes), "l"(pol)
+                     : "memory");
+    else asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
 // The producer warps of a persistent block (p 0, and p 1 with TWO): the
@@ -392,6 +418,8 @@ __device__ __forceinline__ void produce(int p, int lane, int b, int nb, const St
                                         unsigned int target, unsigned int epoch) {
     const int first = p == 1 ? SLOTS_A : 0, nslots = TWO ? (p == 1 ? STAGES - SLOTS_A : SLOTS_A) : STAGES;
     const unsigned int l2_ahead = g_l2_ahead;
+    const bool hints = g_l2_hints != 0;
+    const uint64_t keep = l2_policy(true), stream = l2_policy(false);
     int s = 0;
     for (int m = 0; m < m_count; ++m) {
         const Step g = steps[m];
@@ -412,7 +440,7 @@ __device__ __forceinline__ void produce(int p, int lane, int b, int nb, const St
                 left -= bytes;
                 for (uint32_t o = 0; o < bytes; o += CHUNK)
                     prefetch_l2(reinterpret_cast<const unsigned char*>(h.w + (size_t)hr0 * h.k) + o,
-                                min((uint32_t)CHUNK, bytes - o));
+                                min((uint32_t)CHUNK, bytes - o), hints, keep);
             }
         }
         if (g.gate >= 0) {
@@ -437,7 +465,9 @@ __device__ __forceinline__ void produce(int p, int lane, int b, int nb, const St
             if (s >= nslots) mbar_wait(empty + 8 * slot, ((s / nslots) - 1) & 1, m);
             const uint32_t bytes = (uint32_t)(min(rpc, rows - c * rpc) * 2 * g.k);
             mbar_expect_tx(full + 8 * slot, bytes);
-            bulk_g2s(ring + slot * CHUNK, g.w + ((size_t)r0 + (size_t)c * rpc) * g.k, bytes, full + 8 * slot);
+            const void* src = g.w + ((size_t)r0 + (size_t)c * rpc) * g.k;
+            if (hints) bulk_g2s_hint(ring + slot * CHUNK, src, bytes, full + 8 * slot, stream);
+            else bulk_g2s(ring + slot * CHUNK, src, bytes, full + 8 * slot);
         }
     }
 }
@@ -1089,7 +1119,7 @@ int main(int argc, char** argv) {
         // run on across both.
         const bool routed = std::any_of(c.gate.begin(), c.gate.end(), [](int g) { return g >= 0; });
         std::vector<std::string> modes = {"counter", "ll", "rows", "rows16"};
-        if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2", "rows16x2", "rowspf", "rowspfa", "rowspfo"});
+        if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2", "rows16x2", "rowspf", "rowspfa", "rowspfo", "rowsh", "rowspfh"});
         unsigned int ll_epoch = 0;
         for (const std::string& mode : modes) {
             const bool ll = mode.rfind("ll", 0) == 0, two = mode.back() == '2', rows = mode.rfind("rows", 0) == 0,
@@ -1099,10 +1129,13 @@ int main(int argc, char** argv) {
             // rowspf: the next layer's q/k/v (156 KB a block on 132 SMs);
             // rowspfa: and prep and the attention (189 KB); rowspfo: and
             // o_proj (313 KB; the whole next layer's dense weights, 41 MB).
-            const unsigned int l2_ahead = mode == "rowspf" ? 160u << 10 : mode == "rowspfa" ? 240u << 10
-                                          : mode == "rowspfo"                  ? 330u << 10
-                                                                               : 0u;
+            const unsigned int l2_ahead = mode == "rowspf" || mode == "rowspfh" ? 160u << 10
+                                          : mode == "rowspfa"                    ? 240u << 10
+                                          : mode == "rowspfo"                    ? 330u << 10
+                                                                                 : 0u;
+            const unsigned int l2_hints = mode == "rowsh" || mode == "rowspfh";
             CK(cudaMemcpyToSymbol(g_l2_ahead, &l2_ahead, sizeof l2_ahead));
+            CK(cudaMemcpyToSymbol(g_l2_hints, &l2_hints, sizeof l2_hints));
             auto launch = [&](bool t) {
                 ++epoch;
                 cudaLaunchConfig_t cfg = {};
