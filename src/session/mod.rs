@@ -7,6 +7,16 @@
 //! (`Error::NonFinite`, naming the layer and position).
 //! Invariant: `logits` are those of the last held position, or `None`
 //! (an empty session, or after `truncate` when they are not known).
+//!
+//! Threads: a `Session` is `Send`; sessions of one engine may run on
+//! different threads at once (on a CUDA engine their GPU work takes turns
+//! on the engine's stream, one forward at a time: docs/c-api.md,
+//! "Ownership and threading"). Do not call a session from inside a rayon
+//! task: a rayon worker that waits for the engine's parallel work may run
+//! another queued task meanwhile, inside this call, on this thread; if that
+//! task calls a session of the same engine it can wait forever on what this
+//! call holds (the expert cache, the GPU stream). Threads of your own, or
+//! `std::thread::scope`, have no such limit.
 
 pub(crate) mod kv;
 pub mod state;
