@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use strata::backend::cuda::Gpu;
 use strata::engine::{Engine, EngineOptions};
+use strata::experts::ExpertCacheOptions;
 use strata::pack::convert::{convert, ConvertOptions};
 use strata::session::{KvType, Session, SessionOptions};
 
@@ -194,56 +195,83 @@ fn session_run(engine: &Engine, kv: KvType, seed: usize, steps: usize) -> Result
 /// its decode step while the others queue theirs on the same stream), and
 /// a thread that makes, saves, loads and drops sessions meanwhile: every
 /// session's logits are bit for bit those it has alone on one thread, for
-/// both architectures (int8 KV on one, bf16 on the other).
+/// both architectures (int8 KV on one, bf16 on the other), on one stream,
+/// with an expert cache (decode mapped, swaps by its filler thread) and
+/// split over two logical devices of the GPU.
 fn sessions_on_threads(_gpu: &Arc<Gpu>) -> Result<(), String> {
     const THREADS: usize = 4;
     const STEPS: usize = 24;
     let dir = tempfile::tempdir().map_err(e)?;
     for (set, model, kv) in [("fixtures", "a", KvType::Int8), ("fixtures_next", "b", KvType::Bf16)] {
-        let (_, gpu) = engines(set, model, "nvfp4_modelopt", dir.path())?;
-        let alone = (0..THREADS).map(|t| session_run(&gpu, kv, t, STEPS)).collect::<Result<Vec<_>, _>>()?;
-        for round in 0..3 {
-            let start = std::sync::Barrier::new(THREADS + 1);
-            let done = std::sync::atomic::AtomicBool::new(false);
-            let (runs, churned) = std::thread::scope(|scope| {
-                let runs: Vec<_> = (0..THREADS)
-                    .map(|t| {
-                        let (gpu, start) = (&gpu, &start);
-                        scope.spawn(move || {
-                            start.wait();
-                            session_run(gpu, kv, t, STEPS)
+        let pack = dir.path().join(format!("{set}-{model}"));
+        convert(&fixture(set, model, "nvfp4_modelopt"), &pack, &ConvertOptions::default()).map_err(e)?;
+        let p = strata::pack::Pack::open(&pack).map_err(e)?;
+        let (c, blob) = (p.config().clone(), p.layout().stride);
+        let cuda = |devices: &[&str]| EngineOptions {
+            devices: devices.iter().map(|d| d.to_string()).collect(),
+            ..Default::default()
+        };
+        let cache = ExpertCacheOptions {
+            slots: Some(2 * c.num_experts_per_tok),
+            host_budget: Some(blob * (c.num_hidden_layers * c.num_experts + 8) as u64),
+            adapt_every: 4,
+            ..Default::default()
+        };
+        let variants = [
+            ("one stream", cuda(&["cuda"])),
+            ("an expert cache", EngineOptions { expert_cache: cache, ..cuda(&["cuda"]) }),
+            ("a split on one GPU", cuda(&["cuda:0", "cuda:0"])),
+        ];
+        for (variant, opts) in variants {
+            let what = format!("{set}/{model}, {variant}");
+            let gpu = Engine::load(&pack, &opts).map_err(|x| format!("{what}: {x}"))?;
+            let alone = (0..THREADS).map(|t| session_run(&gpu, kv, t, STEPS)).collect::<Result<Vec<_>, _>>()?;
+            for round in 0..3 {
+                let start = std::sync::Barrier::new(THREADS + 1);
+                let done = std::sync::atomic::AtomicBool::new(false);
+                let (runs, churned) = std::thread::scope(|scope| {
+                    let runs: Vec<_> = (0..THREADS)
+                        .map(|t| {
+                            let (gpu, start) = (&gpu, &start);
+                            scope.spawn(move || {
+                                start.wait();
+                                session_run(gpu, kv, t, STEPS)
+                            })
                         })
-                    })
-                    .collect();
-                let churn = scope.spawn(|| -> Result<usize, String> {
-                    start.wait();
-                    let tokens = prompt(gpu.config().vocab_size, 9);
-                    let mut n = 0;
-                    while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                        let mut s = session(&gpu, 0, kv)?;
-                        s.prefill(&tokens).map_err(e)?;
-                        let mut t = session(&gpu, 0, kv)?;
-                        t.load_state(&s.save_state()).map_err(e)?;
-                        n += 1;
-                    }
-                    Ok(n)
+                        .collect();
+                    let churn = scope.spawn(|| -> Result<usize, String> {
+                        start.wait();
+                        let tokens = prompt(gpu.config().vocab_size, 9);
+                        let mut n = 0;
+                        while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                            let mut s = session(&gpu, 0, kv)?;
+                            s.prefill(&tokens).map_err(e)?;
+                            let mut t = session(&gpu, 0, kv)?;
+                            t.load_state(&s.save_state()).map_err(e)?;
+                            n += 1;
+                        }
+                        Ok(n)
+                    });
+                    let runs: Vec<_> = runs.into_iter().map(|h| h.join().expect("a session thread panicked")).collect();
+                    done.store(true, std::sync::atomic::Ordering::Relaxed);
+                    (runs, churn.join().expect("the churning thread panicked"))
                 });
-                let runs: Vec<_> = runs.into_iter().map(|h| h.join().expect("a session thread panicked")).collect();
-                done.store(true, std::sync::atomic::Ordering::Relaxed);
-                (runs, churn.join().expect("the churning thread panicked"))
-            });
-            let churned = churned.map_err(|x| format!("{set}/{model} round {round}, the churning thread: {x}"))?;
-            for (t, (run, want)) in runs.into_iter().zip(&alone).enumerate() {
-                let run = run.map_err(|x| format!("{set}/{model} round {round}, thread {t}: {x}"))?;
-                if let Some(step) = (0..want.len()).find(|&i| run[i] != want[i]) {
-                    return Err(format!(
-                        "{set}/{model} round {round}, thread {t}: step {step}'s logits differ from the same \
-                         session run alone (max |diff| {})",
-                        run[step].iter().zip(&want[step]).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
-                    ));
+                let churned = churned.map_err(|x| format!("{what}, round {round}, the churning thread: {x}"))?;
+                for (t, (run, want)) in runs.into_iter().zip(&alone).enumerate() {
+                    let run = run.map_err(|x| format!("{what}, round {round}, thread {t}: {x}"))?;
+                    if let Some(step) = (0..want.len()).find(|&i| run[i] != want[i]) {
+                        return Err(format!(
+                            "{what}, round {round}, thread {t}: step {step}'s logits differ from the same \
+                             session run alone (max |diff| {})",
+                            run[step].iter().zip(&want[step]).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+                        ));
+                    }
                 }
+                println!(
+                    "    {what}, round {round}: {THREADS} threads x {STEPS} steps as alone; {churned} sessions \
+                     made, saved, loaded meanwhile"
+                );
             }
-            println!("    {set}/{model} round {round}: {THREADS} threads x {STEPS} steps as alone; {churned} sessions made, saved, loaded meanwhile");
         }
     }
     Ok(())
