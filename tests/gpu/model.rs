@@ -202,7 +202,7 @@ fn sessions_on_threads(_gpu: &Arc<Gpu>) -> Result<(), String> {
     const THREADS: usize = 4;
     const STEPS: usize = 24;
     let dir = tempfile::tempdir().map_err(e)?;
-    for (set, model, kv) in [("fixtures", "a", KvType::Int8), ("fixtures_next", "b", KvType::Bf16)] {
+    for (set, model, kv) in [("fixtures", "a", KvType::Int8), ("fixtures_next", "a", KvType::Bf16)] {
         let pack = dir.path().join(format!("{set}-{model}"));
         convert(&fixture(set, model, "nvfp4_modelopt"), &pack, &ConvertOptions::default()).map_err(e)?;
         let p = strata::pack::Pack::open(&pack).map_err(e)?;
