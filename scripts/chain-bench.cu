@@ -49,6 +49,8 @@
 //             the routed steps wait, and the ring later fills from L2
 //   rowsh, rowspfh  rows and rowspf with L2 eviction hints: the prefetches
 //             evict_last, every bulk copy of the ring evict_first
+//   rowsng    rows whose routed steps' weights do not wait for the router
+//             (as if the routing were predicted): a bound, not a schedule
 //
 // Chains (distinct weights for every GEMV; a step reads the first k values
 // of an earlier step's output, and waits for all of it):
@@ -391,6 +393,10 @@ __device__ unsigned int g_l2_ahead;
 // it reads evict_first, so that the routed steps' stream does not push the
 // prefetched rows out before their step reads them.
 __device__ unsigned int g_l2_hints;
+// With g_no_gate (the `rowsng` mode) the producer streams a routed step's
+// rows without waiting for its gate, as if the routing were known ahead
+// (predicted): the bound that any early expert fetch could reach.
+__device__ unsigned int g_no_gate;
 
 __device__ __forceinline__ uint64_t l2_policy(bool keep) {
     uint64_t p;
@@ -418,7 +424,7 @@ __device__ __forceinline__ void produce(int p, int lane, int b, int nb, const St
                                         unsigned int target, unsigned int epoch) {
     const int first = p == 1 ? SLOTS_A : 0, nslots = TWO ? (p == 1 ? STAGES - SLOTS_A : SLOTS_A) : STAGES;
     const unsigned int l2_ahead = g_l2_ahead;
-    const bool hints = g_l2_hints != 0;
+    const bool hints = g_l2_hints != 0, no_gate = g_no_gate != 0;
     const uint64_t keep = l2_policy(true), stream = l2_policy(false);
     int s = 0;
     for (int m = 0; m < m_count; ++m) {
@@ -443,7 +449,7 @@ __device__ __forceinline__ void produce(int p, int lane, int b, int nb, const St
                                 min((uint32_t)CHUNK, bytes - o), hints, keep);
             }
         }
-        if (g.gate >= 0) {
+        if (g.gate >= 0 && !no_gate) {
             // Lanes 1..31 skip the copies and would reach the gate early:
             // hold them until lane 0 has issued every earlier step's, so
             // that the warp polls only from when it must (not through the
@@ -1119,7 +1125,7 @@ int main(int argc, char** argv) {
         // run on across both.
         const bool routed = std::any_of(c.gate.begin(), c.gate.end(), [](int g) { return g >= 0; });
         std::vector<std::string> modes = {"counter", "ll", "rows", "rows16"};
-        if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2", "rows16x2", "rowspf", "rowspfa", "rowspfo", "rowsh", "rowspfh"});
+        if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2", "rows16x2", "rowspf", "rowspfa", "rowspfo", "rowsh", "rowspfh", "rowsng"});
         unsigned int ll_epoch = 0;
         for (const std::string& mode : modes) {
             const bool ll = mode.rfind("ll", 0) == 0, two = mode.back() == '2', rows = mode.rfind("rows", 0) == 0,
@@ -1136,6 +1142,8 @@ int main(int argc, char** argv) {
             const unsigned int l2_hints = mode == "rowsh" || mode == "rowspfh";
             CK(cudaMemcpyToSymbol(g_l2_ahead, &l2_ahead, sizeof l2_ahead));
             CK(cudaMemcpyToSymbol(g_l2_hints, &l2_hints, sizeof l2_hints));
+            const unsigned int no_gate = mode == "rowsng";
+            CK(cudaMemcpyToSymbol(g_no_gate, &no_gate, sizeof no_gate));
             auto launch = [&](bool t) {
                 ++epoch;
                 cudaLaunchConfig_t cfg = {};
