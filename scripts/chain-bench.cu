@@ -38,6 +38,9 @@
 //             takes whole rows and reduces once a row, the input read in
 //             one round trip (persist_rows)
 //   rows16    rows with 16 consumer warps
+//   rowsr     rows whose consumer lanes hold their share of the input in
+//             registers for k <= 2048 (read from shared memory once a step,
+//             not once a row); k = 4096 as rows
 //   rows2, rows16x2  (a chain with routed steps) rows and rows16 with two
 //             rings, as counter2
 //   rowspf, rowspfa, rowspfo  (a chain with routed steps) rows whose
@@ -105,6 +108,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #define CK(x)                                                                                      \
@@ -651,7 +655,7 @@ __device__ __forceinline__ float row_dot_k(int k, const uint4* w, const float4* 
 // warps (8 as persist_chain's, or more). Same arguments and counters as
 // persist_chain<false, TWO> (ll is not read); its signature and preamble
 // repeat persist_chain's (a kernel's parameters cannot be shared).
-template <bool TWO, int NC>
+template <bool TWO, int NC, bool REG = false>
 __global__ void __launch_bounds__(NC * 32 + 64, 1)
     persist_rows(const Step* __restrict__ steps_g, const int* __restrict__ out_off_g, int m_count,
                  const float* __restrict__ y0, unsigned long long* __restrict__ ll, float* __restrict__ yf,
@@ -714,19 +718,46 @@ __global__ void __launch_bounds__(NC * 32 + 64, 1)
         int s = routed_ring ? sb : sa;
         const int first = routed_ring ? SLOTS_A : 0, nslots = TWO ? (routed_ring ? STAGES - SLOTS_A : SLOTS_A) : STAGES;
         const int kv = k / 8, rpc = CHUNK / (2 * k);
-        for (int c = 0; c * rpc < rows; ++c, ++s) {
-            const int slot = first + s % nslots, rc = min(rpc, rows - c * rpc);
-            // Every warp waits for the slot, so that its arrival below is
-            // this fill's and never the next one's.
-            mbar_wait(full + 8 * slot, (s / nslots) & 1, m);
-            const uint4* sl = reinterpret_cast<const uint4*>(smem + OFF_RING + slot * CHUNK);
-            for (int rr = ((warp - c * rpc) % NC + NC) % NC; rr < rc; rr += NC) {
-                const float v = row_dot_k(k, sl + rr * kv, ya4, yb4, lane);
-                if (lane == 0) yf[out_off[m] + r0 + c * rpc + rr] = v;
+        // The step's rows from the ring. V > 0 (REG, k = 256 V): each lane
+        // first takes its V pieces of the input into registers, once a step,
+        // and dots every row with them (only the weights are read from
+        // shared memory); V = 0: row_dot_k reads the input for every row.
+        auto from_ring = [&](auto vt, int s) {
+            constexpr int V = decltype(vt)::value;
+            float4 xa[V > 0 ? V : 1], xb[V > 0 ? V : 1];
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                xa[v] = ya4[lane + 32 * v];
+                xb[v] = yb4[lane + 32 * v];
             }
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty + 8 * slot);
-        }
+            for (int c = 0; c * rpc < rows; ++c, ++s) {
+                const int slot = first + s % nslots, rc = min(rpc, rows - c * rpc);
+                // Every warp waits for the slot, so that its arrival below is
+                // this fill's and never the next one's.
+                mbar_wait(full + 8 * slot, (s / nslots) & 1, m);
+                const uint4* sl = reinterpret_cast<const uint4*>(smem + OFF_RING + slot * CHUNK);
+                for (int rr = ((warp - c * rpc) % NC + NC) % NC; rr < rc; rr += NC) {
+                    float y;
+                    if constexpr (V > 0) {
+                        const uint4* w = sl + rr * kv;
+                        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                        for (int v = 0; v < V; ++v) acc[v & 3] = dot8(w[lane + 32 * v], xa[v], xb[v], acc[v & 3]);
+                        y = warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+                    } else {
+                        y = row_dot_k(k, sl + rr * kv, ya4, yb4, lane);
+                    }
+                    if (lane == 0) yf[out_off[m] + r0 + c * rpc + rr] = y;
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty + 8 * slot);
+            }
+            return s;
+        };
+        if (REG && k == 512) s = from_ring(std::integral_constant<int, 2>{}, s);
+        else if (REG && k == 1536) s = from_ring(std::integral_constant<int, 6>{}, s);
+        else if (REG && k == 2048) s = from_ring(std::integral_constant<int, 8>{}, s);
+        else s = from_ring(std::integral_constant<int, 0>{}, s);
         if (routed_ring) sb = s;
         else sa = s;
         bar_sync_n<NC * 32>();  // every row of the block stored; ys free
@@ -1012,6 +1043,7 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(persist_rows<false, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     CK(cudaFuncSetAttribute(persist_rows<true, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     CK(cudaFuncSetAttribute(persist_rows<true, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
+    CK(cudaFuncSetAttribute(persist_rows<false, 8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, P_SMEM));
     const double bw = copy_bandwidth();
     unsigned long long* dtick;
     unsigned long long tick = 0;
@@ -1124,7 +1156,7 @@ int main(int argc, char** argv) {
         // their own for the routed steps. The LL modes share the LL buffer, so their epochs
         // run on across both.
         const bool routed = std::any_of(c.gate.begin(), c.gate.end(), [](int g) { return g >= 0; });
-        std::vector<std::string> modes = {"counter", "ll", "rows", "rows16"};
+        std::vector<std::string> modes = {"counter", "ll", "rows", "rows16", "rowsr"};
         if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2", "rows16x2", "rowspf", "rowspfa", "rowspfo", "rowsh", "rowspfh", "rowsng"});
         unsigned int ll_epoch = 0;
         for (const std::string& mode : modes) {
@@ -1159,7 +1191,9 @@ int main(int argc, char** argv) {
                 unsigned long long* ready = t ? run.dready : nullptr;
                 unsigned long long* done = t ? run.ddone : nullptr;
                 auto kernel = rows ? (two ? (wide ? persist_rows<true, 16> : persist_rows<true, 8>)
-                                          : (wide ? persist_rows<false, 16> : persist_rows<false, 8>))
+                                          : wide            ? persist_rows<false, 16>
+                                          : mode == "rowsr" ? persist_rows<false, 8, true>
+                                                            : persist_rows<false, 8>)
                               : two ? (ll ? persist_chain<true, true> : persist_chain<false, true>)
                               : ll  ? persist_chain<true, false>
                                     : persist_chain<false, false>;
