@@ -38,6 +38,9 @@
 //             takes whole rows and reduces once a row, the input read in
 //             one round trip (persist_rows)
 //   rows16    rows with 16 consumer warps
+//   rowsx     rows whose consumers compute nothing (wait, release, store
+//             0): the rate of the ring, the copies and the hand-offs alone;
+//             unchecked
 //   rowsr     rows whose consumer lanes hold their share of the input in
 //             registers for k <= 2048 (read from shared memory once a step,
 //             not once a row); k = 4096 as rows
@@ -401,6 +404,12 @@ __device__ unsigned int g_l2_hints;
 // rows without waiting for its gate, as if the routing were known ahead
 // (predicted): the bound that any early expert fetch could reach.
 __device__ unsigned int g_no_gate;
+// With g_no_dot (the `rowsx` mode, persist_rows) the consumers compute
+// nothing: each waits for every slot of its step and releases it, and
+// stores 0 for its rows. What is left is the ring, the producer's copies
+// and the hand-offs: the rate this design streams at with free consumers.
+// Its outputs are wrong by design (unchecked).
+__device__ unsigned int g_no_dot;
 
 __device__ __forceinline__ uint64_t l2_policy(bool keep) {
     uint64_t p;
@@ -683,6 +692,7 @@ __global__ void __launch_bounds__(NC * 32 + 64, 1)
     // use): the input's stores to ya4[i] and yb4[i] by neighbouring lanes
     // fall in different banks.
     float4* yb4 = ya4 + MAX_K / 8 + 4;
+    const bool no_dot = g_no_dot != 0;
     int sa = 0, sb = 0;  // chunks consumed from each ring
     for (int m = 0; m < m_count; ++m) {
         const Step g = steps[m];
@@ -738,7 +748,9 @@ __global__ void __launch_bounds__(NC * 32 + 64, 1)
                 const uint4* sl = reinterpret_cast<const uint4*>(smem + OFF_RING + slot * CHUNK);
                 for (int rr = ((warp - c * rpc) % NC + NC) % NC; rr < rc; rr += NC) {
                     float y;
-                    if constexpr (V > 0) {
+                    if (no_dot) {
+                        y = 0.0f;
+                    } else if constexpr (V > 0) {
                         const uint4* w = sl + rr * kv;
                         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -1156,7 +1168,7 @@ int main(int argc, char** argv) {
         // their own for the routed steps. The LL modes share the LL buffer, so their epochs
         // run on across both.
         const bool routed = std::any_of(c.gate.begin(), c.gate.end(), [](int g) { return g >= 0; });
-        std::vector<std::string> modes = {"counter", "ll", "rows", "rows16", "rowsr"};
+        std::vector<std::string> modes = {"counter", "ll", "rows", "rows16", "rowsr", "rowsx"};
         if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2", "rows16x2", "rowspf", "rowspfa", "rowspfo", "rowsh", "rowspfh", "rowsng"});
         unsigned int ll_epoch = 0;
         for (const std::string& mode : modes) {
@@ -1174,8 +1186,9 @@ int main(int argc, char** argv) {
             const unsigned int l2_hints = mode == "rowsh" || mode == "rowspfh";
             CK(cudaMemcpyToSymbol(g_l2_ahead, &l2_ahead, sizeof l2_ahead));
             CK(cudaMemcpyToSymbol(g_l2_hints, &l2_hints, sizeof l2_hints));
-            const unsigned int no_gate = mode == "rowsng";
+            const unsigned int no_gate = mode == "rowsng", no_dot = mode == "rowsx";
             CK(cudaMemcpyToSymbol(g_no_gate, &no_gate, sizeof no_gate));
+            CK(cudaMemcpyToSymbol(g_no_dot, &no_dot, sizeof no_dot));
             auto launch = [&](bool t) {
                 ++epoch;
                 cudaLaunchConfig_t cfg = {};
@@ -1205,7 +1218,13 @@ int main(int argc, char** argv) {
             const double err = checked(launch, ll, epoch, false);
             const double us = time_it(launch);
             const double err_t = checked(launch, ll, epoch, true);
-            report(mode.c_str(), std::max(err, err_t), us, run.trace_summary());
+            if (no_dot) {
+                printf("  %-8s %9.2f us (%.3f us a GEMV, %.2fx the floor)  unchecked (no products)\n%s\n",
+                       mode.c_str(), us, us / M, us / floor_us, run.trace_summary().c_str());
+                fflush(stdout);
+            } else {
+                report(mode.c_str(), std::max(err, err_t), us, run.trace_summary());
+            }
         }
         CK(cudaEventDestroy(e0));
         CK(cudaEventDestroy(e1));
