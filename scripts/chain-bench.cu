@@ -99,7 +99,9 @@
 // error or bad arguments (a persistent block that waits 2 s for anything
 // traps: a protocol slip fails instead of hanging). First run: an H100,
 // every check passed (docs/performance.md, twentieth session); the rows
-// modes: an H200, every check passed (twenty-first session).
+// modes: an H200, every check passed (twenty-first session); rowspf*,
+// rowsh, rowspfh, rowsng and rowsr on an H100, rowsr and rowsx on an H200,
+// every checked mode passed (twenty-second session).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <omp.h>
