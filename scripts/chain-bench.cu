@@ -41,6 +41,9 @@
 //   rowsx     rows whose consumers compute nothing (wait, release, store
 //             0): the rate of the ring, the copies and the hand-offs alone;
 //             unchecked
+//   rowsi, rowsxi  rows and rowsx with the ring chunks of a matrix dealt
+//             to the blocks in turn (chunk j to block j % nb) instead of a
+//             contiguous run of rows a block
 //   rowsr     rows whose consumer lanes hold their share of the input in
 //             registers for k <= 2048 (read from shared memory once a step,
 //             not once a row); k = 4096 as rows
@@ -412,6 +415,25 @@ __device__ unsigned int g_no_gate;
 // and the hand-offs: the rate this design streams at with free consumers.
 // Its outputs are wrong by design (unchecked).
 __device__ unsigned int g_no_dot;
+// With g_interleave (the `rowsi` and `rowsxi` modes, persist_rows) a block
+// takes every nb-th ring chunk of a matrix (chunk j of rpc rows is block
+// j % nb's) instead of one contiguous run of rows, so that at any moment
+// the SMs read neighbouring addresses, as a launch's blocks do.
+__device__ unsigned int g_interleave;
+
+// The i-th ring chunk of a block's rows of an [n, k] matrix, rpc rows a
+// chunk: its first row and row count; false past the block's last.
+__device__ __forceinline__ bool block_chunk(bool inter, int n, int rpc, int b, int nb, int i, int& start, int& count) {
+    if (inter) {
+        start = (b + i * nb) * rpc;
+        count = min(rpc, n - start);
+        return start < n;
+    }
+    const int r0 = row0(n, b, nb), rows = row0(n, b + 1, nb) - r0;
+    start = r0 + i * rpc;
+    count = min(rpc, rows - i * rpc);
+    return i * rpc < rows;
+}
 
 __device__ __forceinline__ uint64_t l2_policy(bool keep) {
     uint64_t p;
@@ -439,7 +461,7 @@ __device__ __forceinline__ void produce(int p, int lane, int b, int nb, const St
                                         unsigned int target, unsigned int epoch) {
     const int first = p == 1 ? SLOTS_A : 0, nslots = TWO ? (p == 1 ? STAGES - SLOTS_A : SLOTS_A) : STAGES;
     const unsigned int l2_ahead = g_l2_ahead;
-    const bool hints = g_l2_hints != 0, no_gate = g_no_gate != 0;
+    const bool hints = g_l2_hints != 0, no_gate = g_no_gate != 0, inter = g_interleave != 0;
     const uint64_t keep = l2_policy(true), stream = l2_policy(false);
     int s = 0;
     for (int m = 0; m < m_count; ++m) {
@@ -480,13 +502,14 @@ __device__ __forceinline__ void produce(int p, int lane, int b, int nb, const St
             __syncwarp();
         }
         if (lane != 0) continue;
-        const int r0 = row0(g.n, b, nb), rows = row0(g.n, b + 1, nb) - r0, rpc = CHUNK / (2 * g.k);
-        for (int c = 0; c * rpc < rows; ++c, ++s) {
+        const int rpc = CHUNK / (2 * g.k);
+        int start, count;
+        for (int c = 0; block_chunk(inter, g.n, rpc, b, nb, c, start, count); ++c, ++s) {
             const int slot = first + s % nslots;
             if (s >= nslots) mbar_wait(empty + 8 * slot, ((s / nslots) - 1) & 1, m);
-            const uint32_t bytes = (uint32_t)(min(rpc, rows - c * rpc) * 2 * g.k);
+            const uint32_t bytes = (uint32_t)(count * 2 * g.k);
             mbar_expect_tx(full + 8 * slot, bytes);
-            const void* src = g.w + ((size_t)r0 + (size_t)c * rpc) * g.k;
+            const void* src = g.w + (size_t)start * g.k;
             if (hints) bulk_g2s_hint(ring + slot * CHUNK, src, bytes, full + 8 * slot, stream);
             else bulk_g2s(ring + slot * CHUNK, src, bytes, full + 8 * slot);
         }
@@ -694,11 +717,11 @@ __global__ void __launch_bounds__(NC * 32 + 64, 1)
     // use): the input's stores to ya4[i] and yb4[i] by neighbouring lanes
     // fall in different banks.
     float4* yb4 = ya4 + MAX_K / 8 + 4;
-    const bool no_dot = g_no_dot != 0;
+    const bool no_dot = g_no_dot != 0, inter = g_interleave != 0;
     int sa = 0, sb = 0;  // chunks consumed from each ring
     for (int m = 0; m < m_count; ++m) {
         const Step g = steps[m];
-        const int k = g.k, r0 = row0(g.n, b, nb), rows = row0(g.n, b + 1, nb) - r0;
+        const int k = g.k;
         // The input: y0, or the first k values of step g.in's output once its
         // count is complete; thread 0 waits, then every consumer thread reads
         // its share at once (one L2 round trip: at most MAX_K / 4 / (NC 32)
@@ -742,8 +765,9 @@ __global__ void __launch_bounds__(NC * 32 + 64, 1)
                 xa[v] = ya4[lane + 32 * v];
                 xb[v] = yb4[lane + 32 * v];
             }
-            for (int c = 0; c * rpc < rows; ++c, ++s) {
-                const int slot = first + s % nslots, rc = min(rpc, rows - c * rpc);
+            int start, rc;
+            for (int c = 0; block_chunk(inter, g.n, rpc, b, nb, c, start, rc); ++c, ++s) {
+                const int slot = first + s % nslots;
                 // Every warp waits for the slot, so that its arrival below is
                 // this fill's and never the next one's.
                 mbar_wait(full + 8 * slot, (s / nslots) & 1, m);
@@ -761,7 +785,7 @@ __global__ void __launch_bounds__(NC * 32 + 64, 1)
                     } else {
                         y = row_dot_k(k, sl + rr * kv, ya4, yb4, lane);
                     }
-                    if (lane == 0) yf[out_off[m] + r0 + c * rpc + rr] = y;
+                    if (lane == 0) yf[out_off[m] + start + rr] = y;
                 }
                 __syncwarp();
                 if (lane == 0) mbar_arrive(empty + 8 * slot);
@@ -1170,7 +1194,7 @@ int main(int argc, char** argv) {
         // their own for the routed steps. The LL modes share the LL buffer, so their epochs
         // run on across both.
         const bool routed = std::any_of(c.gate.begin(), c.gate.end(), [](int g) { return g >= 0; });
-        std::vector<std::string> modes = {"counter", "ll", "rows", "rows16", "rowsr", "rowsx"};
+        std::vector<std::string> modes = {"counter", "ll", "rows", "rows16", "rowsr", "rowsx", "rowsi", "rowsxi"};
         if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2", "rows16x2", "rowspf", "rowspfa", "rowspfo", "rowsh", "rowspfh", "rowsng"});
         unsigned int ll_epoch = 0;
         for (const std::string& mode : modes) {
@@ -1188,7 +1212,9 @@ int main(int argc, char** argv) {
             const unsigned int l2_hints = mode == "rowsh" || mode == "rowspfh";
             CK(cudaMemcpyToSymbol(g_l2_ahead, &l2_ahead, sizeof l2_ahead));
             CK(cudaMemcpyToSymbol(g_l2_hints, &l2_hints, sizeof l2_hints));
-            const unsigned int no_gate = mode == "rowsng", no_dot = mode == "rowsx";
+            const unsigned int no_gate = mode == "rowsng", no_dot = mode == "rowsx" || mode == "rowsxi",
+                               interleave = mode == "rowsi" || mode == "rowsxi";
+            CK(cudaMemcpyToSymbol(g_interleave, &interleave, sizeof interleave));
             CK(cudaMemcpyToSymbol(g_no_gate, &no_gate, sizeof no_gate));
             CK(cudaMemcpyToSymbol(g_no_dot, &no_dot, sizeof no_dot));
             auto launch = [&](bool t) {
