@@ -14,8 +14,8 @@
 //! "Ownership and threading"). Do not call a session from inside a rayon
 //! task: a rayon worker that waits for the engine's parallel work may run
 //! another queued task meanwhile, inside this call, on this thread; if that
-//! task calls a session of the same engine it can wait forever on what this
-//! call holds (the expert cache, the GPU stream). Threads of your own, or
+//! task calls a session of the same engine with an expert cache, it waits
+//! forever for the cache this call holds. Threads of your own, or
 //! `std::thread::scope`, have no such limit.
 
 pub(crate) mod kv;
