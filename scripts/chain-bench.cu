@@ -44,6 +44,8 @@
 //   rowsi, rowsxi  rows and rowsx with the ring chunks of a matrix dealt
 //             to the blocks in turn (chunk j to block j % nb) instead of a
 //             contiguous run of rows a block
+//   rowsxn, rowsxin  rowsx and rowsxi whose consumers do not wait for
+//             their input either: the ring's stream alone, no hand-off
 //   rowsr     rows whose consumer lanes hold their share of the input in
 //             registers for k <= 2048 (read from shared memory once a step,
 //             not once a row); k = 4096 as rows
@@ -95,7 +97,7 @@
 //
 // Build and run on the device (nvcc 13.0 there; sm_90a for cp.async.bulk):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -Xcompiler -fopenmp -o chain-bench scripts/chain-bench.cu
-//   ./chain-bench [small|big|decode|all] [timed runs a mode, default 20]
+//   ./chain-bench [small|big|decode|all] [timed runs a mode, default 20] [modes, e.g. rows,rowsx]
 // (Here, without a GPU: add -L.cuda/site/nvidia/cu13/lib after
 // scripts/install-nvcc.sh; the binary then reports the missing driver.)
 // Exit status: 0 when every check passed, 1 when one failed, 2 on a CUDA
@@ -420,6 +422,11 @@ __device__ unsigned int g_no_dot;
 // j % nb's) instead of one contiguous run of rows, so that at any moment
 // the SMs read neighbouring addresses, as a launch's blocks do.
 __device__ unsigned int g_interleave;
+// With g_no_wait (the `rowsxn` and `rowsxin` modes, with g_no_dot) the
+// consumers do not wait for a step's input to be complete: no hand-off is
+// left, only the ring's stream of the chain's weights (and a routed step's
+// producer wait for its gate). Unchecked, as rowsx.
+__device__ unsigned int g_no_wait;
 
 // The i-th ring chunk of a block's rows of an [n, k] matrix, rpc rows a
 // chunk: its first row and row count; false past the block's last.
@@ -717,7 +724,7 @@ __global__ void __launch_bounds__(NC * 32 + 64, 1)
     // use): the input's stores to ya4[i] and yb4[i] by neighbouring lanes
     // fall in different banks.
     float4* yb4 = ya4 + MAX_K / 8 + 4;
-    const bool no_dot = g_no_dot != 0, inter = g_interleave != 0;
+    const bool no_dot = g_no_dot != 0, inter = g_interleave != 0, no_wait = g_no_wait != 0;
     int sa = 0, sb = 0;  // chunks consumed from each ring
     for (int m = 0; m < m_count; ++m) {
         const Step g = steps[m];
@@ -728,7 +735,7 @@ __global__ void __launch_bounds__(NC * 32 + 64, 1)
         // float4s a thread). Float4 q holds elements 4q..4q+3, ya4's when q
         // is even (ys_put's layout).
         const float* src = g.in < 0 ? y0 : yf + out_off[g.in];
-        if (g.in >= 0) {
+        if (g.in >= 0 && !no_wait) {
             if (tid == 0) wait_count(counters + g.in, target, m);
             bar_sync_n<NC * 32>();  // the count seen (thread 0's acquire orders the reads below)
         }
@@ -1068,6 +1075,9 @@ static cudaGraphExec_t capture(const Run& run, cudaStream_t st, bool traced) {
 int main(int argc, char** argv) {
     const std::string which = argc > 1 ? argv[1] : "all";
     const int reps = std::max(1, argc > 2 ? atoi(argv[2]) : 20);
+    // An optional third argument: the persistent modes to run, comma
+    // separated (default: every one; the launches always run).
+    const std::string only = argc > 3 ? "," + std::string(argv[3]) + "," : "";
     int dev = 0, nsm = 0;
     CK(cudaSetDevice(dev));
     CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev));
@@ -1194,10 +1204,11 @@ int main(int argc, char** argv) {
         // their own for the routed steps. The LL modes share the LL buffer, so their epochs
         // run on across both.
         const bool routed = std::any_of(c.gate.begin(), c.gate.end(), [](int g) { return g >= 0; });
-        std::vector<std::string> modes = {"counter", "ll", "rows", "rows16", "rowsr", "rowsx", "rowsi", "rowsxi"};
+        std::vector<std::string> modes = {"counter", "ll", "rows", "rows16", "rowsr", "rowsx", "rowsi", "rowsxi", "rowsxn", "rowsxin"};
         if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2", "rows16x2", "rowspf", "rowspfa", "rowspfo", "rowsh", "rowspfh", "rowsng"});
         unsigned int ll_epoch = 0;
         for (const std::string& mode : modes) {
+            if (!only.empty() && only.find("," + mode + ",") == std::string::npos) continue;
             const bool ll = mode.rfind("ll", 0) == 0, two = mode.back() == '2', rows = mode.rfind("rows", 0) == 0,
                        wide = mode.rfind("rows16", 0) == 0;
             unsigned int cnt_epoch = 0;
@@ -1212,9 +1223,11 @@ int main(int argc, char** argv) {
             const unsigned int l2_hints = mode == "rowsh" || mode == "rowspfh";
             CK(cudaMemcpyToSymbol(g_l2_ahead, &l2_ahead, sizeof l2_ahead));
             CK(cudaMemcpyToSymbol(g_l2_hints, &l2_hints, sizeof l2_hints));
-            const unsigned int no_gate = mode == "rowsng", no_dot = mode == "rowsx" || mode == "rowsxi",
-                               interleave = mode == "rowsi" || mode == "rowsxi";
+            const unsigned int no_gate = mode == "rowsng", no_wait = mode == "rowsxn" || mode == "rowsxin",
+                               no_dot = mode == "rowsx" || mode == "rowsxi" || no_wait,
+                               interleave = mode == "rowsi" || mode == "rowsxi" || mode == "rowsxin";
             CK(cudaMemcpyToSymbol(g_interleave, &interleave, sizeof interleave));
+            CK(cudaMemcpyToSymbol(g_no_wait, &no_wait, sizeof no_wait));
             CK(cudaMemcpyToSymbol(g_no_gate, &no_gate, sizeof no_gate));
             CK(cudaMemcpyToSymbol(g_no_dot, &no_dot, sizeof no_dot));
             auto launch = [&](bool t) {
