@@ -44,6 +44,8 @@
 //   rowsi, rowsxi  rows and rowsx with the ring chunks of a matrix dealt
 //             to the blocks in turn (chunk j to block j % nb) instead of a
 //             contiguous run of rows a block
+//   rowsim, rowsxim  rowsi and rowsxi that deal only the dense steps'
+//             chunks (a routed step's rows contiguous, as rows)
 //   rowsxn, rowsxin  rowsx and rowsxi whose consumers do not wait for
 //             their input either: the ring's stream alone, no hand-off
 //   rowsr     rows whose consumer lanes hold their share of the input in
@@ -61,7 +63,8 @@
 //   rowsh, rowspfh  rows and rowspf with L2 eviction hints: the prefetches
 //             evict_last, every bulk copy of the ring evict_first
 //   rowsng    rows whose routed steps' weights do not wait for the router
-//             (as if the routing were predicted): a bound, not a schedule
+//             (as if the routing were predicted): a bound, not a schedule;
+//             rowsngi: and dealt as rowsi
 //
 // Chains (distinct weights for every GEMV; a step reads the first k values
 // of an earlier step's output, and waits for all of it):
@@ -417,10 +420,11 @@ __device__ unsigned int g_no_gate;
 // and the hand-offs: the rate this design streams at with free consumers.
 // Its outputs are wrong by design (unchecked).
 __device__ unsigned int g_no_dot;
-// With g_interleave (the `rowsi` and `rowsxi` modes, persist_rows) a block
+// With g_interleave (the `rowsi` and `rowsxi` modes, persist_rows: 1) a block
 // takes every nb-th ring chunk of a matrix (chunk j of rpc rows is block
 // j % nb's) instead of one contiguous run of rows, so that at any moment
-// the SMs read neighbouring addresses, as a launch's blocks do.
+// the SMs read neighbouring addresses, as a launch's blocks do; 2 (`rowsim`,
+// `rowsxim`): the dense steps' chunks only, a routed step's as rows.
 __device__ unsigned int g_interleave;
 // With g_no_wait (the `rowsxn` and `rowsxin` modes, with g_no_dot) the
 // consumers do not wait for a step's input to be complete: no hand-off is
@@ -468,7 +472,8 @@ __device__ __forceinline__ void produce(int p, int lane, int b, int nb, const St
                                         unsigned int target, unsigned int epoch) {
     const int first = p == 1 ? SLOTS_A : 0, nslots = TWO ? (p == 1 ? STAGES - SLOTS_A : SLOTS_A) : STAGES;
     const unsigned int l2_ahead = g_l2_ahead;
-    const bool hints = g_l2_hints != 0, no_gate = g_no_gate != 0, inter = g_interleave != 0;
+    const bool hints = g_l2_hints != 0, no_gate = g_no_gate != 0;
+    const unsigned int inter = g_interleave;
     const uint64_t keep = l2_policy(true), stream = l2_policy(false);
     int s = 0;
     for (int m = 0; m < m_count; ++m) {
@@ -511,7 +516,8 @@ __device__ __forceinline__ void produce(int p, int lane, int b, int nb, const St
         if (lane != 0) continue;
         const int rpc = CHUNK / (2 * g.k);
         int start, count;
-        for (int c = 0; block_chunk(inter, g.n, rpc, b, nb, c, start, count); ++c, ++s) {
+        const bool dealt = inter == 1 || (inter == 2 && g.gate < 0);
+        for (int c = 0; block_chunk(dealt, g.n, rpc, b, nb, c, start, count); ++c, ++s) {
             const int slot = first + s % nslots;
             if (s >= nslots) mbar_wait(empty + 8 * slot, ((s / nslots) - 1) & 1, m);
             const uint32_t bytes = (uint32_t)(count * 2 * g.k);
@@ -724,7 +730,8 @@ __global__ void __launch_bounds__(NC * 32 + 64, 1)
     // use): the input's stores to ya4[i] and yb4[i] by neighbouring lanes
     // fall in different banks.
     float4* yb4 = ya4 + MAX_K / 8 + 4;
-    const bool no_dot = g_no_dot != 0, inter = g_interleave != 0, no_wait = g_no_wait != 0;
+    const bool no_dot = g_no_dot != 0, no_wait = g_no_wait != 0;
+    const unsigned int inter = g_interleave;
     int sa = 0, sb = 0;  // chunks consumed from each ring
     for (int m = 0; m < m_count; ++m) {
         const Step g = steps[m];
@@ -773,7 +780,8 @@ __global__ void __launch_bounds__(NC * 32 + 64, 1)
                 xb[v] = yb4[lane + 32 * v];
             }
             int start, rc;
-            for (int c = 0; block_chunk(inter, g.n, rpc, b, nb, c, start, rc); ++c, ++s) {
+            const bool dealt = inter == 1 || (inter == 2 && g.gate < 0);
+            for (int c = 0; block_chunk(dealt, g.n, rpc, b, nb, c, start, rc); ++c, ++s) {
                 const int slot = first + s % nslots;
                 // Every warp waits for the slot, so that its arrival below is
                 // this fill's and never the next one's.
@@ -1204,8 +1212,8 @@ int main(int argc, char** argv) {
         // their own for the routed steps. The LL modes share the LL buffer, so their epochs
         // run on across both.
         const bool routed = std::any_of(c.gate.begin(), c.gate.end(), [](int g) { return g >= 0; });
-        std::vector<std::string> modes = {"counter", "ll", "rows", "rows16", "rowsr", "rowsx", "rowsi", "rowsxi", "rowsxn", "rowsxin"};
-        if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2", "rows16x2", "rowspf", "rowspfa", "rowspfo", "rowsh", "rowspfh", "rowsng"});
+        std::vector<std::string> modes = {"counter", "ll", "rows", "rows16", "rowsr", "rowsx", "rowsi", "rowsxi", "rowsxn", "rowsxin", "rowsim", "rowsxim"};
+        if (routed) modes.insert(modes.end(), {"ll2", "counter2", "rows2", "rows16x2", "rowspf", "rowspfa", "rowspfo", "rowsh", "rowspfh", "rowsng", "rowsngi"});
         unsigned int ll_epoch = 0;
         for (const std::string& mode : modes) {
             if (!only.empty() && only.find("," + mode + ",") == std::string::npos) continue;
@@ -1223,9 +1231,11 @@ int main(int argc, char** argv) {
             const unsigned int l2_hints = mode == "rowsh" || mode == "rowspfh";
             CK(cudaMemcpyToSymbol(g_l2_ahead, &l2_ahead, sizeof l2_ahead));
             CK(cudaMemcpyToSymbol(g_l2_hints, &l2_hints, sizeof l2_hints));
-            const unsigned int no_gate = mode == "rowsng", no_wait = mode == "rowsxn" || mode == "rowsxin",
-                               no_dot = mode == "rowsx" || mode == "rowsxi" || no_wait,
-                               interleave = mode == "rowsi" || mode == "rowsxi" || mode == "rowsxin";
+            const unsigned int no_gate = mode == "rowsng" || mode == "rowsngi", no_wait = mode == "rowsxn" || mode == "rowsxin",
+                               no_dot = mode == "rowsx" || mode == "rowsxi" || mode == "rowsxim" || no_wait,
+                               interleave = mode == "rowsi" || mode == "rowsxi" || mode == "rowsxin" || mode == "rowsngi" ? 1u
+                                            : mode == "rowsim" || mode == "rowsxim"                   ? 2u
+                                                                                                      : 0u;
             CK(cudaMemcpyToSymbol(g_interleave, &interleave, sizeof interleave));
             CK(cudaMemcpyToSymbol(g_no_wait, &no_wait, sizeof no_wait));
             CK(cudaMemcpyToSymbol(g_no_gate, &no_gate, sizeof no_gate));

@@ -324,7 +324,7 @@ impl GpuModel {
     /// Every stage's stream, held by this thread (`Gpu::queue`): a session
     /// on another thread queues nothing on them meanwhile.
     fn hold(&self) -> StreamHold {
-        StreamHold::new(self.stages.iter().map(|s| s.gpu.clone()).collect())
+        StreamHold::new(self.stages.iter().map(|s| &s.gpu))
     }
 
     /// The statistics of the expert caches, every stage's added up (`None`
@@ -2022,7 +2022,7 @@ impl LogitPool {
             free.push(buf);
         } else {
             drop(free);
-            let _held = StreamHold::new(vec![self.gpu.clone()]);
+            let _held = StreamHold::new([&self.gpu]);
             drop(buf);
         }
     }
@@ -2030,7 +2030,7 @@ impl LogitPool {
 
 impl Drop for LogitPool {
     fn drop(&mut self) {
-        let _held = StreamHold::new(vec![self.gpu.clone()]);
+        let _held = StreamHold::new([&self.gpu]);
         self.free.get_mut().clear();
     }
 }
@@ -2344,7 +2344,7 @@ impl DeviceCache {
 
     /// Every stage's stream, held by this thread (`Gpu::queue`).
     fn hold(&self) -> StreamHold {
-        StreamHold::new(self.stages.iter().map(|s| s.gpu.clone()).collect())
+        StreamHold::new(self.stages.iter().map(|s| &s.gpu))
     }
 
     /// Grows every layer's KV (doubling) to hold `n` more positions.

@@ -368,7 +368,7 @@ impl Device {
     /// one kind (several: a layer split; a CUDA ordinal may repeat, two
     /// logical devices on one GPU). CPU and CUDA stages in one split are
     /// refused with `Error::Unsupported`. A CUDA device is probed (driver
-    /// library, device count, ordinal) and refused with `Error::NoCuda`
+    /// library, device count, ordinal, cuBLAS) and refused with `Error::NoCuda`
     /// naming the cause; a build without the `cuda` feature refuses every
     /// CUDA device so.
     pub fn parse_list(names: &[String]) -> Result<Vec<Device>> {

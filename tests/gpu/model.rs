@@ -67,6 +67,11 @@ fn session(engine: &Engine, chunk: usize, kv: KvType) -> Result<Session, String>
 /// chunks) for chunk sizes 0 (whole), 1, 16 and 64 and both KV types; then 8
 /// greedy steps, the GPU choosing the CPU's token unless the two are within
 /// the tolerance of each other.
+/// The index of the largest logit (the first of equals).
+fn argmax(l: &[f32]) -> usize {
+    (0..l.len()).fold(0, |b, i| if l[i] > l[b] { i } else { b })
+}
+
 fn check_model(set: &str, model: &str, layout: &str) -> Result<(), String> {
     check_model_chunks(set, model, layout, &[0, 1, 16, 64])
 }
@@ -95,7 +100,6 @@ fn check_model_chunks(set: &str, model: &str, layout: &str, chunks: &[usize]) ->
             let (cl, gl) = (c.logits().unwrap().to_vec(), g.logits().unwrap().to_vec());
             let what = format!("{set}/{model}/{layout} kv {kv:?} step {step}");
             check_close(&what, &gl, &cl, tol)?;
-            let argmax = |l: &[f32]| (0..l.len()).fold(0, |b, i| if l[i] > l[b] { i } else { b });
             let (ct, gt) = (argmax(&cl), argmax(&gl));
             let scale = cl.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             if ct != gt && cl[ct] - cl[gt] > 2.0 * tol * scale {
@@ -185,7 +189,7 @@ fn session_run(engine: &Engine, kv: KvType, seed: usize, steps: usize) -> Result
     let mut out = vec![s.prefill(&tokens).map_err(e)?.to_vec()];
     for _ in 0..steps {
         let l = &out[out.len() - 1];
-        let next = (0..l.len()).fold(0, |b, i| if l[i] > l[b] { i } else { b }) as u32;
+        let next = argmax(l) as u32;
         out.push(s.prefill(&[next]).map_err(e)?.to_vec());
     }
     Ok(out)

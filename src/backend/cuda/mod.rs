@@ -48,6 +48,17 @@ pub fn driver_library_present() -> bool {
     *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
 }
 
+/// Whether the cuBLAS library can be loaded; asked once per process. Every
+/// CUDA engine needs it (prefill's projections), so `probe` refuses a device
+/// without it, and `Gpu::blas` checks again (cudarc panics without it).
+pub fn cublas_library_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: only tries to dlopen libcublas and closes it again.
+    *PRESENT.get_or_init(|| unsafe { cudarc::cublas::sys::is_culib_present() })
+}
+
+const NO_CUBLAS: &str = "the cuBLAS library (libcublas.so.13) was not found: the CUDA engine needs it";
+
 /// Number of CUDA devices. `Error::NoCuda` when the driver library is absent,
 /// fails to initialize, or sees no device.
 pub fn device_count() -> Result<usize> {
@@ -135,9 +146,13 @@ impl KernelArgs {
 }
 
 /// Checks that device `cuda:ordinal` exists without opening it: `Error::NoCuda`
-/// naming the cause (no driver, no device, an ordinal past the count).
+/// naming the cause (no driver, no device, an ordinal past the count, no
+/// cuBLAS).
 pub fn probe(ordinal: usize) -> Result<()> {
     let count = device_count()?;
+    if !cublas_library_present() {
+        return Err(Error::NoCuda(NO_CUBLAS.into()));
+    }
     if ordinal >= count {
         return Err(Error::NoCuda(format!(
             "cuda:{ordinal} does not exist: this machine has {count} CUDA device{}",
@@ -211,7 +226,8 @@ pub struct StreamHold {
 }
 
 impl StreamHold {
-    pub fn new(gpus: Vec<Arc<Gpu>>) -> StreamHold {
+    pub fn new<'a>(gpus: impl IntoIterator<Item = &'a Arc<Gpu>>) -> StreamHold {
+        let gpus: Vec<Arc<Gpu>> = gpus.into_iter().cloned().collect();
         for g in &gpus {
             // Held until `drop` (a guard would borrow `gpus`).
             std::mem::forget(g.queue.lock());
@@ -366,9 +382,8 @@ impl Gpu {
         if let Some(blas) = self.blas.get() {
             return Ok(blas);
         }
-        // SAFETY: only tries to dlopen libcublas and closes it again.
-        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
-            return Err(Error::Cuda("the cuBLAS library (libcublas.so.13) was not found".into()));
+        if !cublas_library_present() {
+            return Err(Error::NoCuda(NO_CUBLAS.into()));
         }
         let blas = CudaBlas::new(self.stream.clone())?;
         // Two threads may race here; the loser's handle is dropped.
