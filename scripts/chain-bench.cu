@@ -109,7 +109,9 @@
 // every check passed (docs/performance.md, twentieth session); the rows
 // modes: an H200, every check passed (twenty-first session); rowspf*,
 // rowsh, rowspfh, rowsng and rowsr on an H100, rowsr and rowsx on an H200,
-// every checked mode passed (twenty-second session).
+// every checked mode passed (twenty-second session); rowsi, rowsxi,
+// rowsxn, rowsxin, rowsim, rowsxim and rowsngi on an H100, every checked
+// mode passed (twenty-third session).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <omp.h>
