@@ -4,7 +4,8 @@
 //! there, so this time adds to every sampled (not greedy) step. Prints the
 //! median of 7 runs of 20 draws each, per parameter set, on a 151,936-token
 //! vocabulary (Qwen3's) of two shapes: model-like (a Gaussian bulk, one
-//! token in 7919 far above it) and flat (uniform in [-10, 10]).
+//! token in 7919 far above it), flat (uniform in [-10, 10]) and synth (a
+//! Gaussian of standard deviation ~0.9, as a random model's logits).
 
 use strata::rng::Rng;
 use strata::sampling::{Sampler, SamplingParams};
@@ -24,6 +25,10 @@ fn main() {
         })
         .collect();
     let flat: Vec<f32> = (0..vocab).map(|_| 20.0 * uniform() - 10.0).collect();
+    // A random (synthetic) model's logits: a Gaussian of standard deviation
+    // about 0.9 and nothing far above it, so the weights crowd into few
+    // buckets near the top (`strata synth` packs: what `strata bench` samples).
+    let synth: Vec<f32> = (0..vocab).map(|_| (uniform() + uniform() + uniform() + uniform() - 2.0) * 1.56).collect();
     let sets = [
         ("greedy", 0.0, 0, 1.0, 0.0),
         ("T 0.7, top-p 0.9", 0.7, 0, 0.9, 0.0),
@@ -34,7 +39,7 @@ fn main() {
         ("T 1000", 1000.0, 0, 1.0, 0.0),
         ("T 1000, top-p 0.9", 1000.0, 0, 0.9, 0.0),
     ];
-    for (shape, logits) in [("model-like", &model_like), ("flat", &flat)] {
+    for (shape, logits) in [("model-like", &model_like), ("flat", &flat), ("synth", &synth)] {
         for (name, temperature, top_k, top_p, min_p) in sets {
             let params = SamplingParams { temperature, top_k, top_p, min_p, seed: 1 };
             let mut sampler = Sampler::new(params).expect("valid parameters");

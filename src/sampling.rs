@@ -279,6 +279,103 @@ fn exp_neg(x: f32) -> f32 {
     y * f32::from_bits(((n_int + 127) as u32) << 23)
 }
 
+/// The weights of a piece of the logits (`out[i]`: the f32 bits of
+/// exp_neg((l[i] - max) / temperature)) and their histogram: per bucket
+/// (and `BUCKETS`: no mass) the count and the mass. On x86-64 with AVX2
+/// (checked at run time) the arithmetic runs eight lanes wide, else as the
+/// target's baseline vectorizes it: the same IEEE and integer operations
+/// either way (nothing fused), so the same bits.
+fn histogram(out: &mut [u32], l: &[f32], max: f32, temperature: f32) -> (Vec<usize>, Vec<u64>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked on the line above).
+        return unsafe { histogram_avx2(out, l, max, temperature) };
+    }
+    histogram_any(out, l, max, temperature)
+}
+
+#[inline(always)]
+fn histogram_any(out: &mut [u32], l: &[f32], max: f32, temperature: f32) -> (Vec<usize>, Vec<u64>) {
+    // Two histograms, alternate tokens in each: a run of tokens in one
+    // bucket (the bulk of a flat distribution) would otherwise wait on
+    // the previous token's update of the same counters. Buckets and
+    // masses first, in loops the compiler vectorizes, then the updates.
+    const RUN: usize = 512;
+    let mut count = [vec![0u32; BUCKETS + 1], vec![0u32; BUCKETS + 1]];
+    let mut masses = [vec![0u64; BUCKETS + 1], vec![0u64; BUCKETS + 1]];
+    let (mut bk, mut ms) = ([0u32; RUN], [0u64; RUN]);
+    for (out, l) in out.chunks_mut(RUN).zip(l.chunks(RUN)) {
+        for (o, &l) in out.iter_mut().zip(l) {
+            *o = exp_neg((l - max) / temperature).to_bits();
+        }
+        for ((b, m), &w) in bk.iter_mut().zip(ms.iter_mut()).zip(out.iter()) {
+            *b = bucket(w) as u32;
+            *m = mass(w);
+        }
+        let n = out.len();
+        for i in (0..n & !1).step_by(2) {
+            let (b0, b1) = (bk[i] as usize, bk[i + 1] as usize);
+            count[0][b0] += 1;
+            masses[0][b0] += ms[i];
+            count[1][b1] += 1;
+            masses[1][b1] += ms[i + 1];
+        }
+        if n % 2 == 1 {
+            count[0][bk[n - 1] as usize] += 1;
+            masses[0][bk[n - 1] as usize] += ms[n - 1];
+        }
+    }
+    (
+        count[0].iter().zip(&count[1]).map(|(&a, &b)| a as usize + b as usize).collect(),
+        masses[0].iter().zip(&masses[1]).map(|(&a, &b)| a + b).collect(),
+    )
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn histogram_avx2(out: &mut [u32], l: &[f32], max: f32, temperature: f32) -> (Vec<usize>, Vec<u64>) {
+    histogram_any(out, l, max, temperature)
+}
+
+/// Per 64 weights, the mask of those whose key (`bits >> KEY_SHIFT`) lies
+/// in [key_lo, key_hi]: on x86-64 with AVX2 (checked at run time) eight
+/// compares at a time, else as the target's baseline vectorizes it.
+fn hit_masks(bits: &[u32], key_lo: u32, key_hi: u32) -> Vec<u64> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked on the line above).
+        return unsafe { hit_masks_avx2(bits, key_lo, key_hi) };
+    }
+    hit_masks_any(bits, key_lo, key_hi)
+}
+
+#[inline(always)]
+fn hit_masks_any(bits: &[u32], key_lo: u32, key_hi: u32) -> Vec<u64> {
+    // key in [lo, hi] as one unsigned compare: key - lo <= hi - lo; a byte
+    // (0 or 1) a weight, then each 8 bytes packed into 8 bits by one
+    // multiply (byte i lands on bit 56 + i, nothing else reaches the top
+    // byte, no carries).
+    let span = key_hi.wrapping_sub(key_lo);
+    bits.chunks(64)
+        .map(|ws| {
+            let mut hit = [0u8; 64];
+            for (h, &w) in hit.iter_mut().zip(ws) {
+                *h = ((w >> KEY_SHIFT).wrapping_sub(key_lo) <= span) as u8;
+            }
+            hit.chunks_exact(8).enumerate().fold(0u64, |m, (g, b)| {
+                let x = u64::from_le_bytes(b.try_into().expect("8 bytes"));
+                m | (x.wrapping_mul(0x0102_0408_1020_4080) >> 56) << (8 * g)
+            })
+        })
+        .collect()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn hit_masks_avx2(bits: &[u32], key_lo: u32, key_hi: u32) -> Vec<u64> {
+    hit_masks_any(bits, key_lo, key_hi)
+}
+
 /// A weight's mass, floor(w * 2^MASS_BITS) = floor(w * 2^40), from its f32 bits (w in (0, 1]: m *
 /// 2^(e - 150) with m the mantissa and its implicit bit). At most 2^40, so
 /// the masses of a vocabulary (at most 2^22 tokens) add in a u64.
@@ -356,9 +453,9 @@ struct Ranked<'a> {
     /// Bucket b holds the positions start[b]..start[b + 1] of the order.
     start: Vec<usize>,
     masses: Vec<u64>,
-    /// The tokens by position, for the buckets below `placed`.
-    entries: Vec<Entry>,
-    placed: usize,
+    /// Each bucket's tokens once placed (`placed`), else empty.
+    runs: Vec<Vec<Entry>>,
+    placed: Vec<bool>,
     sorted: Vec<bool>,
     /// What the last selection found (facts of the order, whatever the
     /// permutations since): the entry at a position, and the mass of a
@@ -379,20 +476,7 @@ impl<'a> Ranked<'a> {
         // in L1: the weights (a loop the compiler vectorizes: exp_neg is
         // branch-free), then their buckets.
         const PIECE: usize = 1 << 14;
-        let histogram = |(out, l): (&mut [u32], &[f32])| {
-            let mut h = (vec![0usize; BUCKETS + 1], vec![0u64; BUCKETS + 1]);
-            for (out, l) in out.chunks_mut(512).zip(l.chunks(512)) {
-                for (o, &l) in out.iter_mut().zip(l) {
-                    *o = exp_neg((l - max) / temperature).to_bits();
-                }
-                for &w in out.iter() {
-                    let b = bucket(w);
-                    h.0[b] += 1;
-                    h.1[b] += mass(w);
-                }
-            }
-            h
-        };
+        let histogram = |(out, l): (&mut [u32], &[f32])| histogram(out, l, max, temperature);
         let add = |mut x: (Vec<usize>, Vec<u64>), y: (Vec<usize>, Vec<u64>)| {
             x.0.iter_mut().zip(&y.0).for_each(|(a, b)| *a += b);
             x.1.iter_mut().zip(&y.1).for_each(|(a, b)| *a += b);
@@ -415,8 +499,8 @@ impl<'a> Ranked<'a> {
             bits,
             start,
             masses,
-            entries: Vec::new(),
-            placed: 0,
+            runs: vec![Vec::new(); BUCKETS],
+            placed: vec![false; BUCKETS],
             sorted: vec![false; BUCKETS],
             known_entry: None,
             known_prefix: None,
@@ -437,7 +521,7 @@ impl<'a> Ranked<'a> {
     fn members(&mut self, b: usize) -> &[Entry] {
         self.placed_members(b);
         let sorted = std::mem::replace(&mut self.sorted[b], true);
-        let run = &mut self.entries[self.start[b]..self.start[b + 1]];
+        let run = &mut self.runs[b][..];
         if !sorted {
             run.sort_unstable_by(order);
         }
@@ -446,38 +530,40 @@ impl<'a> Ranked<'a> {
 
     /// Bucket b's tokens, in order if it has been sorted.
     fn placed_members(&mut self, b: usize) -> &mut [Entry] {
-        if b >= self.placed {
-            // Place the buckets from `placed` to an octave past b (a later
-            // need is often near: one scan, not one a bucket).
-            let end = (b + 17).min(BUCKETS);
-            let (lo, hi) = (self.placed, end);
-            // (Positions up to the end of what is placed: a few tokens
-            // when the mass is in the top buckets, as a model's often is.)
-            self.entries.resize(self.start[hi], Entry { bits: 0, id: 0, logit: 0.0 });
-            let mut cursor = self.start[lo..hi].to_vec();
+        if !self.placed[b] {
+            // Place b, and with it the unplaced buckets before it (more
+            // probable) while they hold few tokens: the needs after a cut
+            // (the next cut, the draw) lie at or before it, so one scan
+            // serves them. Not the bulk of a flat distribution, nor what
+            // lies past b: a scan costs a pass over the weights and a step
+            // per token placed.
+            const NEAR: usize = 4096;
+            let size = |r: &Self, b: usize| r.start[b + 1] - r.start[b];
+            let (mut lo, hi, mut extra) = (b, b + 1, 0);
+            while lo > 0 && !self.placed[lo - 1] && extra + size(self, lo - 1) <= NEAR {
+                lo -= 1;
+                extra += size(self, lo);
+            }
+            for k in lo..hi {
+                self.runs[k] = Vec::with_capacity(size(self, k));
+                self.placed[k] = true;
+            }
             // Buckets lo..hi are the keys (KEY_ONE - hi, KEY_ONE - lo]: a
             // mask of the matches per 64 weights (a loop the compiler
-            // vectorizes), then the few matches one by one.
+            // vectorizes), then the few matches one by one, in token order.
             let (key_lo, key_hi) = (KEY_ONE - hi as u32 + 1, KEY_ONE - lo as u32);
-            for (c, ws) in self.bits.chunks(64).enumerate() {
-                let mut hits = 0u64;
-                for (j, &w) in ws.iter().enumerate() {
-                    let k = w >> KEY_SHIFT;
-                    hits |= ((k >= key_lo && k <= key_hi) as u64) << j;
-                }
+            let masks = hit_masks(&self.bits, key_lo, key_hi);
+            for (c, (ws, mut hits)) in self.bits.chunks(64).zip(masks).enumerate() {
                 while hits != 0 {
                     let j = hits.trailing_zeros() as usize;
                     hits &= hits - 1;
                     let w = ws[j];
-                    let at = &mut cursor[bucket(w) - lo];
                     let id = c * 64 + j;
-                    self.entries[*at] = Entry { bits: w, id: id as u32, logit: self.logits[id] };
-                    *at += 1;
+                    self.runs[bucket(w)].push(Entry { bits: w, id: id as u32, logit: self.logits[id] });
                 }
             }
-            self.placed = end;
         }
-        &mut self.entries[self.start[b]..self.start[b + 1]]
+        &mut self.runs[b][..]
     }
 
     /// Sorts the buckets of the first `n` entries (`entry` of each of them
@@ -744,6 +830,39 @@ mod tests {
         assert!(g.sample(&[]).is_err());
         let e = g.sample(&vec![0.0; MAX_LOGITS + 1]).unwrap_err().to_string();
         assert!(e.contains("8388609 logits"), "{e}");
+    }
+
+    /// The weights, histograms and placement masks of the AVX2 path (where
+    /// this CPU has it) are those of the baseline path, bit for bit, on
+    /// lengths that end mid-run and mid-mask.
+    #[test]
+    fn wide_and_baseline_paths_agree() {
+        let mut rng = crate::rng::Rng::new(11);
+        for n in [1usize, 7, 63, 64, 65, 511, 512, 513, 5000] {
+            let logits: Vec<f32> = (0..n).map(|_| (rng.next_f64() as f32 - 0.5) * 60.0).collect();
+            let max = logits[argmax(&logits)];
+            for t in [0.05f32, 0.7, 1.0, 30.0] {
+                let (mut a, mut b) = (vec![0u32; n], vec![0u32; n]);
+                let ha = histogram(&mut a, &logits, max, t);
+                let hb = histogram_any(&mut b, &logits, max, t);
+                assert_eq!(a, b, "weights, n {n}, T {t}");
+                assert_eq!(ha, hb, "histogram, n {n}, T {t}");
+                assert_eq!(ha.0.iter().sum::<usize>(), n, "every token counted, n {n}, T {t}");
+                for (lo, hi) in [(KEY_MIN, KEY_ONE), (KEY_ONE - 20, KEY_ONE - 3), (KEY_ONE, KEY_ONE)] {
+                    let want: Vec<u64> = a
+                        .chunks(64)
+                        .map(|ws| {
+                            ws.iter().enumerate().fold(0, |m, (j, &w)| {
+                                let k = w >> KEY_SHIFT;
+                                m | (((lo..=hi).contains(&k) as u64) << j)
+                            })
+                        })
+                        .collect();
+                    assert_eq!(hit_masks(&a, lo, hi), want, "masks, n {n}, T {t}, keys {lo}..={hi}");
+                    assert_eq!(hit_masks_any(&a, lo, hi), want, "baseline masks, n {n}, T {t}");
+                }
+            }
+        }
     }
 
     #[test]
