@@ -242,7 +242,7 @@ const KEY_MIN: u32 = (1.0f32 / (1u64 << MASS_BITS) as f32).to_bits() >> KEY_SHIF
 const BUCKETS: usize = (KEY_ONE - KEY_MIN + 1) as usize;
 /// The largest bucket a cut or a draw sorts (the tests' value sends most
 /// of their cases through the selection).
-const SORT_AT_MOST: usize = if cfg!(test) { 64 } else { 4096 };
+const SORT_AT_MOST: usize = if cfg!(test) { 64 } else { 1024 };
 
 #[cfg(test)]
 thread_local!(static SELECTIONS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) });
