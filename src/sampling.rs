@@ -190,7 +190,7 @@ impl Sampler {
     /// decode step. Costs a few scans of the vocabulary and a sort of the
     /// few tokens next to the cuts and the draw (a selection among them
     /// where they are many), not a sort of the vocabulary
-    /// (docs/performance.md, nineteenth and twentieth sessions).
+    /// (docs/performance.md, nineteenth, twentieth and twenty-third sessions).
     pub(crate) fn sample_checked(&mut self, logits: &[f32]) -> u32 {
         debug_assert!(check_samplable(logits).is_ok(), "sample_checked of unchecked logits");
         let p = &self.params;
@@ -227,9 +227,11 @@ fn draw(r: &mut Ranked<'_>, n: usize, u: f64) -> u32 {
 // the vocabulary: one pass counts the tokens and their mass in buckets of
 // weight (16 an octave, by the top bits of the f32), the cuts and the draw
 // walk the buckets' masses, and only the tokens of a bucket in which one
-// of them falls are collected (one more pass) and sorted; a bucket of more
-// than SORT_AT_MOST tokens (near-flat weights: a very high temperature) is
-// not sorted: a selection (expected linear) finds the entries there.
+// of them falls (and of the small buckets before it) are collected (one
+// more pass) and sorted; a bucket of more than SORT_AT_MOST tokens (the
+// bulk of a flat distribution, or near-flat weights at a very high
+// temperature) is not sorted: a selection (expected linear) finds the
+// entries there.
 
 /// Fractional bits of a token's mass.
 const MASS_BITS: i32 = 40;
