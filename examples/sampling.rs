@@ -3,7 +3,7 @@
 //! A decode step's logits come to the host and `Sampler` picks the token
 //! there, so this time adds to every sampled (not greedy) step. Prints the
 //! median of 7 runs of 20 draws each, per parameter set, on a 151,936-token
-//! vocabulary (Qwen3's) of two shapes: model-like (a Gaussian bulk, one
+//! vocabulary (Qwen3's) of three shapes: model-like (a Gaussian bulk, one
 //! token in 7919 far above it), flat (uniform in [-10, 10]) and synth (a
 //! Gaussian of standard deviation ~0.9, as a random model's logits).
 

@@ -227,8 +227,8 @@ fn draw(r: &mut Ranked<'_>, n: usize, u: f64) -> u32 {
 // the vocabulary: one pass counts the tokens and their mass in buckets of
 // weight (16 an octave, by the top bits of the f32), the cuts and the draw
 // walk the buckets' masses, and only the tokens of a bucket in which one
-// of them falls (and of the small buckets before it) are collected (one
-// more pass) and sorted; a bucket of more than SORT_AT_MOST tokens (the
+// of them falls (and of the small buckets before it) are collected (a
+// pass over the weights a placement) and sorted; a bucket of more than SORT_AT_MOST tokens (the
 // bulk of a flat distribution, or near-flat weights at a very high
 // temperature) is not sorted: a selection (expected linear) finds the
 // entries there.
@@ -245,6 +245,11 @@ const BUCKETS: usize = (KEY_ONE - KEY_MIN + 1) as usize;
 /// The largest bucket a cut or a draw sorts (the tests' value sends most
 /// of their cases through the selection).
 const SORT_AT_MOST: usize = if cfg!(test) { 64 } else { 1024 };
+/// The most tokens a placement takes along from the buckets before the one
+/// asked for (a later query often lands there; more would cost a step per
+/// token for tokens no query may ask for). The tests' value makes their
+/// queries place buckets in many small scans, in any order.
+const PLACE_ALONG_AT_MOST: usize = if cfg!(test) { 256 } else { 4096 };
 
 #[cfg(test)]
 thread_local!(static SELECTIONS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) });
@@ -333,9 +338,11 @@ fn histogram_any(out: &mut [u32], l: &[f32], max: f32, temperature: f32) -> (Vec
     )
 }
 
+/// # Safety
+/// The CPU must have AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn histogram_avx2(out: &mut [u32], l: &[f32], max: f32, temperature: f32) -> (Vec<usize>, Vec<u64>) {
+unsafe fn histogram_avx2(out: &mut [u32], l: &[f32], max: f32, temperature: f32) -> (Vec<usize>, Vec<u64>) {
     histogram_any(out, l, max, temperature)
 }
 
@@ -372,9 +379,11 @@ fn hit_masks_any(bits: &[u32], key_lo: u32, key_hi: u32) -> Vec<u64> {
         .collect()
 }
 
+/// # Safety
+/// The CPU must have AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn hit_masks_avx2(bits: &[u32], key_lo: u32, key_hi: u32) -> Vec<u64> {
+unsafe fn hit_masks_avx2(bits: &[u32], key_lo: u32, key_hi: u32) -> Vec<u64> {
     hit_masks_any(bits, key_lo, key_hi)
 }
 
@@ -446,7 +455,8 @@ fn select_reaching(run: &mut [Entry], need: u64) -> (usize, u64) {
 
 /// The tokens of non-zero mass by buckets of their weight, most probable
 /// bucket first: per bucket its count and mass; its tokens once something
-/// needs them (placed by a scan of the weights, with the buckets near it),
+/// needs them (placed by a scan of the weights, with the small unplaced
+/// buckets before it),
 /// sorted (`order`) on first use unless there are more than SORT_AT_MOST.
 struct Ranked<'a> {
     logits: &'a [f32],
@@ -539,10 +549,13 @@ impl<'a> Ranked<'a> {
             // serves them. Not the bulk of a flat distribution, nor what
             // lies past b: a scan costs a pass over the weights and a step
             // per token placed.
-            const NEAR: usize = 4096;
             let size = |r: &Self, b: usize| r.start[b + 1] - r.start[b];
+            if size(self, b) == 0 {
+                self.placed[b] = true;
+                return &mut self.runs[b][..];
+            }
             let (mut lo, hi, mut extra) = (b, b + 1, 0);
-            while lo > 0 && !self.placed[lo - 1] && extra + size(self, lo - 1) <= NEAR {
+            while lo > 0 && !self.placed[lo - 1] && extra + size(self, lo - 1) <= PLACE_ALONG_AT_MOST {
                 lo -= 1;
                 extra += size(self, lo);
             }
@@ -572,7 +585,9 @@ impl<'a> Ranked<'a> {
     /// then costs no selection).
     fn sort_prefix(&mut self, n: usize) {
         if n > 0 {
-            for b in 0..=self.bucket_of(n - 1) {
+            // Deepest first: each placement then takes the small buckets
+            // before it along (one pass, not one a bucket).
+            for b in (0..=self.bucket_of(n - 1)).rev() {
                 self.members(b);
             }
         }
@@ -1000,8 +1015,18 @@ mod tests {
         // whatever the queries before it did. Near-flat weights put
         // hundreds of tokens in a bucket (the tests sort at most 64).
         let mut rng = crate::rng::Rng::new(11);
-        for (v, spread, temperature) in [(3000usize, 1.0f32, 50.0f32), (6000, 2.0, 1.0), (500, 0.001, 1e4)] {
-            let logits: Vec<f32> = (0..v).map(|_| spread * (rng.next_f64() as f32 - 0.5)).collect();
+        // The last case: a crowded region (every other token, spread 0.5)
+        // among many small buckets, so that placements come in many scans
+        // and out of order.
+        for (v, spread, temperature, mixed) in [
+            (3000usize, 1.0f32, 50.0f32, false),
+            (6000, 2.0, 1.0, false),
+            (500, 0.001, 1e4, false),
+            (6000, 16.0, 1.0, true),
+        ] {
+            let logits: Vec<f32> = (0..v)
+                .map(|i| if mixed && i % 2 == 1 { 0.5 } else { spread } * (rng.next_f64() as f32 - 0.5))
+                .collect();
             let all = sorted_by_definition(&logits, temperature);
             let mut r = Ranked::new(&logits, temperature);
             assert_eq!(r.len(), all.len());
