@@ -228,10 +228,10 @@ fn draw(r: &mut Ranked<'_>, n: usize, u: f64) -> u32 {
 // weight (16 an octave, by the top bits of the f32), the cuts and the draw
 // walk the buckets' masses, and only the tokens of a bucket in which one
 // of them falls (and of the small buckets before it) are collected (a
-// pass over the weights a placement) and sorted; a bucket of more than SORT_AT_MOST tokens (the
-// bulk of a flat distribution, or near-flat weights at a very high
-// temperature) is not sorted: a selection (expected linear) finds the
-// entries there.
+// pass over the weights a placement) and sorted; a bucket of more than
+// SORT_AT_MOST tokens (the bulk of a flat distribution, or near-flat
+// weights at a very high temperature) is not sorted: a selection
+// (expected linear) finds the entries there.
 
 /// Fractional bits of a token's mass.
 const MASS_BITS: i32 = 40;
@@ -465,9 +465,8 @@ struct Ranked<'a> {
     /// Bucket b holds the positions start[b]..start[b + 1] of the order.
     start: Vec<usize>,
     masses: Vec<u64>,
-    /// Each bucket's tokens once placed (`placed`), else empty.
+    /// Each bucket's tokens once placed, else empty (`placed`).
     runs: Vec<Vec<Entry>>,
-    placed: Vec<bool>,
     sorted: Vec<bool>,
     /// What the last selection found (facts of the order, whatever the
     /// permutations since): the entry at a position, and the mass of a
@@ -512,7 +511,6 @@ impl<'a> Ranked<'a> {
             start,
             masses,
             runs: vec![Vec::new(); BUCKETS],
-            placed: vec![false; BUCKETS],
             sorted: vec![false; BUCKETS],
             known_entry: None,
             known_prefix: None,
@@ -526,7 +524,7 @@ impl<'a> Ranked<'a> {
 
     /// Whether bucket b is answered by selection, not by a sort.
     fn selects(&self, b: usize) -> bool {
-        !self.sorted[b] && self.start[b + 1] - self.start[b] > SORT_AT_MOST
+        !self.sorted[b] && self.size(b) > SORT_AT_MOST
     }
 
     /// Bucket b's tokens in order.
@@ -540,28 +538,33 @@ impl<'a> Ranked<'a> {
         run
     }
 
+    /// Tokens in bucket b.
+    fn size(&self, b: usize) -> usize {
+        self.start[b + 1] - self.start[b]
+    }
+
+    /// Whether bucket b's tokens are in its run (a placement fills a run
+    /// whole; an empty bucket has nothing to place).
+    fn placed(&self, b: usize) -> bool {
+        self.runs[b].len() == self.size(b)
+    }
+
     /// Bucket b's tokens, in order if it has been sorted.
     fn placed_members(&mut self, b: usize) -> &mut [Entry] {
-        if !self.placed[b] {
+        if !self.placed(b) {
             // Place b, and with it the unplaced buckets before it (more
             // probable) while they hold few tokens: the needs after a cut
             // (the next cut, the draw) lie at or before it, so one scan
             // serves them. Not the bulk of a flat distribution, nor what
             // lies past b: a scan costs a pass over the weights and a step
             // per token placed.
-            let size = |r: &Self, b: usize| r.start[b + 1] - r.start[b];
-            if size(self, b) == 0 {
-                self.placed[b] = true;
-                return &mut self.runs[b][..];
-            }
             let (mut lo, hi, mut extra) = (b, b + 1, 0);
-            while lo > 0 && !self.placed[lo - 1] && extra + size(self, lo - 1) <= PLACE_ALONG_AT_MOST {
+            while lo > 0 && !self.placed(lo - 1) && extra + self.size(lo - 1) <= PLACE_ALONG_AT_MOST {
                 lo -= 1;
-                extra += size(self, lo);
+                extra += self.size(lo);
             }
             for k in lo..hi {
-                self.runs[k] = Vec::with_capacity(size(self, k));
-                self.placed[k] = true;
+                self.runs[k] = Vec::with_capacity(self.size(k));
             }
             // Buckets lo..hi are the keys (KEY_ONE - hi, KEY_ONE - lo]: a
             // mask of the matches per 64 weights (a loop the compiler
