@@ -152,6 +152,18 @@ struct SampFound {
     bool ok;
 };
 
+// Warp-wide (every lane calls it): appends k to list[*n++] where take,
+// one shared atomic a warp (in any order: the key sets the order).
+static __device__ __forceinline__ void samp_append(bool take, unsigned long long k, unsigned long long* list,
+                                                   unsigned int* n) {
+    const unsigned int lane = threadIdx.x & 31;
+    const unsigned int mask = __ballot_sync(0xffffffffu, take);
+    unsigned int base = 0;
+    if (lane == 0 && mask != 0) base = atomicAdd(n, __popc(mask));
+    base = __shfl_sync(0xffffffffu, base, 0);
+    if (take) list[base + __popc(mask & ((1u << lane) - 1u))] = k;
+}
+
 static __device__ __forceinline__ unsigned long long samp_block_min_max(unsigned long long v, bool is_max) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -186,10 +198,12 @@ static __device__ SampFound samp_select(const float* __restrict__ logits, const 
     }
     __syncthreads();
     unsigned long long lo = ~0ull, hi = 0;
-    for (unsigned int i = tid; i < V; i += blockDim.x) {
-        if (samp_bucket(bits[i]) == b) {
-            const unsigned long long k = samp_key(logits[i], i);
-            a[atomicAdd(&sh.n, 1u)] = k;
+    for (unsigned int i0 = 0; i0 < V; i0 += blockDim.x) {
+        const unsigned int i = i0 + tid;
+        const bool take = i < V && samp_bucket(bits[i]) == b;
+        const unsigned long long k = take ? samp_key(logits[i], i) : 0;
+        samp_append(take, k, a, &sh.n);
+        if (take) {
             lo = k < lo ? k : lo;
             hi = k > hi ? k : hi;
         }
@@ -286,10 +300,12 @@ static __device__ SampFound samp_select(const float* __restrict__ logits, const 
         const unsigned int digit = sh.digit;
         lo = ~0ull;
         hi = 0;
-        for (unsigned int j = tid; j < n; j += blockDim.x) {
-            const unsigned long long k = a[j];
-            if (((unsigned int)(k >> shift) & 255u) == digit) {
-                c[atomicAdd(&sh.n_next, 1u)] = k;
+        for (unsigned int j0 = 0; j0 < n; j0 += blockDim.x) {
+            const unsigned int j = j0 + tid;
+            const unsigned long long k = j < n ? a[j] : 0;
+            const bool take = j < n && ((unsigned int)(k >> shift) & 255u) == digit;
+            samp_append(take, k, c, &sh.n_next);
+            if (take) {
                 lo = k < lo ? k : lo;
                 hi = k > hi ? k : hi;
             }

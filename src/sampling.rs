@@ -154,7 +154,7 @@ impl Sampler {
         let n = self.kept(&mut r);
         let total = r.prefix_mass(n) as f64;
         r.sort_prefix(n);
-        Ok((0..n).map(|i| r.entry(i)).map(|e| (e.id, mass(e.bits) as f64 / total)).collect())
+        Ok((0..n).map(|i| r.entry(i)).map(|e| (e.id(), mass(e.bits) as f64 / total)).collect())
     }
 
     /// How many of `r`'s entries (a prefix of its order) the filters keep:
@@ -212,7 +212,7 @@ impl Sampler {
         let mut r = Ranked::new(logits, p.temperature);
         let n = self.kept(&mut r);
         if n == 1 {
-            return (r.entry(0).id, false);
+            return (r.entry(0).id(), false);
         }
         (draw(&mut r, n, u()), true)
     }
@@ -284,7 +284,7 @@ fn draw(r: &mut Ranked<'_>, n: usize, u: f64) -> u32 {
     let total = r.prefix_mass(n);
     let below = ((u * total as f64) as u64).min(total - 1);
     let at = r.first_reaching(below + 1) - 1;
-    r.entry(at).id
+    r.entry(at).id()
 }
 
 // ---------------------------------------------------------------------------
@@ -481,20 +481,40 @@ fn bucket(bits: u32) -> usize {
     }
 }
 
+/// A token of a bucket: its place in the order and its weight's bits.
 #[derive(Clone, Copy, Debug)]
 struct Entry {
+    /// `order_key`: smaller is more probable.
+    key: u64,
     bits: u32,
-    id: u32,
-    logit: f32,
+}
+
+impl Entry {
+    fn new(bits: u32, id: u32, logit: f32) -> Entry {
+        Entry { key: order_key(logit, id), bits }
+    }
+
+    fn id(&self) -> u32 {
+        self.key as u32
+    }
 }
 
 /// The order: logit descending, then token ascending. Distinct logits can
 /// round to one f32 weight (high temperatures, near-equal logits), and the
 /// logit order keeps the argmax first and top-k nested. It refines the
 /// weight order (exp_neg and the division are monotone), so the buckets
-/// and the cuts by weight hold. (Finite logits: -0 == +0, then the token.)
+/// and the cuts by weight hold. As one integer (compares without
+/// branches): the finite logit's bits made monotone as an unsigned number
+/// (-0 as +0), inverted, above the token. kernels/sampling.cu's
+/// `samp_key` is the same.
+fn order_key(logit: f32, id: u32) -> u64 {
+    let b = if logit == 0.0 { 0 } else { logit.to_bits() };
+    let monotone = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
+    (!monotone as u64) << 32 | id as u64
+}
+
 fn order(x: &Entry, y: &Entry) -> std::cmp::Ordering {
-    y.logit.partial_cmp(&x.logit).unwrap_or(std::cmp::Ordering::Equal).then(x.id.cmp(&y.id))
+    x.key.cmp(&y.key)
 }
 
 /// The smallest j >= 1 whose first j entries of `run` (in `order`) have a
@@ -648,7 +668,7 @@ impl<'a> Ranked<'a> {
                     hits &= hits - 1;
                     let w = ws[j];
                     let id = c * 64 + j;
-                    self.runs[bucket(w)].push(Entry { bits: w, id: id as u32, logit: self.logits[id] });
+                    self.runs[bucket(w)].push(Entry::new(w, id as u32, self.logits[id]));
                 }
             }
         }
@@ -857,6 +877,20 @@ mod tests {
         let toks: Vec<u32> = d.iter().map(|c| c.0).collect();
         assert_eq!(toks, vec![1, 3]);
         assert!((d[0].1 - 4.0 / 7.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn signed_zeros_are_one_logit_ordered_by_token() {
+        // -0 == +0: the lower token first, whichever sign it has.
+        let logits = [-1.0, 0.0, -0.0, -2.0, -0.0];
+        let d = sampler(1.0, 3, 1.0, 0.0, 0).probabilities(&logits).unwrap();
+        assert_eq!(d.iter().map(|c| c.0).collect::<Vec<u32>>(), vec![1, 2, 4]);
+        let d = sampler(1.0, 2, 1.0, 0.0, 0).probabilities(&[-0.0, 0.0, -0.5]).unwrap();
+        assert_eq!(d.iter().map(|c| c.0).collect::<Vec<u32>>(), vec![0, 1]);
+        assert_eq!(Sampler::greedy().sample(&[-0.0, 0.0]).unwrap(), 0);
+        assert_eq!(order_key(-0.0, 3), order_key(0.0, 3));
+        assert!(order_key(1.0, 9) < order_key(0.0, 0) && order_key(0.0, 0) < order_key(-1.0e-30, 0));
+        assert!(order_key(-1.0, 0) < order_key(-2.0, 0) && order_key(f32::MAX, 5) < order_key(1.0, 0));
     }
 
     #[test]
@@ -1116,7 +1150,7 @@ mod tests {
             // What the selections remember is a fact of the order.
             let facts = |r: &Ranked<'_>| {
                 if let Some((p, e)) = r.known_entry {
-                    assert_eq!(e.id, all[p].0, "V {v} known entry {p}");
+                    assert_eq!(e.id(), all[p].0, "V {v} known entry {p}");
                 }
                 if let Some((m, mass)) = r.known_prefix {
                     assert_eq!(mass, cum[m - 1], "V {v} known prefix {m}");
@@ -1129,17 +1163,17 @@ mod tests {
                     // `members`: in order, and the queries after it agree.
                     let b = r.bucket_of(i);
                     let (s, e) = (r.start[b], r.start[b + 1]);
-                    let ids: Vec<u32> = r.members(b).iter().map(|x| x.id).collect();
+                    let ids: Vec<u32> = r.members(b).iter().map(|x| x.id()).collect();
                     assert_eq!(ids, all[s..e].iter().map(|x| x.0).collect::<Vec<u32>>(), "V {v} members {b}");
                     continue;
                 }
                 match q % 4 {
-                    0 => assert_eq!(r.entry(i).id, all[i].0, "V {v} entry {i}"),
+                    0 => assert_eq!(r.entry(i).id(), all[i].0, "V {v} entry {i}"),
                     1 => {
                         assert_eq!(r.prefix_mass(i), if i == 0 { 0 } else { cum[i - 1] }, "V {v} prefix {i}");
                         facts(&r);
                         // What the selection found on the way (`known_entry`).
-                        assert_eq!(r.entry(i).id, all[i].0, "V {v} entry {i} after its prefix");
+                        assert_eq!(r.entry(i).id(), all[i].0, "V {v} entry {i} after its prefix");
                     }
                     2 => {
                         // Random, or on a boundary of the running mass (or one past it).
@@ -1152,7 +1186,7 @@ mod tests {
                         assert_eq!(r.first_reaching(target), want, "V {v} reaching {target}");
                         facts(&r);
                         // What the selection found on the way (as a draw asks).
-                        assert_eq!(r.entry(want - 1).id, all[want - 1].0, "V {v} entry {} after reaching", want - 1);
+                        assert_eq!(r.entry(want - 1).id(), all[want - 1].0, "V {v} entry {} after reaching", want - 1);
                         assert_eq!(r.prefix_mass(want), cum[want - 1], "V {v} prefix {want} after reaching");
                     }
                     _ => {
