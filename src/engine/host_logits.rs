@@ -2,18 +2,12 @@
 
 use std::ops::Deref;
 
-use crate::sampling::Drawn;
-
 /// Logits `[rows, vocab]` on the host: a vector, or (a CUDA forward of one
 /// row: a decode step) the page-locked buffer the device copied them into,
 /// given back to its pool when dropped, so that a decode step does not
 /// copy the vocabulary's logits once more into a vector. Reads as `[f32]`;
-/// a clone is a vector. It may carry the next step's draw, made on the
-/// device from these logits (`Drawn`): it goes with them.
-pub(crate) struct HostLogits {
-    repr: Repr,
-    drawn: Option<Drawn>,
-}
+/// a clone is a vector.
+pub(crate) struct HostLogits(Repr);
 
 enum Repr {
     Vec(Vec<f32>),
@@ -24,24 +18,13 @@ enum Repr {
 impl HostLogits {
     #[cfg(feature = "cuda")]
     pub(crate) fn pinned(p: super::gpu::PinnedLogits) -> HostLogits {
-        HostLogits { repr: Repr::Pinned(p), drawn: None }
-    }
-
-    /// These logits with the draw the device made from them.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn with_drawn(self, drawn: Option<Drawn>) -> HostLogits {
-        HostLogits { drawn, ..self }
-    }
-
-    /// The draw made from these logits on the device, if any.
-    pub(crate) fn drawn(&self) -> Option<&Drawn> {
-        self.drawn.as_ref()
+        HostLogits(Repr::Pinned(p))
     }
 }
 
 impl From<Vec<f32>> for HostLogits {
     fn from(v: Vec<f32>) -> HostLogits {
-        HostLogits { repr: Repr::Vec(v), drawn: None }
+        HostLogits(Repr::Vec(v))
     }
 }
 
@@ -49,7 +32,7 @@ impl Deref for HostLogits {
     type Target = [f32];
 
     fn deref(&self) -> &[f32] {
-        match &self.repr {
+        match &self.0 {
             Repr::Vec(v) => v,
             #[cfg(feature = "cuda")]
             Repr::Pinned(p) => p,
@@ -59,7 +42,7 @@ impl Deref for HostLogits {
 
 impl Clone for HostLogits {
     fn clone(&self) -> HostLogits {
-        HostLogits { repr: Repr::Vec(self.to_vec()), drawn: self.drawn.clone() }
+        self.to_vec().into()
     }
 }
 

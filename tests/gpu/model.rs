@@ -44,7 +44,7 @@ fn fixture(set: &str, model: &str, layout: &str) -> PathBuf {
 }
 
 /// The CPU engine and the GPU engine of one fixture checkpoint.
-pub fn engines(set: &str, model: &str, layout: &str, dir: &Path) -> Result<(Engine, Engine), String> {
+fn engines(set: &str, model: &str, layout: &str, dir: &Path) -> Result<(Engine, Engine), String> {
     let out = dir.join(format!("{set}-{model}-{layout}"));
     convert(&fixture(set, model, layout), &out, &ConvertOptions::default()).map_err(e)?;
     let cpu = Engine::load(&out, &EngineOptions::default()).map_err(e)?;
@@ -55,7 +55,7 @@ pub fn engines(set: &str, model: &str, layout: &str, dir: &Path) -> Result<(Engi
     Ok((cpu, gpu))
 }
 
-pub fn prompt(vocab: usize, n: usize) -> Vec<u32> {
+fn prompt(vocab: usize, n: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 131 + 7) % vocab) as u32).collect()
 }
 
