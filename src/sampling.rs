@@ -193,28 +193,16 @@ impl Sampler {
     /// (docs/performance.md, nineteenth, twentieth and twenty-third sessions).
     pub(crate) fn sample_checked(&mut self, logits: &[f32]) -> u32 {
         debug_assert!(check_samplable(logits).is_ok(), "sample_checked of unchecked logits");
-        let (token, used) = self.pick(logits, || self.rng.clone().next_f64());
-        if used {
-            self.rng.next_f64();
-        }
-        token
-    }
-
-    /// The token `sample_checked` picks from finite, non-empty `logits`
-    /// with `u()` as the stream's next number, and whether it used that
-    /// number (not for greedy parameters, nor when the filters keep one
-    /// token). Changes nothing.
-    fn pick(&self, logits: &[f32], u: impl FnOnce() -> f64) -> (u32, bool) {
         let p = &self.params;
         if p.is_greedy() {
-            return (argmax(logits) as u32, false);
+            return argmax(logits) as u32;
         }
         let mut r = Ranked::new(logits, p.temperature);
         let n = self.kept(&mut r);
         if n == 1 {
-            return (r.entry(0).id(), false);
+            return r.entry(0).id();
         }
-        (draw(&mut r, n, u()), true)
+        draw(&mut r, n, self.rng.next_f64())
     }
 }
 
