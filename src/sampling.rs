@@ -193,17 +193,88 @@ impl Sampler {
     /// (docs/performance.md, nineteenth, twentieth and twenty-third sessions).
     pub(crate) fn sample_checked(&mut self, logits: &[f32]) -> u32 {
         debug_assert!(check_samplable(logits).is_ok(), "sample_checked of unchecked logits");
+        let (token, used) = self.pick(logits, || self.rng.clone().next_f64());
+        if used {
+            self.rng.next_f64();
+        }
+        token
+    }
+
+    /// The token `sample_checked` picks from finite, non-empty `logits`
+    /// with `u()` as the stream's next number, and whether it used that
+    /// number (not for greedy parameters, nor when the filters keep one
+    /// token). Changes nothing.
+    fn pick(&self, logits: &[f32], u: impl FnOnce() -> f64) -> (u32, bool) {
         let p = &self.params;
         if p.is_greedy() {
-            return argmax(logits) as u32;
+            return (argmax(logits) as u32, false);
         }
         let mut r = Ranked::new(logits, p.temperature);
         let n = self.kept(&mut r);
         if n == 1 {
-            return r.entry(0).id();
+            return (r.entry(0).id(), false);
         }
-        draw(&mut r, n, self.rng.next_f64())
+        (draw(&mut r, n, u()), true)
     }
+
+    /// What a device needs to make this sampler's next draw ahead of the
+    /// step that asks for it (`Drawn`): the parameters, the random stream's
+    /// state, and the number the draw would take from it.
+    pub(crate) fn ahead(&self) -> DrawAhead {
+        DrawAhead { params: self.params.clone(), rng: self.rng.state(), u: self.rng.clone().next_f64() }
+    }
+
+    /// The token of a draw made ahead (`ahead`), when it was made for this
+    /// sampler as it is now (same parameters, same random state): the
+    /// stream then moves on as `sample_checked` would have moved it.
+    /// `None` leaves the sampler as it was.
+    pub(crate) fn take_drawn(&mut self, d: &Drawn) -> Option<u32> {
+        if d.params != self.params || d.rng != self.rng.state() {
+            return None;
+        }
+        if d.used {
+            self.rng.next_f64();
+        }
+        Some(d.token)
+    }
+}
+
+/// A request to draw the next token on the device, right after the
+/// forward that computes the logits it draws from: the sampler's state
+/// when the request was made (`Sampler::ahead`).
+#[derive(Clone, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct DrawAhead {
+    pub(crate) params: SamplingParams,
+    pub(crate) rng: [u64; 4],
+    /// The stream's next number: the draw's `u`.
+    pub(crate) u: f64,
+}
+
+/// A draw made ahead on the device: the token `Sampler::sample_checked`
+/// picks from the same logits for the sampler state of the request, and
+/// whether it used the stream's next number. Held with the logits it was
+/// drawn from (`HostLogits`), so it goes when they do.
+#[derive(Clone, Debug)]
+pub(crate) struct Drawn {
+    pub(crate) params: SamplingParams,
+    pub(crate) rng: [u64; 4],
+    pub(crate) token: u32,
+    pub(crate) used: bool,
+}
+
+/// The token a sampler of `params` picks from `logits` when `u` (in [0,
+/// 1)) is its random stream's next number, and whether the pick uses `u`
+/// (not for greedy parameters, nor when the filters keep one token): the
+/// host's answer to a draw on the device (the GPU suite checks the device
+/// against it).
+pub fn pick_with(params: &SamplingParams, logits: &[f32], u: f64) -> Result<(u32, bool)> {
+    if !(0.0..1.0).contains(&u) {
+        return Err(Error::InvalidArgument(format!("u {u} must be in [0, 1)")));
+    }
+    check_samplable(logits)?;
+    let s = Sampler::new(params.clone())?;
+    Ok(s.pick(logits, || u))
 }
 
 /// The token `u` in [0, 1) picks among the first `n` (>= 1) of `r`: the
@@ -434,7 +505,8 @@ impl Entry {
 /// weight order (exp_neg and the division are monotone), so the buckets
 /// and the cuts by weight hold. As one integer (compares without
 /// branches): the finite logit's bits made monotone as an unsigned number
-/// (-0 as +0), inverted, above the token.
+/// (-0 as +0), inverted, above the token. kernels/sampling.cu's
+/// `samp_key` is the same.
 fn order_key(logit: f32, id: u32) -> u64 {
     let b = if logit == 0.0 { 0 } else { logit.to_bits() };
     let monotone = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };

@@ -31,6 +31,8 @@ mod gpu {
     pub mod model;
     #[path = "../gpu/moe.rs"]
     pub mod moe;
+    #[path = "../gpu/sampling.rs"]
+    pub mod sampling;
     #[path = "../gpu/split.rs"]
     pub mod split;
 }
@@ -58,7 +60,7 @@ fn main() -> ExitCode {
     let (major, minor) = gpu.compute_capability();
     println!("device cuda:0: {} (compute capability {major}.{minor}, {} SMs)", gpu.name(), gpu.sm_count());
 
-    let suites: [&[GpuTest]; 8] = [
+    let suites: [&[GpuTest]; 9] = [
         gpu::infra::TESTS,
         gpu::moe::TESTS,
         gpu::dense::TESTS,
@@ -67,6 +69,7 @@ fn main() -> ExitCode {
         gpu::model::TESTS,
         gpu::experts::TESTS,
         gpu::split::TESTS,
+        gpu::sampling::TESTS,
     ];
     let (mut passed, mut failed) = (0, 0);
     for &(name, test) in suites.iter().flat_map(|s| s.iter()) {

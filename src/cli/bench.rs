@@ -327,13 +327,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
             profiler_collect(false)?;
         }
         eprintln!(
-            "strata bench: run {}: prefill {:.3} s ({:.0} tok/s), decode {} tokens {:.3} s ({:.1} tok/s)",
+            "strata bench: run {}: prefill {:.3} s ({:.0} tok/s), decode {} tokens {:.3} s ({:.1} tok/s; {} drawn \
+             on the device)",
             r + 1,
             p,
             a.prompt_len as f64 / p,
             a.gen,
             d,
-            a.gen as f64 / d.max(1e-9)
+            a.gen as f64 / d.max(1e-9),
+            s.device_draws()
         );
         prefill_s.push(p);
         if a.gen > 0 {

@@ -38,6 +38,7 @@ use crate::backend::cuda::deltanet::{
 };
 use crate::backend::cuda::dense::{self, GemmPrecision, NormIn, RopeTable, Write};
 use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping, GroupedPrecision};
+use crate::backend::cuda::sampling;
 use crate::backend::cuda::{CudaEvent, CudaSlice, CudaStream, DevicePtr, Gpu, StreamHold};
 use crate::backend::{AttentionShape, DeltaNetState, Rope};
 use crate::error::{Error, Result};
@@ -48,6 +49,7 @@ use crate::model::weights::{layer_tensor_name, model_tensor_name, Role};
 use crate::model::ModelConfig;
 use crate::pack::format::ExpertLayout;
 use crate::pack::{Pack, TensorData};
+use crate::sampling::{DrawAhead, Drawn};
 use crate::session::KvType;
 use cudarc::driver::{sys, CudaGraph};
 
@@ -412,6 +414,7 @@ impl GpuModel {
         cache: &mut DeviceCache,
         tokens: &[u32],
         logits: Logits,
+        draw: Option<&DrawAhead>,
     ) -> Result<HostLogits> {
         let _held = self.hold();
         let start = cache.len;
@@ -420,7 +423,7 @@ impl GpuModel {
         if hybrid {
             cache.snapshot()?;
         }
-        match self.forward_rows(engine, cache, tokens, logits) {
+        match self.forward_rows(engine, cache, tokens, logits, draw) {
             Ok(l) => {
                 cache.len = start + tokens.len();
                 Ok(l)
@@ -441,9 +444,10 @@ impl GpuModel {
         cache: &mut DeviceCache,
         tokens: &[u32],
         want: Logits,
+        draw: Option<&DrawAhead>,
     ) -> Result<HostLogits> {
         if tokens.len() == 1 && want == Logits::Last && self.graph_allowed(engine) {
-            return self.forward_graph(engine, cache, tokens[0]);
+            return self.forward_graph(engine, cache, tokens[0], draw);
         }
         let t = tokens.len();
         let start = cache.len;
@@ -479,7 +483,7 @@ impl GpuModel {
             for x in experts.iter_mut().flatten().filter(|x| x.mapped_decode(t)) {
                 x.note_mapped_forward(t, k)?;
             }
-            self.finish(engine, cache, &mut scratch, start, rows, started)
+            self.finish(engine, cache, &mut scratch, Queued { start, rows, started, draw })
         })();
         self.settle(&r);
         for (sc, s) in cache.stages.iter_mut().zip(scratch) {
@@ -543,7 +547,13 @@ impl GpuModel {
     /// the position to the devices, launches the first stage's graph, then
     /// each hand-off and the next stage's graph. The kernels that depend on
     /// the position read it from device memory (`StepPos`).
-    fn forward_graph(&self, engine: &Engine, cache: &mut DeviceCache, token: u32) -> Result<HostLogits> {
+    fn forward_graph(
+        &self,
+        engine: &Engine,
+        cache: &mut DeviceCache,
+        token: u32,
+        draw: Option<&DrawAhead>,
+    ) -> Result<HostLogits> {
         let c = &self.config;
         let start = cache.len;
         let mut experts = self.lock_caches();
@@ -567,7 +577,7 @@ impl GpuModel {
             for x in experts.iter_mut().flatten() {
                 x.note_mapped_forward(1, c.num_experts_per_tok)?;
             }
-            self.finish(engine, cache, &mut scratch, start, 1, started)
+            self.finish(engine, cache, &mut scratch, Queued { start, rows: 1, started, draw })
         })();
         self.settle(&r);
         for (sc, s) in cache.stages.iter_mut().zip(scratch) {
@@ -682,7 +692,7 @@ impl GpuModel {
             return (Vec::new(), Some(err));
         }
         for (k, p) in pieces[..done].iter().enumerate() {
-            if let Err(e) = self.forward(engine, cache, p.tokens, Logits::Skip) {
+            if let Err(e) = self.forward(engine, cache, p.tokens, Logits::Skip, None) {
                 // Not expected (the same rows ran before): the cache holds
                 // the pieces that did run again.
                 logits.truncate(k);
@@ -839,10 +849,9 @@ impl GpuModel {
         engine: &Engine,
         cache: &mut DeviceCache,
         scratch: &mut [Scratch],
-        start: usize,
-        rows: usize,
-        started: std::time::Instant,
+        queued: Queued<'_>,
     ) -> Result<HostLogits> {
+        let Queued { start, rows, started, draw } = queued;
         let c = &self.config;
         let (h, vocab) = (c.hidden_size, c.vocab_size);
         let t = scratch[0].t;
@@ -855,12 +864,25 @@ impl GpuModel {
         // session keeps (no copy into a vector); more: through the
         // scratch's page-locked buffer into a vector.
         let mut one_row = None;
+        // The next step's draw (a decode step whose session asked for one):
+        // queued after the logits, read back with the flags.
+        let mut drawn = None;
         if rows > 0 {
             let lg = LogitScratch::get(&mut scratch[n - 1].head, &last.gpu, rows, h, vocab)?;
             if rows == 1 {
                 let mut buf = cache.stages[n - 1].logit_pool.take(&last.gpu, vocab)?;
                 last.gpu.stream().memcpy_dtoh(&lg.logits, &mut buf)?;
                 one_row = Some(buf);
+                if let Some(d) = draw.filter(|_| device_draw_on()) {
+                    let ds = match &mut lg.draw {
+                        Some(ds) => ds,
+                        None => lg.draw.insert(sampling::DrawScratch::new(&last.gpu, vocab)?),
+                    };
+                    sampling::draw(&last.gpu, &lg.logits, &d.params, d.u, ds)?;
+                    let mut out = vec![0u32; 2];
+                    last.gpu.stream().memcpy_dtoh(&ds.out, &mut out)?;
+                    drawn = Some((d, out));
+                }
             } else {
                 last.gpu.stream().memcpy_dtoh(&lg.logits, &mut lg.host)?;
             }
@@ -872,8 +894,16 @@ impl GpuModel {
         for stage in &self.stages {
             stage.gpu.sync()?;
         }
+        let drawn = drawn.and_then(|(d, out)| {
+            (out[0] != sampling::DRAW_NONE && (out[0] as usize) < vocab).then(|| Drawn {
+                params: d.params.clone(),
+                rng: d.rng,
+                token: out[0],
+                used: out[1] != 0,
+            })
+        });
         let out = match one_row {
-            Some(buf) => HostLogits::pinned(PinnedLogits::new(buf, &cache.stages[n - 1].logit_pool)?),
+            Some(buf) => HostLogits::pinned(PinnedLogits::new(buf, &cache.stages[n - 1].logit_pool)?).with_drawn(drawn),
             None if rows > 0 => {
                 let lg = LogitScratch::get(&mut scratch[n - 1].head, &last.gpu, rows, h, vocab)?;
                 lg.host.as_slice()?.to_vec().into()
@@ -921,6 +951,24 @@ impl GpuModel {
         self.check_flags(&flags, start, t, rows)?;
         Ok(out)
     }
+}
+
+/// A queued forward as `GpuModel::finish` completes it: its first
+/// position, the rows whose logits it returns, when it began, and the
+/// next step's draw it makes (a decode step's).
+struct Queued<'a> {
+    start: usize,
+    rows: usize,
+    started: std::time::Instant,
+    draw: Option<&'a DrawAhead>,
+}
+
+/// Whether a decode step may draw the next token on the device when its
+/// session asks (on unless `STRATA_DEVICE_DRAW=0`: then every draw is the
+/// host's, same tokens, for comparison).
+fn device_draw_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("STRATA_DEVICE_DRAW").map_or(true, |v| v != "0"))
 }
 
 /// `STRATA_SPLIT_STRESS=1` (builds with `test-hooks`): before every
@@ -2088,6 +2136,8 @@ struct LogitScratch {
     /// device writes it directly, without the driver's staging of a
     /// pageable copy.
     host: PinnedHostSlice<f32>,
+    /// The buffers of the draws from one row (made on the first).
+    draw: Option<sampling::DrawScratch>,
 }
 
 impl LogitScratch {
@@ -2109,6 +2159,7 @@ impl LogitScratch {
                     // SAFETY: the host buffer is only read after a copy of `logits` into it has completed.
                     host: unsafe { gpu.context().alloc_pinned_with_flags::<f32>(rows * vocab, 0) }?,
                     bf: gpu.alloc_zeros(2 * rows * hidden)?,
+                    draw: None,
                 };
                 kept.push((rows, l));
                 kept.len() - 1

@@ -2,12 +2,18 @@
 
 use std::ops::Deref;
 
+use crate::sampling::Drawn;
+
 /// Logits `[rows, vocab]` on the host: a vector, or (a CUDA forward of one
 /// row: a decode step) the page-locked buffer the device copied them into,
 /// given back to its pool when dropped, so that a decode step does not
 /// copy the vocabulary's logits once more into a vector. Reads as `[f32]`;
-/// a clone is a vector.
-pub(crate) struct HostLogits(Repr);
+/// a clone is a vector. It may carry the next step's draw, made on the
+/// device from these logits (`Drawn`): it goes with them.
+pub(crate) struct HostLogits {
+    repr: Repr,
+    drawn: Option<Drawn>,
+}
 
 enum Repr {
     Vec(Vec<f32>),
@@ -18,13 +24,24 @@ enum Repr {
 impl HostLogits {
     #[cfg(feature = "cuda")]
     pub(crate) fn pinned(p: super::gpu::PinnedLogits) -> HostLogits {
-        HostLogits(Repr::Pinned(p))
+        HostLogits { repr: Repr::Pinned(p), drawn: None }
+    }
+
+    /// These logits with the draw the device made from them.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn with_drawn(self, drawn: Option<Drawn>) -> HostLogits {
+        HostLogits { drawn, ..self }
+    }
+
+    /// The draw made from these logits on the device, if any.
+    pub(crate) fn drawn(&self) -> Option<&Drawn> {
+        self.drawn.as_ref()
     }
 }
 
 impl From<Vec<f32>> for HostLogits {
     fn from(v: Vec<f32>) -> HostLogits {
-        HostLogits(Repr::Vec(v))
+        HostLogits { repr: Repr::Vec(v), drawn: None }
     }
 }
 
@@ -32,7 +49,7 @@ impl Deref for HostLogits {
     type Target = [f32];
 
     fn deref(&self) -> &[f32] {
-        match &self.0 {
+        match &self.repr {
             Repr::Vec(v) => v,
             #[cfg(feature = "cuda")]
             Repr::Pinned(p) => p,
@@ -42,7 +59,7 @@ impl Deref for HostLogits {
 
 impl Clone for HostLogits {
     fn clone(&self) -> HostLogits {
-        self.to_vec().into()
+        HostLogits { repr: Repr::Vec(self.to_vec()), drawn: self.drawn.clone() }
     }
 }
 

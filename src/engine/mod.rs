@@ -47,6 +47,7 @@ use crate::model::weights::{layer_tensor_name, model_tensor_name, Role};
 use crate::model::ModelConfig;
 use crate::moe::{self, MoeLayer};
 use crate::pack::{ExpertView, Pack, TensorData};
+use crate::sampling::DrawAhead;
 use crate::session::kv::{Cache, KvCache, KvRounding, StageKv};
 use crate::session::{KvType, Session, SessionOptions};
 pub(crate) use host_logits::HostLogits;
@@ -1223,12 +1224,27 @@ impl Engine {
     /// infinity fails the forward with `Error::NonFinite` naming the layer
     /// (or the logits) and the absolute position where it was seen.
     pub(crate) fn forward(&self, cache: &mut Cache, tokens: &[u32], logits: Logits) -> Result<HostLogits> {
+        self.forward_drawing(cache, tokens, logits, None)
+    }
+
+    /// `forward`, and on a CUDA engine, for a decode step (one row, the
+    /// last logits), the next token drawn on the device from the logits
+    /// as `draw` asks (`HostLogits::drawn`), so that the next step need
+    /// not draw on the host. Elsewhere `draw` is ignored.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(crate) fn forward_drawing(
+        &self,
+        cache: &mut Cache,
+        tokens: &[u32],
+        logits: Logits,
+        draw: Option<&DrawAhead>,
+    ) -> Result<HostLogits> {
         assert!(!tokens.is_empty(), "forward: no tokens (the session rejects empty prompts)");
         match cache {
             Cache::Host(kv) => self.forward_host(kv, tokens, logits).map(HostLogits::from),
             #[cfg(feature = "cuda")]
             Cache::Device(d) => match &self.inner.exec {
-                Exec::Cuda(m) => m.forward(self, d, tokens, logits),
+                Exec::Cuda(m) => m.forward(self, d, tokens, logits, draw),
                 Exec::Cpu { .. } => unreachable!("a device cache on a CPU engine"),
             },
         }

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::backend::DeltaNetState;
 use crate::engine::{Engine, HostLogits, Logits, Piece};
 use crate::error::{Error, Result};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{DrawAhead, Sampler, SamplingParams};
 use kv::Cache;
 
 /// Checkpoint ids: a session's are `base + 1`, `base + 2`, ... in the order
@@ -140,6 +140,28 @@ pub struct Session {
     /// Tokens run through the forward by this session, ever (successful
     /// forwards only): `prefill_conversation` reports its share.
     forwarded: u64,
+    /// Steps whose token the device drew (`device_draws`).
+    device_draws: u64,
+}
+
+/// With `STRATA_CHECK_DRAW=1` (builds with `test-hooks`): a draw made on
+/// the device must be the token the host's sampler `before` picks from
+/// `logits` (else `Error::Cuda`), so that the GPU suite's sampled sessions
+/// check every device draw.
+fn check_drawn(before: &Sampler, logits: &[f32], token: u32) -> Result<()> {
+    #[cfg(any(test, feature = "test-hooks"))]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *ON.get_or_init(|| std::env::var("STRATA_CHECK_DRAW").is_ok_and(|v| v == "1")) {
+            let host = before.clone().sample_checked(logits);
+            if host != token {
+                return Err(Error::Cuda(format!("the device drew token {token} where the host draws {host}")));
+            }
+        }
+    }
+    #[cfg(not(any(test, feature = "test-hooks")))]
+    let _ = (before, logits, token);
+    Ok(())
 }
 
 /// What `prefill_conversation` did. `reused + read` is the length of the
@@ -187,6 +209,7 @@ impl Session {
             next_checkpoint: new_id_base() + 1,
             sampler: None,
             forwarded: 0,
+            device_draws: 0,
         })
     }
 
@@ -250,7 +273,13 @@ impl Session {
 
     /// Runs `tokens` through the engine on this session's cache, counting them.
     fn forward(&mut self, tokens: &[u32], want: Logits) -> Result<HostLogits> {
-        let logits = self.engine.forward(&mut self.kv, tokens, want)?;
+        self.forward_drawing(tokens, want, None)
+    }
+
+    /// `forward`, with the next token drawn on the device as `draw` asks
+    /// (`Engine::forward_drawing`).
+    fn forward_drawing(&mut self, tokens: &[u32], want: Logits, draw: Option<&DrawAhead>) -> Result<HostLogits> {
+        let logits = self.engine.forward_drawing(&mut self.kv, tokens, want, draw)?;
         self.forwarded += tokens.len() as u64;
         Ok(logits)
     }
@@ -280,11 +309,27 @@ impl Session {
         // scan here (a decode step would read the vocabulary once more).
         debug_assert!(crate::sampling::first_nonfinite(logits).is_none(), "a session holds non-finite logits");
         let before = sampler.clone();
-        let token = sampler.sample_checked(logits);
-        match self.forward(&[token], Logits::Last) {
+        // The draw the device made with the last forward, when it was made
+        // for this sampler as it is (a CUDA engine, a loop of steps with one
+        // sampler); else the host's. The same token either way.
+        let drawn = logits.drawn().and_then(|d| sampler.take_drawn(d));
+        let token = match drawn {
+            Some(token) => {
+                if let Err(e) = check_drawn(&before, logits, token) {
+                    *sampler = before;
+                    return Err(e);
+                }
+                token
+            }
+            None => sampler.sample_checked(logits),
+        };
+        // Asks the device to draw the next token right after this step's
+        // logits, for this sampler's next state.
+        match self.forward_drawing(&[token], Logits::Last, Some(&sampler.ahead())) {
             Ok(logits) => {
                 self.tokens.push(token);
                 self.logits = Some(logits);
+                self.device_draws += drawn.is_some() as u64;
                 Ok(token)
             }
             Err(e) => {
@@ -292,6 +337,14 @@ impl Session {
                 Err(e)
             }
         }
+    }
+
+    /// How many of this session's steps took the token the device drew
+    /// ahead (a CUDA engine: every step of a loop with one sampler but the
+    /// first after a prefill or a rewind); the others drew on the host.
+    /// The tokens are the same either way.
+    pub fn device_draws(&self) -> u64 {
+        self.device_draws
     }
 
     /// `step` with the session's own sampler, made from `params` and kept

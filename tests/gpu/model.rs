@@ -44,7 +44,7 @@ fn fixture(set: &str, model: &str, layout: &str) -> PathBuf {
 }
 
 /// The CPU engine and the GPU engine of one fixture checkpoint.
-fn engines(set: &str, model: &str, layout: &str, dir: &Path) -> Result<(Engine, Engine), String> {
+pub fn engines(set: &str, model: &str, layout: &str, dir: &Path) -> Result<(Engine, Engine), String> {
     let out = dir.join(format!("{set}-{model}-{layout}"));
     convert(&fixture(set, model, layout), &out, &ConvertOptions::default()).map_err(e)?;
     let cpu = Engine::load(&out, &EngineOptions::default()).map_err(e)?;
@@ -55,7 +55,7 @@ fn engines(set: &str, model: &str, layout: &str, dir: &Path) -> Result<(Engine, 
     Ok((cpu, gpu))
 }
 
-fn prompt(vocab: usize, n: usize) -> Vec<u32> {
+pub fn prompt(vocab: usize, n: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 131 + 7) % vocab) as u32).collect()
 }
 

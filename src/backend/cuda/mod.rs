@@ -11,6 +11,7 @@ pub mod ceilings;
 pub mod deltanet;
 pub mod dense;
 pub mod moe;
+pub mod sampling;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
