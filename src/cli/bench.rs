@@ -41,7 +41,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 4096)]
     prompt_len: usize,
     /// Tokens generated after the prompt (greedy unless --temperature:
-    /// then each step also pays for the sampling on the host).
+    /// then each step also pays for its draw, on the GPU on a CUDA engine,
+    /// and on the host for the first step and on the CPU engine).
     #[arg(long, default_value_t = 64)]
     gen: usize,
     /// Runs of prefill + decode; the medians are printed.
@@ -429,7 +430,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let p = a.sampling.params();
         if !p.is_greedy() {
             line += &format!(
-                "; sampled on the host (temperature {}, top-k {}, top-p {}, min-p {})",
+                "; sampled (temperature {}, top-k {}, top-p {}, min-p {})",
                 p.temperature, p.top_k, p.top_p, p.min_p
             );
         }
