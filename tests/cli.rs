@@ -48,7 +48,7 @@ fn synth_inspect_generate() {
     };
     let (rc, out, err) = bench(&["--temperature", "0.8", "--top-p", "0.9", "--seed", "2"]);
     assert_eq!(rc, 0, "{err}");
-    assert!(out.contains("sampled on the host (temperature 0.8, top-k 0, top-p 0.9, min-p 0)"), "{out}");
+    assert!(out.contains("; sampled (temperature 0.8, top-k 0, top-p 0.9, min-p 0)"), "{out}");
     let (rc, out, err) = bench(&[]);
     assert_eq!(rc, 0, "{err}");
     assert!(out.contains("decode at batch 1") && !out.contains("sampled"), "{out}");
