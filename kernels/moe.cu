@@ -833,9 +833,9 @@ static __device__ __forceinline__ void moe_mma_f16(float (&d)[4], uint32_t a0, u
 // of x * 2^-E, and returns 2^E (see the section comment; E = 0 for a zero
 // slice or one holding an infinity; fmaxf skips NaN, which reaches the
 // result as it is).
-static __device__ __forceinline__ float moe_tc_stage(const float* __restrict__ x, uint4* xs, int lane) {
-    const float4 p = __ldg(reinterpret_cast<const float4*>(x) + 2 * lane);
-    const float4 q = __ldg(reinterpret_cast<const float4*>(x) + 2 * lane + 1);
+// moe_tc_stage_v takes lane L's eight values x[8L .. 8L + 8) as p and q
+// (moe_fused_decode_tc stages from shared memory).
+static __device__ __forceinline__ float moe_tc_stage_v(const float4 p, const float4 q, uint4* xs, int lane) {
     float m = fmaxf(fmaxf(fmaxf(fabsf(p.x), fabsf(p.y)), fmaxf(fabsf(p.z), fabsf(p.w))),
                     fmaxf(fmaxf(fabsf(q.x), fabsf(q.y)), fmaxf(fabsf(q.z), fabsf(q.w))));
 #pragma unroll
@@ -856,6 +856,12 @@ static __device__ __forceinline__ float moe_tc_stage(const float* __restrict__ x
     xs[lane] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     xs[32 + lane] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     return __int_as_float((127 + E) << 23);
+}
+
+static __device__ __forceinline__ float moe_tc_stage(const float* __restrict__ x, uint4* xs, int lane) {
+    const float4 p = __ldg(reinterpret_cast<const float4*>(x) + 2 * lane);
+    const float4 q = __ldg(reinterpret_cast<const float4*>(x) + 2 * lane + 1);
+    return moe_tc_stage_v(p, q, xs, lane);
 }
 
 // One warp slice of a 16-row tile of NM matrices: matrix m's codes c[m][r][u]
@@ -1074,6 +1080,345 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_DN_MAX_WARPS * 32)
         }
         out[(size_t)t * H + 16 * blockIdx.y + threadIdx.x] = accumulate ? prev[threadIdx.x] + v : v;
     }
+}
+
+// ---------------------------------------------------------------------------
+// 2c. The decode MoE of one token in one launch (sm_90+):
+// moe_fused_decode_tc, the results of moe_gate_up_gemv_tc then
+// moe_down_gemv_tc bit for bit (the same operations in the same order).
+//
+// Two kernels leave HBM idle between them: the down GEMV's blocks find room
+// only as the gate/up GEMV's end, and only then request their weights. Here
+// a thread-block cluster of MOE_FU_CS blocks takes one routed expert j
+// (grid top_k * CS blocks, cluster (CS, 1, 1), one block an SM), and block
+// r of it, right after the routing, requests ALL of its weights into
+// shared memory with cp.async: gate and up rows [r I / CS, (r + 1) I / CS)
+// and down rows [r H / CS, (r + 1) H / CS), 166 KB for 30b-a3b. It computes
+// its act rows as moe_gate_up_gemv_tc does (tiles of 16 rows, warp w over
+// the K slices w, w + 8, ..., the warps' sums in warp order), the cluster
+// exchanges act through distributed shared memory (a hardware cluster
+// barrier, not a kernel boundary), and the block computes its down rows'
+// part sums over the expert's I as moe_down_gemv_tc does (warp per (tile,
+// K slice) part, the parts summed in slice order). The top_k experts' sums
+// meet in `part [k, H]`: the last of the k clusters to finish a row range
+// (an arrival counter per range: __threadfence, atomicAdd) adds them in j
+// order, times coef_j = w_j * g_down_j * 2^7, onto the residual, as
+// moe_down_gemv_tc's writer threads do; it resets the counter for the next
+// launch. counters: CS u32, zero before the launch (and after it).
+//
+// Shared memory of a unit (one 16-row tile of one 256-element K slice):
+// codes of each matrix as 16 rows of 128 bytes, the 16-byte chunks of an odd
+// row stored with their halves swapped (chunk c at c ^ 4), so the two rows a
+// quarter warp reads (g and g + 1) fall in different banks; then each
+// matrix's 16 rows of 16 scale bytes. Gate/up units hold gate then up (4608
+// bytes), down units one matrix (2304 bytes). Each warp requests and
+// consumes only its own units, one cp.async group a unit, in the order it
+// consumes them, so a warp waits only for the unit it is at.
+// Bad expert id (past the table): that expert's act rows are NaN and its
+// coefficient is NaN (the output rows are NaN, as moe_down_gemv_tc's).
+#define MOE_FU_CS 16
+#define MOE_FU_WARPS 8
+#define MOE_FU_MAX_TG 4   // gate/up tiles a block: I <= 16 * CS * 4
+#define MOE_FU_MAX_TD 16  // down tiles a block: H <= 16 * CS * 16
+#define MOE_FU_MAX_P 4    // K slices of a down row: I <= 1024
+#define MOE_FU_GU_UNIT 4608
+#define MOE_FU_DN_UNIT 2304
+
+// 16 bytes global -> shared (cp.async, L2 evict-first, not through L1).
+static __device__ __forceinline__ void moe_fu_cp16(void* smem, const void* gmem, uint64_t pol) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "l"(pol)
+                 : "memory");
+#endif
+}
+
+static __device__ __forceinline__ void moe_fu_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits until at most `pending` of this thread's cp.async groups are in
+// flight (more than 7 pending: waits for 7, which is stricter).
+static __device__ __forceinline__ void moe_fu_wait(int pending) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    switch (pending) {
+        case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+        case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+        case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+        case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+        case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+        case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+        case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+        default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+    }
+#endif
+}
+
+// One unit's requests by the 32 lanes of a warp: NM matrices of 16 rows
+// (rows `row0 ..`, `row_bytes` of codes a row, `srow_bytes` of scales),
+// K slice `sl` (128 code bytes and 16 scale bytes of each row).
+template <int NM>
+static __device__ __forceinline__ void moe_fu_request(uint8_t* unit, const uint8_t* blob, uint64_t codes0,
+                                                      uint64_t codes1, uint64_t scales0, uint64_t scales1,
+                                                      size_t row0, size_t row_bytes, size_t srow_bytes, int sl,
+                                                      int lane, uint64_t pol) {
+    constexpr int PER = 16 * 8 + 16;  // 16-byte chunks of one matrix
+    for (int i = lane; i < NM * PER; i += 32) {
+        const int m = i / PER, q = i - m * PER;
+        if (q < 128) {
+            const int row = q >> 3, c = q & 7;
+            moe_fu_cp16(unit + m * 2048 + row * 128 + 16 * (c ^ ((row & 1) << 2)),
+                        blob + (m ? codes1 : codes0) + (row0 + row) * row_bytes + 128 * sl + 16 * c, pol);
+        } else {
+            const int row = q - 128;
+            moe_fu_cp16(unit + NM * 2048 + m * 256 + row * 16,
+                        blob + (m ? scales1 : scales0) + (row0 + row) * srow_bytes + 16 * sl, pol);
+        }
+    }
+    moe_fu_commit();
+}
+
+// Matrix m's codes and scale pairs of a unit for thread (g, t4): what
+// moe_tc_load reads from the blob.
+template <int NM>
+static __device__ __forceinline__ void moe_fu_read(const uint8_t* unit, int m, int g, int t4, uint4 (&c)[2][2],
+                                                   uint32_t (&s)[2][2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            c[r][u] = *reinterpret_cast<const uint4*>(unit + m * 2048 + row * 128 + 16 * ((4 * u + t4) ^ ((row & 1) << 2)));
+            s[r][u] = *reinterpret_cast<const unsigned short*>(unit + NM * 2048 + m * 256 + row * 16 + 8 * u + 2 * t4);
+        }
+    }
+}
+
+static __device__ __forceinline__ unsigned int moe_fu_cluster_rank() {
+    unsigned int r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+
+static __device__ __forceinline__ void moe_fu_cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void moe_fu_cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+
+// The float at `p` (this block's shared memory) in block `rank` of the cluster.
+static __device__ __forceinline__ float moe_fu_ld_rank(const float* p, unsigned int rank) {
+    float v = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned int s = (unsigned int)__cvta_generic_to_shared(p);
+    unsigned int remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(s), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+    return v;
+}
+
+// grid (top_k * MOE_FU_CS), cluster (MOE_FU_CS), block MOE_FU_WARPS * 32,
+// dynamic smem TG * S * MOE_FU_GU_UNIT + TD * P * MOE_FU_DN_UNIT (TG = I /
+// (16 CS), S = H / 256, TD = H / (16 CS), P = I / 256); one token; H and I
+// multiples of 16 * CS and 256, TG, TD, P within the MAX bounds, E <=
+// MOE_FUSED_ROUTE_MAX (the wrapper's checks). Routes the token from
+// `logits` (moe_topk_warp_n: the ids and weights moe_route_topk gives),
+// publishes them (ids_out, weights_out), writes act [k, I] as
+// moe_gate_up_gemv_tc, and out [H] (+)= the experts' sum as moe_down_gemv_tc.
+extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
+    moe_fused_decode_tc(const float* __restrict__ x, const uint64_t* __restrict__ table, int table_len,
+                        MoeBlobLayout L, int top_k, const float* __restrict__ logits, int num_experts,
+                        int norm_topk_prob, uint32_t* __restrict__ ids_out, float* __restrict__ weights_out,
+                        float* __restrict__ act, float* __restrict__ part, unsigned int* __restrict__ counters,
+                        float* __restrict__ out, int accumulate) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) uint8_t moe_fu_smem[];
+    __shared__ uint4 xs[MOE_FU_WARPS][64];
+    __shared__ float red_gu[MOE_FU_MAX_TG][MOE_FU_WARPS][2][16];
+    __shared__ float red_dn[MOE_FU_MAX_TD][MOE_FU_MAX_P][16];
+    __shared__ __align__(16) float act_mine[MOE_FU_MAX_TG * 16];
+    __shared__ __align__(16) float act_all[MOE_FU_MAX_TG * 16 * MOE_FU_CS];
+    __shared__ uint64_t table_s[MOE_FUSED_ROUTE_MAX];
+    __shared__ uint32_t ids_s[MOE_MAX_TOP_K];
+    __shared__ float w_s[MOE_MAX_TOP_K];
+    __shared__ float coefs[MOE_MAX_TOP_K];
+    __shared__ float gsc[2];
+    __shared__ float prev[MOE_FU_MAX_TD * 16];
+    __shared__ int last;
+    // The next kernel touches only constants before its own wait.
+    strata_pdl_trigger();
+    strata_pdl_wait();
+    const int H = (int)L.hidden, I = (int)L.intermediate, CS = MOE_FU_CS;
+    const int TG = I / (16 * CS), S = H / MOE_TC_SLICE, TD = H / (16 * CS), P = I / MOE_TC_SLICE;
+    const unsigned int r = moe_fu_cluster_rank();
+    const int j = blockIdx.x / CS;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+
+    // The routing (warp 0) while the other warps copy the table.
+    const int table_s_len = min(table_len, MOE_FUSED_ROUTE_MAX);
+    if (threadIdx.x < 32) {
+        if (num_experts <= 128)
+            moe_topk_warp_n<4>(logits, num_experts, top_k, norm_topk_prob, ids_s, w_s);
+        else
+            moe_topk_warp_n<MOE_FUSED_ROUTE_MAX / 32>(logits, num_experts, top_k, norm_topk_prob, ids_s, w_s);
+    } else {
+        for (int i = threadIdx.x - 32; i < table_s_len; i += blockDim.x - 32) table_s[i] = __ldg(table + i);
+    }
+    __syncthreads();
+    const uint8_t* blob = moe_table_blob(ids_s[j], table, table_len, table_s);
+    if (r == 0 && threadIdx.x == 0) {
+        ids_out[j] = ids_s[j];
+        weights_out[j] = w_s[j];
+    }
+    const int gu_units = TG * ((S - warp + MOE_FU_WARPS - 1) / MOE_FU_WARPS);
+    const int dn_total = TD * P;
+    const int dn_units = (dn_total - warp + MOE_FU_WARPS - 1) / MOE_FU_WARPS;
+    uint8_t* gu_base = moe_fu_smem;
+    uint8_t* dn_base = moe_fu_smem + (size_t)TG * S * MOE_FU_GU_UNIT;
+    if (blob != nullptr) {
+        const uint64_t pol = strata_stream_policy();
+        // In this thread's first group: the global scales (the act rows), the
+        // residual (the last arriver's rows) and the coefficients.
+        if (threadIdx.x < 2) strata_cp_async4(gsc + threadIdx.x, reinterpret_cast<const float*>(blob + L.tail) + threadIdx.x);
+        if (accumulate)
+            for (int i = threadIdx.x; i < 16 * TD; i += blockDim.x) strata_cp_async4(prev + i, out + (size_t)r * 16 * TD + i);
+        for (int tg = 0; tg < TG; ++tg)
+            for (int sl = warp; sl < S; sl += MOE_FU_WARPS)
+                moe_fu_request<2>(gu_base + (size_t)(tg * S + sl) * MOE_FU_GU_UNIT, blob, L.gate_codes, L.up_codes,
+                                  L.gate_scales, L.up_scales, (size_t)r * 16 * TG + 16 * tg, (size_t)H >> 1,
+                                  (size_t)H >> 4, sl, lane, pol);
+        for (int q = warp; q < dn_total; q += MOE_FU_WARPS) {
+            const int td = q / P, p = q - td * P;
+            moe_fu_request<1>(dn_base + (size_t)q * MOE_FU_DN_UNIT, blob, L.down_codes, 0, L.down_scales, 0,
+                              (size_t)r * 16 * TD + 16 * td, (size_t)I >> 1, (size_t)I >> 4, p, lane, pol);
+        }
+    }
+    if (threadIdx.x < top_k) {  // every expert's coefficient, for the last arriver (one L2 read each)
+        const uint8_t* b = moe_table_blob(ids_s[threadIdx.x], table, table_len, table_s);
+        coefs[threadIdx.x] = b != nullptr ? w_s[threadIdx.x] * moe_tail(b, L, 2) * 128.0f : __int_as_float(0x7fc00000);
+    }
+
+    // Gate/up: tile by tile, this warp's slices in order (moe_gate_up_gemv_tc's sums).
+    int unit = 0;
+    for (int tg = 0; tg < TG; ++tg) {
+        float acc[2][2] = {};
+        if (blob != nullptr) {
+            for (int sl = warp; sl < S; sl += MOE_FU_WARPS, ++unit) {
+                moe_fu_wait(gu_units - 1 - unit + dn_units);
+                __syncwarp();
+                const uint8_t* u8 = gu_base + (size_t)(tg * S + sl) * MOE_FU_GU_UNIT;
+                uint4 c[2][2][2];
+                uint32_t sc[2][2][2];
+                moe_fu_read<2>(u8, 0, g, t4, c[0], sc[0]);
+                moe_fu_read<2>(u8, 1, g, t4, c[1], sc[1]);
+                const float* xsl = x + MOE_TC_SLICE * sl;
+                const float pe = moe_tc_stage(xsl, xs[warp], lane);
+                __syncwarp();
+                float d[2][1][4] = {};
+                moe_tc_slice<2, 1>(c, sc, xs[warp], g, t4, d);
+                __syncwarp();
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    const float2 rr = moe_tc_rows(d[m], pe);
+                    acc[m][0] += rr.x;
+                    acc[m][1] += rr.y;
+                }
+            }
+        }
+        if (t4 == 0) {
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                red_gu[tg][warp][m][g] = acc[m][0];
+                red_gu[tg][warp][m][g + 8] = acc[m][1];
+            }
+        }
+    }
+    moe_fu_wait(dn_units);  // every gate/up group (and gsc, prev) of this thread
+    __syncthreads();
+    if (threadIdx.x < 16 * TG) {
+        const int tg = threadIdx.x >> 4, row = threadIdx.x & 15;
+        float a = __int_as_float(0x7fc00000);
+        if (blob != nullptr) {
+            float sg = 0.0f, su = 0.0f;
+#pragma unroll
+            for (int w = 0; w < MOE_FU_WARPS; ++w) {
+                sg += red_gu[tg][w][0][row];
+                su += red_gu[tg][w][1][row];
+            }
+            const float gate = sg * (gsc[0] * 128.0f), up = su * (gsc[1] * 128.0f);
+            a = moe_silu(gate) * up;
+        }
+        act_mine[threadIdx.x] = a;
+        act[(size_t)j * I + (size_t)r * 16 * TG + threadIdx.x] = a;
+    }
+    // The cluster's act rows -> act_all (each block's rows from its shared memory).
+    moe_fu_cluster_arrive();
+    moe_fu_cluster_wait();
+    for (int i = threadIdx.x; i < I; i += blockDim.x) {
+        const int q = i / (16 * TG);
+        act_all[i] = moe_fu_ld_rank(act_mine + (i - q * 16 * TG), (unsigned int)q);
+    }
+    moe_fu_cluster_arrive();  // done reading the others' act_mine (waited for before exit)
+    __syncthreads();
+
+    // Down: this warp's parts (moe_down_gemv_tc's part sums).
+    for (int q = warp, du = 0; q < dn_total; q += MOE_FU_WARPS, ++du) {
+        const int td = q / P, p = q - td * P;
+        float2 rr = make_float2(0.0f, 0.0f);
+        if (blob != nullptr) {
+            moe_fu_wait(dn_units - 1 - du);
+            __syncwarp();
+            uint4 c[1][2][2];
+            uint32_t s[1][2][2];
+            moe_fu_read<1>(dn_base + (size_t)q * MOE_FU_DN_UNIT, 0, g, t4, c[0], s[0]);
+            const float4* a4 = reinterpret_cast<const float4*>(act_all + MOE_TC_SLICE * p);
+            const float pe = moe_tc_stage_v(a4[2 * lane], a4[2 * lane + 1], xs[warp], lane);
+            __syncwarp();
+            float d[1][2][4] = {};
+            moe_tc_slice<1, 2>(c, s, xs[warp], g, t4, d);
+            __syncwarp();
+            rr = moe_tc_rows(d[0], pe);
+        }
+        if (t4 == 0) {
+            red_dn[td][p][g] = rr.x;
+            red_dn[td][p][g + 8] = rr.y;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 16 * TD) {
+        const int td = threadIdx.x >> 4, row = threadIdx.x & 15;
+        float sj = 0.0f;
+        for (int p = 0; p < P; ++p) sj += red_dn[td][p][row];
+        part[(size_t)j * H + (size_t)r * 16 * TD + threadIdx.x] = sj;
+        __threadfence();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int arrived = atomicAdd(counters + r, 1u);
+        last = arrived == (unsigned int)top_k - 1u;
+        if (last) counters[r] = 0u;
+    }
+    __syncthreads();
+    if (last && threadIdx.x < 16 * TD) {
+        __threadfence();
+        const size_t o = (size_t)r * 16 * TD + threadIdx.x;
+        float v = 0.0f;
+        for (int jj = 0; jj < top_k; ++jj) v = fmaf(coefs[jj], __ldcg(part + (size_t)jj * H + o), v);
+        out[o] = accumulate ? prev[threadIdx.x] + v : v;
+    }
+    moe_fu_cluster_wait();
+#endif
 }
 
 // ---------------------------------------------------------------------------

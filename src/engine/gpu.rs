@@ -37,7 +37,7 @@ use crate::backend::cuda::deltanet::{
     deltanet_core_with, DeltaNetDeviceWeights, DeltaNetScratch, DeltaRuleForm, DeviceDeltaState,
 };
 use crate::backend::cuda::dense::{self, GemmPrecision, NormIn, RopeTable, Write};
-use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping, GroupedPrecision};
+use crate::backend::cuda::moe::{self, BlobLayout, ExpertGrouping, FusedScratch, GroupedPrecision};
 use crate::backend::cuda::sampling;
 use crate::backend::cuda::{CudaEvent, CudaSlice, CudaStream, DevicePtr, Gpu, StreamHold};
 use crate::backend::{AttentionShape, DeltaNetState, Rope};
@@ -1554,14 +1554,23 @@ impl GpuStage {
                 weights: &mut s.weights,
                 host_blobs: false,
             };
-            if !skipped(t, "gateup") {
-                moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
-            }
-            if !skipped(t, "down") {
-                let logits = route_logits(c, &s.router, t);
-                let (ids, w) = (&s.ids, &s.weights);
-                let act = &s.moe.act;
-                moe::expert_down_gemv_routed(gpu, act, ids, w, logits, false, table, layout, t, k, &mut s.x, true)?;
+            let i = c.moe_intermediate_size;
+            let whole = !skipped(t, "gateup") && !skipped(t, "down");
+            if let Some(fs) =
+                s.moe.fused.as_mut().filter(|_| whole && t == 1 && moe::fused_decode_fits(gpu, h, i, k, e))
+            {
+                // One launch: a cluster an expert (moe::fused_decode).
+                moe::fused_decode(gpu, &s.h, route, table, layout, k, &mut s.moe.act, fs, &mut s.x, true)?;
+            } else {
+                if !skipped(t, "gateup") {
+                    moe::expert_gate_up_gemv_routed(gpu, &s.h, route, table, layout, t, k, &mut s.moe.act)?;
+                }
+                if !skipped(t, "down") {
+                    let logits = route_logits(c, &s.router, t);
+                    let (ids, w) = (&s.ids, &s.weights);
+                    let act = &s.moe.act;
+                    moe::expert_down_gemv_routed(gpu, act, ids, w, logits, false, table, layout, t, k, &mut s.x, true)?;
+                }
             }
         } else if let Some(help) = help {
             moe::route_topk(gpu, &s.router, t, e, k, c.norm_topk_prob, &mut s.ids, &mut s.weights)?;
@@ -2000,6 +2009,8 @@ struct MoeScratch {
     /// Grouped path only: the grouping and `[T * k, hidden]` outputs.
     grouping: Option<ExpertGrouping>,
     y: Option<CudaSlice<f32>>,
+    /// One-row scratch only: the fused decode MoE's buffers (`moe::fused_decode`).
+    fused: Option<FusedScratch>,
 }
 
 impl MoeScratch {
@@ -2009,6 +2020,7 @@ impl MoeScratch {
             act: gpu.alloc_zeros(t * k * inter)?,
             grouping: if grouped { Some(ExpertGrouping::new(gpu, t * k, num_experts)?) } else { None },
             y: if grouped { Some(gpu.alloc_zeros(t * k * hidden)?) } else { None },
+            fused: if t == 1 && gpu.fused_moe() { Some(FusedScratch::new(gpu, hidden, k)?) } else { None },
         })
     }
 }

@@ -42,6 +42,7 @@ pub const TESTS: &[GpuTest] = &[
     ("moe_gemv_bad_expert_id_gives_nan_rows", gemv_bad_expert_id_gives_nan_rows),
     ("moe_gemv_wide_range_and_slices", gemv_wide_range_and_slices),
     ("moe_decode_pipeline_matches_moe_forward", decode_pipeline_matches_moe_forward),
+    ("moe_fused_decode_matches_two_launches", fused_decode_matches_two_launches),
     ("moe_group_by_expert_matches_cpu", group_by_expert_matches_cpu),
     ("moe_grouped_matches_cpu_forward", grouped_matches_cpu_forward),
     ("moe_grouped_split_precision", grouped_split_precision),
@@ -712,6 +713,136 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
             }
             check_close(&format!("down routed itself E={n_exp2} norm {norm}"), &got, &want, 0.0)
         })?;
+    }
+    Ok(())
+}
+
+/// The fused decode MoE (`fused_decode`, sm_90+: a thread-block cluster an expert) against the two GEMV launches
+/// it replaces (`expert_gate_up_gemv_routed`, then `expert_down_gemv_routed` on the same logits): the same ids,
+/// weights, act and output bits, onto a residual and not, launched twice in a row (the arrival counters must be
+/// reset for the second), at 30b-a3b's shape (H 2048, I 768, k 8 of E 128) and Qwen3-Next's (I 512, k 10 of
+/// 512), and within F32_TOL of the CPU's experts. With a table shorter than the ids routed to, the rows of both
+/// are NaN alike. Elsewhere (before sm_90, or with `STRATA_FUSED_MOE=0`) `fused_decode_fits` must say no.
+fn fused_decode_matches_two_launches(gpu: &Arc<Gpu>) -> Result<(), String> {
+    if !gpu.fused_moe() {
+        if gm::fused_decode_fits(gpu, 2048, 768, 8, 128) {
+            return Err("fused_decode_fits says yes with the fused kernel off".into());
+        }
+        eprintln!("    (the fused decode MoE is off on this device: nothing to compare)");
+        return Ok(());
+    }
+    if !gm::fused_decode_fits(gpu, 2048, 768, 8, 128) {
+        return Err("the fused decode MoE does not fit 30b-a3b's shape on an sm_90 device".into());
+    }
+    let h = 2048usize;
+    for &(i, n_exp, k, norm, n_blobs, table_len) in &[
+        (768usize, 128usize, 8usize, false, 16usize, 16usize),
+        (512, 512, 10, true, 14, 14),
+        (768, 128, 8, true, 16, 11),
+    ] {
+        let what = format!("I={i} k={k} of E={n_exp}, table {table_len}");
+        let host = HostExperts::random(70 + i as u64 + k as u64, h, i, n_blobs);
+        let dev = upload_experts(gpu, &host)?;
+        let table = table_of(gpu, &dev._blobs, host.layout.stride, table_len)?;
+        // Only the first n_blobs ids are likely: the rest are shifted far down.
+        let mut logits = rand_f32(80 + i as u64, n_exp, 1.0);
+        logits[n_blobs..].iter_mut().for_each(|v| *v -= 50.0);
+        let d_logits = gpu.upload(&logits).map_err(e)?;
+        let x = rand_f32(81 + i as u64, h, 1.0);
+        let d_x = gpu.upload(&x).map_err(e)?;
+        let residual = rand_f32(82 + i as u64, h, 0.5);
+        for accumulate in [true, false] {
+            // The two launches.
+            let mut ids = gpu.alloc_zeros::<u32>(k).map_err(e)?;
+            let mut weights = poisoned(gpu, k)?;
+            let mut act = poisoned(gpu, k * i)?;
+            let mut out = gpu.upload(&residual).map_err(e)?;
+            let route = gm::Route {
+                logits: &d_logits,
+                num_experts: n_exp,
+                norm_topk_prob: norm,
+                ids: &mut ids,
+                weights: &mut weights,
+                host_blobs: false,
+            };
+            gm::expert_gate_up_gemv_routed(gpu, &d_x, route, &table, &dev.layout, 1, k, &mut act).map_err(e)?;
+            let logit_of = gm::Logits { logits: &d_logits, num_experts: n_exp, norm_topk_prob: norm };
+            gm::expert_down_gemv_routed(
+                gpu,
+                &act,
+                &ids,
+                &weights,
+                Some(logit_of),
+                false,
+                &table,
+                &dev.layout,
+                1,
+                k,
+                &mut out,
+                accumulate,
+            )
+            .map_err(e)?;
+            let want = [download(gpu, &weights)?, download(gpu, &act)?, download(gpu, &out)?].concat();
+            let want_ids = download_u32(gpu, &ids)?;
+            // The fused launch, twice on the same scratch.
+            let mut scratch = gm::FusedScratch::new(gpu, h, k).map_err(e)?;
+            for run in 0..2 {
+                let mut f_ids = gpu.alloc_zeros::<u32>(k).map_err(e)?;
+                let mut f_weights = poisoned(gpu, k)?;
+                let mut f_act = poisoned(gpu, k * i)?;
+                let mut f_out = gpu.upload(&residual).map_err(e)?;
+                let route = gm::Route {
+                    logits: &d_logits,
+                    num_experts: n_exp,
+                    norm_topk_prob: norm,
+                    ids: &mut f_ids,
+                    weights: &mut f_weights,
+                    host_blobs: false,
+                };
+                gm::fused_decode(
+                    gpu,
+                    &d_x,
+                    route,
+                    &table,
+                    &dev.layout,
+                    k,
+                    &mut f_act,
+                    &mut scratch,
+                    &mut f_out,
+                    accumulate,
+                )
+                .map_err(e)?;
+                let got = [download(gpu, &f_weights)?, download(gpu, &f_act)?, download(gpu, &f_out)?].concat();
+                let tag = format!("{what}, accumulate {accumulate}, run {run}");
+                if download_u32(gpu, &f_ids)? != want_ids {
+                    return Err(format!("{tag}: the fused kernel routed to other experts"));
+                }
+                if let Some(p) =
+                    got.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits() && !(a.is_nan() && b.is_nan()))
+                {
+                    return Err(format!("{tag}: value {p} is {} where the two launches give {}", got[p], want[p]));
+                }
+            }
+            let out = &want[k + k * i..];
+            if table_len < n_blobs {
+                // Some routed id is past the table (else this case tests nothing): NaN rows.
+                if !want_ids.iter().any(|&id| id as usize >= table_len) || !out.iter().all(|v| v.is_nan()) {
+                    return Err(format!("{what}: want every output NaN from an id past the table (ids {want_ids:?})"));
+                }
+                continue;
+            }
+            // The CPU's experts.
+            let routing = moe::route(&logits, n_exp, k, norm);
+            let mut cpu = if accumulate { residual.clone() } else { vec![0.0f32; h] };
+            for (j, &id) in routing.experts.iter().enumerate() {
+                let ev = host.view(id);
+                let a = cpu_act(&ev, &x);
+                for (row, o) in cpu.iter_mut().enumerate() {
+                    *o += routing.weights[j] * ev.down.row_dot(row, &a);
+                }
+            }
+            check_close(&format!("{what}, accumulate {accumulate}: fused vs the CPU"), out, &cpu, F32_TOL)?;
+        }
     }
     Ok(())
 }

@@ -185,6 +185,10 @@ pub struct Gpu {
     /// wait (`PREWAIT_ATTN | PREWAIT_DOWN` unless `STRATA_PREWAIT` says
     /// otherwise; tests may switch it: `set_prewait`).
     prewait: AtomicU8,
+    /// Whether a decode step's routed experts may run as one launch of
+    /// thread-block clusters (`moe::fused_decode`: sm_90+, unless
+    /// `STRATA_FUSED_MOE=0`; tests may switch it: `set_fused_moe`).
+    fused_moe: AtomicBool,
     /// Held (`StreamHold`) by the thread that queues work on `stream`, for
     /// the length of one whole operation: a forward (which may capture the
     /// stream into a CUDA graph: anything another thread queued meanwhile
@@ -293,6 +297,7 @@ impl Gpu {
             pdl: major >= 9 && std::env::var("STRATA_PDL").map_or(true, |v| v != "0"),
             tc_gemv: AtomicBool::new(major >= 8 && std::env::var("STRATA_TC_GEMV").map_or(true, |v| v != "0")),
             prewait: AtomicU8::new(prewait_from_env(std::env::var("STRATA_PREWAIT").ok().as_deref())),
+            fused_moe: AtomicBool::new(major >= 9 && std::env::var("STRATA_FUSED_MOE").map_or(true, |v| v != "0")),
             queue: ReentrantMutex::new(()),
         }))
     }
@@ -324,6 +329,21 @@ impl Gpu {
     #[cfg(feature = "test-hooks")]
     pub fn set_tc_gemv(&self, on: bool) -> bool {
         self.tc_gemv.swap(on && self.compute_capability.0 >= 8, Ordering::Relaxed)
+    }
+
+    /// Whether a decode step's routed experts may run as one launch of
+    /// thread-block clusters (`moe::fused_decode`; sm_90+,
+    /// `STRATA_FUSED_MOE=0` keeps the two GEMV launches, for comparison).
+    pub fn fused_moe(&self) -> bool {
+        self.fused_moe.load(Ordering::Relaxed)
+    }
+
+    /// Tests (`test-hooks`): allows the fused decode MoE (`on`, where the
+    /// device has clusters) or not from the next launch on; returns the
+    /// previous setting.
+    #[cfg(feature = "test-hooks")]
+    pub fn set_fused_moe(&self, on: bool) -> bool {
+        self.fused_moe.swap(on && self.compute_capability.0 >= 9, Ordering::Relaxed)
     }
 
     /// Whether `what` (`PREWAIT_ATTN`: the one-row attention reads its first
@@ -422,14 +442,53 @@ impl Gpu {
     /// `strata_pdl_wait()` (kernels/common.cuh) before it reads anything an
     /// earlier kernel writes or writes anything an earlier kernel touches.
     pub unsafe fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &mut KernelArgs) -> Result<()> {
-        self.ctx.bind_to_thread()?;
-        let mut params: Vec<*mut std::ffi::c_void> =
-            args.store.iter_mut().map(|b| b.as_mut_ptr() as *mut std::ffi::c_void).collect();
+        // SAFETY: as this function's.
+        unsafe { self.launch_ex(f, cfg, None, args) }
+    }
+
+    /// `launch` in thread-block clusters of `cluster` blocks along x (sm_90+;
+    /// the grid's x a multiple of it). A cluster of more than 8 blocks needs
+    /// `allow_large_clusters` on `f` first.
+    ///
+    /// # Safety
+    /// As `launch`.
+    pub unsafe fn launch_cluster(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        cluster: u32,
+        args: &mut KernelArgs,
+    ) -> Result<()> {
+        // SAFETY: as this function's.
+        unsafe { self.launch_ex(f, cfg, Some(cluster), args) }
+    }
+
+    /// The attributes of a launch: programmatic dependent launch where the
+    /// device has it, clusters of `cluster` blocks along x.
+    fn launch_attrs(&self, cluster: Option<u32>) -> ([sys::CUlaunchAttribute; 2], u32) {
         // SAFETY: zero is a valid bit pattern of this plain C union.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let config = sys::CUlaunchConfig {
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0;
+        if self.pdl {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if let Some(c) = cluster {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: c, y: 1, z: 1 };
+            n += 1;
+        }
+        (attrs, n as u32)
+    }
+
+    fn launch_config(
+        cfg: &LaunchConfig,
+        stream: sys::CUstream,
+        attrs: &mut [sys::CUlaunchAttribute; 2],
+        n: u32,
+    ) -> sys::CUlaunchConfig {
+        sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
             gridDimZ: cfg.grid_dim.2,
@@ -437,15 +496,49 @@ impl Gpu {
             blockDimY: cfg.block_dim.1,
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: self.pdl as u32,
-        };
+            hStream: stream,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n,
+        }
+    }
+
+    /// # Safety
+    /// As `launch`.
+    unsafe fn launch_ex(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        cluster: Option<u32>,
+        args: &mut KernelArgs,
+    ) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        let mut params: Vec<*mut std::ffi::c_void> =
+            args.store.iter_mut().map(|b| b.as_mut_ptr() as *mut std::ffi::c_void).collect();
+        let (mut attrs, n) = self.launch_attrs(cluster);
+        let config = Self::launch_config(&cfg, self.stream.cu_stream(), &mut attrs, n);
         // SAFETY: the caller vouches for the arguments; `params` points into `args`' storage, alive until return;
-        // `config` and `attr` outlive the call.
+        // `config` and `attrs` outlive the call.
         unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
             .result()?;
         Ok(())
+    }
+
+    /// Lets `f` launch in clusters of more than 8 blocks (up to 16 on sm_90).
+    pub fn allow_large_clusters(&self, f: &CudaFunction) -> Result<()> {
+        f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)?;
+        Ok(())
+    }
+
+    /// How many clusters of `cluster` blocks of `f` in the shape `cfg` the
+    /// device runs at once (0: none fits).
+    pub fn max_active_clusters(&self, f: &CudaFunction, cfg: LaunchConfig, cluster: u32) -> Result<usize> {
+        self.ctx.bind_to_thread()?;
+        let (mut attrs, n) = self.launch_attrs(Some(cluster));
+        let config = Self::launch_config(&cfg, self.stream.cu_stream(), &mut attrs, n);
+        let mut count: std::ffi::c_int = 0;
+        // SAFETY: `config` and `attrs` outlive the call; `count` is written once.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut count, f.cu_function(), &config) }.result()?;
+        Ok(count.max(0) as usize)
     }
 
     /// Waits until everything queued on the stream has run; a kernel's
