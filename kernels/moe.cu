@@ -1252,7 +1252,7 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
     __shared__ uint64_t table_s[MOE_FUSED_ROUTE_MAX];
     __shared__ uint32_t ids_s[MOE_MAX_TOP_K];
     __shared__ float w_s[MOE_MAX_TOP_K];
-    __shared__ float coefs[MOE_MAX_TOP_K];
+    __shared__ float gdn[MOE_MAX_TOP_K];
     __shared__ float gsc[2];
     __shared__ float prev[MOE_FU_MAX_TD * 16];
     __shared__ int last;
@@ -1286,10 +1286,16 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
     const int dn_units = (dn_total - warp + MOE_FU_WARPS - 1) / MOE_FU_WARPS;
     uint8_t* gu_base = moe_fu_smem;
     uint8_t* dn_base = moe_fu_smem + (size_t)TG * S * MOE_FU_GU_UNIT;
+    // Every expert's down global scale, for the last arriver (waited for
+    // before the merge).
+    if (threadIdx.x < top_k) {
+        const uint8_t* b = moe_table_blob(ids_s[threadIdx.x], table, table_len, table_s);
+        if (b != nullptr) strata_cp_async4(gdn + threadIdx.x, reinterpret_cast<const float*>(b + L.tail) + 2);
+    }
     if (blob != nullptr) {
         const uint64_t pol = strata_stream_policy();
-        // In this thread's first group: the global scales (the act rows), the
-        // residual (the last arriver's rows) and the coefficients.
+        // In this thread's first group: the global scales (the act rows) and
+        // the residual (the last arriver's rows).
         if (threadIdx.x < 2) strata_cp_async4(gsc + threadIdx.x, reinterpret_cast<const float*>(blob + L.tail) + threadIdx.x);
         if (accumulate)
             for (int i = threadIdx.x; i < 16 * TD; i += blockDim.x) strata_cp_async4(prev + i, out + (size_t)r * 16 * TD + i);
@@ -1303,10 +1309,6 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
             moe_fu_request<1>(dn_base + (size_t)q * MOE_FU_DN_UNIT, blob, L.down_codes, 0, L.down_scales, 0,
                               (size_t)r * 16 * TD + 16 * td, (size_t)I >> 1, (size_t)I >> 4, p, lane, pol);
         }
-    }
-    if (threadIdx.x < top_k) {  // every expert's coefficient, for the last arriver (one L2 read each)
-        const uint8_t* b = moe_table_blob(ids_s[threadIdx.x], table, table_len, table_s);
-        coefs[threadIdx.x] = b != nullptr ? w_s[threadIdx.x] * moe_tail(b, L, 2) * 128.0f : __int_as_float(0x7fc00000);
     }
 
     // Gate/up: tile by tile, this warp's slices in order (moe_gate_up_gemv_tc's sums).
@@ -1403,6 +1405,7 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
         part[(size_t)j * H + (size_t)r * 16 * TD + threadIdx.x] = sj;
         __threadfence();
     }
+    strata_cp_async_wait_all();  // gdn (the threads of a block without an expert committed no group)
     __syncthreads();
     if (threadIdx.x == 0) {
         const unsigned int arrived = atomicAdd(counters + r, 1u);
@@ -1414,7 +1417,12 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
         __threadfence();
         const size_t o = (size_t)r * 16 * TD + threadIdx.x;
         float v = 0.0f;
-        for (int jj = 0; jj < top_k; ++jj) v = fmaf(coefs[jj], __ldcg(part + (size_t)jj * H + o), v);
+        for (int jj = 0; jj < top_k; ++jj) {
+            // coef_j = w_j * g_down_j * 2^7 (NaN for an id past the table), as moe_down_gemv_tc.
+            const bool ok = ids_s[jj] < (uint32_t)table_len;
+            const float coef = ok ? w_s[jj] * gdn[jj] * 128.0f : __int_as_float(0x7fc00000);
+            v = fmaf(coef, __ldcg(part + (size_t)jj * H + o), v);
+        }
         out[o] = accumulate ? prev[threadIdx.x] + v : v;
     }
     moe_fu_cluster_wait();
