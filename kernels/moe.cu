@@ -1089,40 +1089,38 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_DN_MAX_WARPS * 32)
 //
 // Two kernels leave HBM idle between them: the down GEMV's blocks find room
 // only as the gate/up GEMV's end, and only then request their weights. Here
-// a thread-block cluster of MOE_FU_CS blocks takes one routed expert j
-// (grid top_k * CS blocks, cluster (CS, 1, 1), one block an SM), and block
-// r of it, right after the routing, requests ALL of its weights into
-// shared memory with cp.async: gate and up rows [r I / CS, (r + 1) I / CS)
-// and down rows [r H / CS, (r + 1) H / CS), 166 KB for 30b-a3b. It computes
-// its act rows as moe_gate_up_gemv_tc does (tiles of 16 rows, warp w over
-// the K slices w, w + 8, ..., the warps' sums in warp order), the cluster
-// exchanges act through distributed shared memory (a hardware cluster
-// barrier, not a kernel boundary), and the block computes its down rows'
-// part sums over the expert's I as moe_down_gemv_tc does (warp per (tile,
-// K slice) part, the parts summed in slice order). The top_k experts' sums
-// meet in `part [k, H]`: the last of the k clusters to finish a row range
-// (an arrival counter per range: __threadfence, atomicAdd) adds them in j
-// order, times coef_j = w_j * g_down_j * 2^7, onto the residual, as
-// moe_down_gemv_tc's writer threads do; it resets the counter for the next
-// launch. counters: CS u32, zero before the launch (and after it).
+// a thread-block cluster of CS blocks (8 or 16, one block an SM) takes one
+// routed expert j (grid top_k * CS blocks), and block r of it computes act
+// rows [r I / CS, (r + 1) I / CS) of expert j as moe_gate_up_gemv_tc does
+// (tiles of 16 rows, warp w over the K slices w, w + 8, ..., the warps'
+// sums in warp order); the cluster exchanges act through distributed shared
+// memory (a hardware cluster barrier, not a kernel boundary), and block r
+// computes its down rows [r H / CS, (r + 1) H / CS) over the expert's I as
+// moe_down_gemv_tc does (a warp per (tile, K slice) part, the parts summed in
+// slice order). Each warp streams its weights (its gate/up units, then its
+// down parts) through its own ring of `ring` slots in shared memory with
+// cp.async, one group a unit: right after the routing it requests its first
+// `ring` units, and each unit it reads frees a slot for the next, so the
+// down weights are in flight while the gate/up products run. The top_k
+// experts' sums meet in `part [k, H]`: the last of the k clusters to finish
+// a row range (an arrival counter per range: __threadfence, atomicAdd) adds
+// them in j order, times coef_j = w_j * g_down_j * 2^7, onto the residual, as
+// moe_down_gemv_tc's writer threads do, and resets the counter for the next
+// launch. counters: CS u32, zero before the launch (and after it). The
+// wrapper picks CS and ring so that the k clusters run at once.
 //
-// Shared memory of a unit (one 16-row tile of one 256-element K slice):
-// codes of each matrix as 16 rows of 128 bytes, the 16-byte chunks of an odd
-// row stored with their halves swapped (chunk c at c ^ 4), so the two rows a
+// A unit (one 16-row tile of one 256-element K slice) in its slot: the codes
+// of each matrix as 16 rows of 128 bytes, the 16-byte chunks of an odd row
+// stored with their halves swapped (chunk c at c ^ 4), so the two rows a
 // quarter warp reads (g and g + 1) fall in different banks; then each
-// matrix's 16 rows of 16 scale bytes. Gate/up units hold gate then up (4608
-// bytes), down units one matrix (2304 bytes). Each warp requests and
-// consumes only its own units, one cp.async group a unit, in the order it
-// consumes them, so a warp waits only for the unit it is at.
+// matrix's 16 rows of 16 scale bytes (gate/up: 4608 bytes, down: 2304).
 // Bad expert id (past the table): that expert's act rows are NaN and its
 // coefficient is NaN (the output rows are NaN, as moe_down_gemv_tc's).
-#define MOE_FU_CS 16
 #define MOE_FU_WARPS 8
-#define MOE_FU_MAX_TG 4   // gate/up tiles a block: I <= 16 * CS * 4
+#define MOE_FU_MAX_TG 6   // gate/up tiles a block: I <= 16 * CS * 6
 #define MOE_FU_MAX_TD 16  // down tiles a block: H <= 16 * CS * 16
 #define MOE_FU_MAX_P 4    // K slices of a down row: I <= 1024
-#define MOE_FU_GU_UNIT 4608
-#define MOE_FU_DN_UNIT 2304
+#define MOE_FU_SLOT 4608  // a ring slot: a gate/up unit (a down unit uses half)
 
 // 16 bytes global -> shared (cp.async, L2 evict-first, not through L1).
 static __device__ __forceinline__ void moe_fu_cp16(void* smem, const void* gmem, uint64_t pol) {
@@ -1143,7 +1141,7 @@ static __device__ __forceinline__ void moe_fu_commit() {
 // flight (more than 7 pending: waits for 7, which is stricter).
 static __device__ __forceinline__ void moe_fu_wait(int pending) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    switch (pending) {
+    switch (pending < 0 ? 0 : pending) {
         case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
         case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
         case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
@@ -1228,27 +1226,36 @@ static __device__ __forceinline__ float moe_fu_ld_rank(const float* p, unsigned 
     return v;
 }
 
-// grid (top_k * MOE_FU_CS), cluster (MOE_FU_CS), block MOE_FU_WARPS * 32,
-// dynamic smem TG * S * MOE_FU_GU_UNIT + TD * P * MOE_FU_DN_UNIT (TG = I /
-// (16 CS), S = H / 256, TD = H / (16 CS), P = I / 256); one token; H and I
-// multiples of 16 * CS and 256, TG, TD, P within the MAX bounds, E <=
-// MOE_FUSED_ROUTE_MAX (the wrapper's checks). Routes the token from
-// `logits` (moe_topk_warp_n: the ids and weights moe_route_topk gives),
-// publishes them (ids_out, weights_out), writes act [k, I] as
-// moe_gate_up_gemv_tc, and out [H] (+)= the experts' sum as moe_down_gemv_tc.
+// The cluster's size (blocks).
+static __device__ __forceinline__ unsigned int moe_fu_cluster_size() {
+    unsigned int n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+    return n;
+}
+
+// grid (top_k * CS), cluster (CS) with CS in {8, 16}, block MOE_FU_WARPS *
+// 32, dynamic smem MOE_FU_WARPS * ring * MOE_FU_SLOT; one token; H and I
+// multiples of 16 * CS and 256, TG = I / (16 CS) <= MOE_FU_MAX_TG, TD = H /
+// (16 CS) <= MOE_FU_MAX_TD, I / 256 <= MOE_FU_MAX_P, E <= MOE_FUSED_ROUTE_MAX,
+// ring >= 1 (the wrapper's checks). Routes the token from `logits`
+// (moe_topk_warp_n: the ids and weights moe_route_topk gives), publishes
+// them (ids_out, weights_out), writes act [k, I] as moe_gate_up_gemv_tc,
+// and out [H] (+)= the experts' sum as moe_down_gemv_tc.
 extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
     moe_fused_decode_tc(const float* __restrict__ x, const uint64_t* __restrict__ table, int table_len,
                         MoeBlobLayout L, int top_k, const float* __restrict__ logits, int num_experts,
                         int norm_topk_prob, uint32_t* __restrict__ ids_out, float* __restrict__ weights_out,
                         float* __restrict__ act, float* __restrict__ part, unsigned int* __restrict__ counters,
-                        float* __restrict__ out, int accumulate) {
+                        float* __restrict__ out, int accumulate, int ring) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) uint8_t moe_fu_smem[];
     __shared__ uint4 xs[MOE_FU_WARPS][64];
     __shared__ float red_gu[MOE_FU_MAX_TG][MOE_FU_WARPS][2][16];
     __shared__ float red_dn[MOE_FU_MAX_TD][MOE_FU_MAX_P][16];
     __shared__ __align__(16) float act_mine[MOE_FU_MAX_TG * 16];
-    __shared__ __align__(16) float act_all[MOE_FU_MAX_TG * 16 * MOE_FU_CS];
+    __shared__ __align__(16) float act_all[MOE_FU_MAX_P * MOE_TC_SLICE];
     __shared__ uint64_t table_s[MOE_FUSED_ROUTE_MAX];
     __shared__ uint32_t ids_s[MOE_MAX_TOP_K];
     __shared__ float w_s[MOE_MAX_TOP_K];
@@ -1259,7 +1266,7 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
     // The next kernel touches only constants before its own wait.
     strata_pdl_trigger();
     strata_pdl_wait();
-    const int H = (int)L.hidden, I = (int)L.intermediate, CS = MOE_FU_CS;
+    const int H = (int)L.hidden, I = (int)L.intermediate, CS = (int)moe_fu_cluster_size();
     const int TG = I / (16 * CS), S = H / MOE_TC_SLICE, TD = H / (16 * CS), P = I / MOE_TC_SLICE;
     const unsigned int r = moe_fu_cluster_rank();
     const int j = blockIdx.x / CS;
@@ -1281,51 +1288,67 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
         ids_out[j] = ids_s[j];
         weights_out[j] = w_s[j];
     }
-    const int gu_units = TG * ((S - warp + MOE_FU_WARPS - 1) / MOE_FU_WARPS);
-    const int dn_total = TD * P;
-    const int dn_units = (dn_total - warp + MOE_FU_WARPS - 1) / MOE_FU_WARPS;
-    uint8_t* gu_base = moe_fu_smem;
-    uint8_t* dn_base = moe_fu_smem + (size_t)TG * S * MOE_FU_GU_UNIT;
     // Every expert's down global scale, for the last arriver (waited for
     // before the merge).
     if (threadIdx.x < top_k) {
         const uint8_t* b = moe_table_blob(ids_s[threadIdx.x], table, table_len, table_s);
         if (b != nullptr) strata_cp_async4(gdn + threadIdx.x, reinterpret_cast<const float*>(b + L.tail) + 2);
     }
+    // This warp's units, in the order it consumes them: the gate/up units
+    // (tile tg, slice sl) tile by tile with its slices sl = warp, warp + 8,
+    // ... in order, then the down parts q = warp, warp + 8, ... (tile q / P,
+    // slice q % P). Unit u sits in ring slot u % ring of this warp; unit
+    // u + ring is requested once unit u is read.
+    const int nsl = (S - warp + MOE_FU_WARPS - 1) / MOE_FU_WARPS;
+    const int gu_units = TG * nsl;
+    const int units = blob != nullptr ? gu_units + (TD * P - warp + MOE_FU_WARPS - 1) / MOE_FU_WARPS : 0;
+    uint8_t* slots = moe_fu_smem + (size_t)warp * ring * MOE_FU_SLOT;
+    const uint64_t pol = strata_stream_policy();
+    auto request = [&](int u) {
+        uint8_t* slot = slots + (size_t)(u % ring) * MOE_FU_SLOT;
+        if (u < gu_units) {
+            const int tg = u / nsl, sl = warp + MOE_FU_WARPS * (u - tg * nsl);
+            moe_fu_request<2>(slot, blob, L.gate_codes, L.up_codes, L.gate_scales, L.up_scales,
+                              (size_t)r * 16 * TG + 16 * tg, (size_t)H >> 1, (size_t)H >> 4, sl, lane, pol);
+        } else {
+            const int q = warp + MOE_FU_WARPS * (u - gu_units), td = q / P, p = q - td * P;
+            moe_fu_request<1>(slot, blob, L.down_codes, 0, L.down_scales, 0, (size_t)r * 16 * TD + 16 * td,
+                              (size_t)I >> 1, (size_t)I >> 4, p, lane, pol);
+        }
+    };
     if (blob != nullptr) {
-        const uint64_t pol = strata_stream_policy();
         // In this thread's first group: the global scales (the act rows) and
         // the residual (the last arriver's rows).
         if (threadIdx.x < 2) strata_cp_async4(gsc + threadIdx.x, reinterpret_cast<const float*>(blob + L.tail) + threadIdx.x);
         if (accumulate)
             for (int i = threadIdx.x; i < 16 * TD; i += blockDim.x) strata_cp_async4(prev + i, out + (size_t)r * 16 * TD + i);
-        for (int tg = 0; tg < TG; ++tg)
-            for (int sl = warp; sl < S; sl += MOE_FU_WARPS)
-                moe_fu_request<2>(gu_base + (size_t)(tg * S + sl) * MOE_FU_GU_UNIT, blob, L.gate_codes, L.up_codes,
-                                  L.gate_scales, L.up_scales, (size_t)r * 16 * TG + 16 * tg, (size_t)H >> 1,
-                                  (size_t)H >> 4, sl, lane, pol);
-        for (int q = warp; q < dn_total; q += MOE_FU_WARPS) {
-            const int td = q / P, p = q - td * P;
-            moe_fu_request<1>(dn_base + (size_t)q * MOE_FU_DN_UNIT, blob, L.down_codes, 0, L.down_scales, 0,
-                              (size_t)r * 16 * TD + 16 * td, (size_t)I >> 1, (size_t)I >> 4, p, lane, pol);
-        }
     }
+    int issued = 0;
+    for (; issued < units && issued < ring; ++issued) request(issued);
+    // Unit u's slot: waited for, then (once every lane has read it) refilled.
+    auto take = [&](int u) -> const uint8_t* {
+        moe_fu_wait(issued - 1 - u);
+        __syncwarp();
+        return slots + (size_t)(u % ring) * MOE_FU_SLOT;
+    };
+    auto refill = [&]() {
+        __syncwarp();
+        if (issued < units) request(issued++);
+    };
 
     // Gate/up: tile by tile, this warp's slices in order (moe_gate_up_gemv_tc's sums).
-    int unit = 0;
+    int u = 0;
     for (int tg = 0; tg < TG; ++tg) {
         float acc[2][2] = {};
         if (blob != nullptr) {
-            for (int sl = warp; sl < S; sl += MOE_FU_WARPS, ++unit) {
-                moe_fu_wait(gu_units - 1 - unit + dn_units);
-                __syncwarp();
-                const uint8_t* u8 = gu_base + (size_t)(tg * S + sl) * MOE_FU_GU_UNIT;
+            for (int sl = warp; sl < S; sl += MOE_FU_WARPS, ++u) {
+                const uint8_t* unit = take(u);
                 uint4 c[2][2][2];
                 uint32_t sc[2][2][2];
-                moe_fu_read<2>(u8, 0, g, t4, c[0], sc[0]);
-                moe_fu_read<2>(u8, 1, g, t4, c[1], sc[1]);
-                const float* xsl = x + MOE_TC_SLICE * sl;
-                const float pe = moe_tc_stage(xsl, xs[warp], lane);
+                moe_fu_read<2>(unit, 0, g, t4, c[0], sc[0]);
+                moe_fu_read<2>(unit, 1, g, t4, c[1], sc[1]);
+                refill();
+                const float pe = moe_tc_stage(x + MOE_TC_SLICE * sl, xs[warp], lane);
                 __syncwarp();
                 float d[2][1][4] = {};
                 moe_tc_slice<2, 1>(c, sc, xs[warp], g, t4, d);
@@ -1346,7 +1369,7 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
             }
         }
     }
-    moe_fu_wait(dn_units);  // every gate/up group (and gsc, prev) of this thread
+    moe_fu_wait(issued - gu_units);  // every gate/up group (with gsc and prev) of this thread
     __syncthreads();
     if (threadIdx.x < 16 * TG) {
         const int tg = threadIdx.x >> 4, row = threadIdx.x & 15;
@@ -1375,15 +1398,15 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
     __syncthreads();
 
     // Down: this warp's parts (moe_down_gemv_tc's part sums).
-    for (int q = warp, du = 0; q < dn_total; q += MOE_FU_WARPS, ++du) {
+    for (int q = warp; q < TD * P; q += MOE_FU_WARPS, ++u) {
         const int td = q / P, p = q - td * P;
         float2 rr = make_float2(0.0f, 0.0f);
         if (blob != nullptr) {
-            moe_fu_wait(dn_units - 1 - du);
-            __syncwarp();
+            const uint8_t* unit = take(u);
             uint4 c[1][2][2];
             uint32_t s[1][2][2];
-            moe_fu_read<1>(dn_base + (size_t)q * MOE_FU_DN_UNIT, 0, g, t4, c[0], s[0]);
+            moe_fu_read<1>(unit, 0, g, t4, c[0], s[0]);
+            refill();
             const float4* a4 = reinterpret_cast<const float4*>(act_all + MOE_TC_SLICE * p);
             const float pe = moe_tc_stage_v(a4[2 * lane], a4[2 * lane + 1], xs[warp], lane);
             __syncwarp();

@@ -1557,7 +1557,7 @@ impl GpuStage {
             let i = c.moe_intermediate_size;
             let whole = !skipped(t, "gateup") && !skipped(t, "down");
             if let Some(fs) =
-                s.moe.fused.as_mut().filter(|_| whole && t == 1 && moe::fused_decode_fits(gpu, h, i, k, e))
+                s.moe.fused.as_mut().filter(|_| whole && t == 1 && moe::fused_decode_shape(gpu, h, i, k, e).is_some())
             {
                 // One launch: a cluster an expert (moe::fused_decode).
                 moe::fused_decode(gpu, &s.h, route, table, layout, k, &mut s.moe.act, fs, &mut s.x, true)?;

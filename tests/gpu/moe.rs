@@ -722,18 +722,28 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// weights, act and output bits, onto a residual and not, launched twice in a row (the arrival counters must be
 /// reset for the second), at 30b-a3b's shape (H 2048, I 768, k 8 of E 128) and Qwen3-Next's (I 512, k 10 of
 /// 512), and within F32_TOL of the CPU's experts. With a table shorter than the ids routed to, the rows of both
-/// are NaN alike. Elsewhere (before sm_90, or with `STRATA_FUSED_MOE=0`) `fused_decode_fits` must say no.
+/// are NaN alike. Elsewhere (before sm_90, or with `STRATA_FUSED_MOE=0`) `fused_decode_shape` must give none.
 fn fused_decode_matches_two_launches(gpu: &Arc<Gpu>) -> Result<(), String> {
     if !gpu.fused_moe() {
-        if gm::fused_decode_fits(gpu, 2048, 768, 8, 128) {
-            return Err("fused_decode_fits says yes with the fused kernel off".into());
+        if gm::fused_decode_shape(gpu, 2048, 768, 8, 128).is_some() {
+            return Err("fused_decode_shape gives a shape with the fused kernel off".into());
         }
         eprintln!("    (the fused decode MoE is off on this device: nothing to compare)");
         return Ok(());
     }
-    if !gm::fused_decode_fits(gpu, 2048, 768, 8, 128) {
-        return Err("the fused decode MoE does not fit 30b-a3b's shape on an sm_90 device".into());
-    }
+    let Some(shape) = gm::fused_decode_shape(gpu, 2048, 768, 8, 128) else {
+        let counts: Vec<String> = [(16, 2), (16, 4), (8, 2), (8, 6)]
+            .iter()
+            .map(|&(cluster, ring)| {
+                format!("{cluster} x ring {ring}: {:?}", gm::fused_clusters(gpu, gm::FusedShape { cluster, ring }))
+            })
+            .collect();
+        return Err(format!(
+            "the fused decode MoE does not fit 30b-a3b's shape on an sm_90 device (clusters at once: {})",
+            counts.join(", ")
+        ));
+    };
+    eprintln!("    (30b-a3b's shape: clusters of {}, {} ring slots a warp)", shape.cluster, shape.ring);
     let h = 2048usize;
     for &(i, n_exp, k, norm, n_blobs, table_len) in &[
         (768usize, 128usize, 8usize, false, 16usize, 16usize),

@@ -578,20 +578,22 @@ pub fn expert_down_gemv_routed(
 // ---------------------------------------------------------------------------
 // The decode MoE of one token in one launch (`moe_fused_decode_tc`).
 
-/// Blocks of a `moe_fused_decode_tc` cluster (`MOE_FU_CS`), its warps, the
-/// most tiles and K slices a block holds (`MOE_FU_MAX_*`), and the shared
-/// memory of a gate/up and of a down unit (`MOE_FU_*_UNIT`).
-const FU_CS: usize = 16;
+/// A `moe_fused_decode_tc` block's warps, the most tiles and K slices a
+/// block holds (`MOE_FU_MAX_*`), and the bytes of a ring slot (`MOE_FU_SLOT`).
 const FU_WARPS: usize = 8;
-const FU_MAX_TG: usize = 4;
+const FU_MAX_TG: usize = 6;
 const FU_MAX_TD: usize = 16;
 const FU_MAX_P: usize = 4;
-const FU_GU_UNIT: usize = 4608;
-const FU_DN_UNIT: usize = 2304;
+const FU_SLOT: usize = 4608;
+/// Cluster sizes the fused kernel may take, the preferred first (16: every
+/// SM holds a block with 8 clusters of k = 8; 8: half of them).
+const FU_CLUSTERS: [usize; 2] = [16, 8];
+/// The largest cluster (the counters' length).
+const FU_MAX_CS: usize = 16;
 
 /// What `fused_decode` needs besides the step's buffers: each expert's sums
 /// of the token's output rows (`[k, H]`) and the clusters' arrival counters
-/// (`FU_CS`, zero between launches).
+/// (zero between launches).
 pub struct FusedScratch {
     part: CudaSlice<f32>,
     counters: CudaSlice<u32>,
@@ -599,21 +601,29 @@ pub struct FusedScratch {
 
 impl FusedScratch {
     pub fn new(gpu: &Gpu, hidden: usize, top_k: usize) -> Result<FusedScratch> {
-        Ok(FusedScratch { part: gpu.alloc_zeros(hidden * top_k.max(1))?, counters: gpu.alloc_zeros(FU_CS)? })
+        Ok(FusedScratch { part: gpu.alloc_zeros(hidden * top_k.max(1))?, counters: gpu.alloc_zeros(FU_MAX_CS)? })
     }
 }
 
-/// Dynamic shared memory of a `moe_fused_decode_tc` block: every weight it
-/// reads (gate and up rows I / CS, down rows H / CS).
-fn fused_smem(h: usize, i: usize) -> usize {
-    let (tg, s, td, p) = (i / (TC_ROWS * FU_CS), h / TC_SLICE, h / (TC_ROWS * FU_CS), i / TC_SLICE);
-    tg * s * FU_GU_UNIT + td * p * FU_DN_UNIT
+/// How `moe_fused_decode_tc` runs a shape: blocks a cluster and ring slots a warp.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedShape {
+    pub cluster: usize,
+    pub ring: usize,
 }
 
-/// Whether the shapes suit `moe_fused_decode_tc` (H and I multiples of 16 *
-/// cluster and of 256, within its tile bounds; k and E within the routing's).
-fn fused_shapes(h: usize, i: usize, top_k: usize, num_experts: usize) -> bool {
-    let step = TC_ROWS * FU_CS;
+impl FusedShape {
+    /// Dynamic shared memory of a block.
+    pub fn smem(&self) -> usize {
+        FU_WARPS * self.ring * FU_SLOT
+    }
+}
+
+/// Whether the shapes suit `moe_fused_decode_tc` in clusters of `cs` (H and
+/// I multiples of 16 * cs and of 256, within its tile bounds; k and E within
+/// the routing's).
+fn fused_shapes(cs: usize, h: usize, i: usize, top_k: usize, num_experts: usize) -> bool {
+    let step = TC_ROWS * cs;
     h % step == 0
         && i % step == 0
         && h % TC_SLICE == 0
@@ -625,41 +635,53 @@ fn fused_shapes(h: usize, i: usize, top_k: usize, num_experts: usize) -> bool {
         && (top_k..=FUSED_ROUTE_MAX_EXPERTS).contains(&num_experts)
 }
 
-/// Whether `fused_decode` applies to a token of this shape on `gpu`: the
-/// fused kernel is allowed (`Gpu::fused_moe`, sm_90+), the shapes suit it,
-/// and the device runs the `top_k` clusters at once (one wave; asked of the
-/// driver once per device and shape).
-pub fn fused_decode_fits(gpu: &Gpu, h: usize, i: usize, top_k: usize, num_experts: usize) -> bool {
-    if !gpu.fused_moe() || !fused_shapes(h, i, top_k, num_experts) {
-        return false;
+/// How `fused_decode` runs a token of this shape on `gpu`, or `None` where
+/// it does not apply: the fused kernel is off (`Gpu::fused_moe`, sm_90+),
+/// the shapes do not suit it, or the device cannot run the `top_k` clusters
+/// at once (one wave). The first cluster size of `FU_CLUSTERS` that fits
+/// (`STRATA_FUSED_CLUSTER` may name one), with the most ring slots (2 to
+/// 6) whose blocks still run k clusters at once; asked of the driver once
+/// per device and shape.
+pub fn fused_decode_shape(gpu: &Gpu, h: usize, i: usize, top_k: usize, num_experts: usize) -> Option<FusedShape> {
+    if !gpu.fused_moe() {
+        return None;
     }
-    static FITS: parking_lot::Mutex<Vec<(usize, usize, usize)>> = parking_lot::Mutex::new(Vec::new());
-    let smem = fused_smem(h, i);
-    let key = (gpu.ordinal(), smem);
-    let mut fits = FITS.lock();
-    let clusters = match fits.iter().find(|f| (f.0, f.1) == key) {
-        Some(f) => f.2,
-        None => {
-            let n = fused_clusters(gpu, smem).unwrap_or(0);
-            fits.push((key.0, key.1, n));
-            n
+    type Key = (usize, usize, usize, usize, usize);
+    static SHAPES: parking_lot::Mutex<Vec<(Key, Option<FusedShape>)>> = parking_lot::Mutex::new(Vec::new());
+    let key = (gpu.ordinal(), h, i, top_k, num_experts);
+    let mut shapes = SHAPES.lock();
+    if let Some((_, s)) = shapes.iter().find(|(k, _)| *k == key) {
+        return *s;
+    }
+    let only: Option<usize> = std::env::var("STRATA_FUSED_CLUSTER").ok().and_then(|v| v.trim().parse().ok());
+    let mut found = None;
+    'search: for cs in FU_CLUSTERS.into_iter().filter(|c| only.is_none_or(|o| o == *c)) {
+        if !fused_shapes(cs, h, i, top_k, num_experts) {
+            continue;
         }
-    };
-    clusters >= top_k
+        for ring in (2..=6).rev() {
+            let shape = FusedShape { cluster: cs, ring };
+            if fused_clusters(gpu, shape).unwrap_or(0) >= top_k {
+                found = Some(shape);
+                break 'search;
+            }
+        }
+    }
+    shapes.push((key, found));
+    found
 }
 
-/// How many `moe_fused_decode_tc` clusters with `smem` bytes of dynamic
-/// shared memory a block run at once on `gpu`.
-fn fused_clusters(gpu: &Gpu, smem: usize) -> Result<usize> {
+/// How many clusters of `moe_fused_decode_tc` in `shape` the driver runs at once on `gpu`.
+pub fn fused_clusters(gpu: &Gpu, shape: FusedShape) -> Result<usize> {
     let f = gpu.function("moe_fused_decode_tc")?;
-    allow_smem(&f, smem)?;
+    allow_smem(&f, shape.smem())?;
     gpu.allow_large_clusters(&f)?;
     let cfg = LaunchConfig {
-        grid_dim: (FU_CS as u32, 1, 1),
+        grid_dim: (shape.cluster as u32, 1, 1),
         block_dim: ((FU_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: smem as u32,
+        shared_mem_bytes: shape.smem() as u32,
     };
-    gpu.max_active_clusters(&f, cfg, FU_CS as u32)
+    gpu.max_active_clusters(&f, cfg, shape.cluster as u32)
 }
 
 /// One token's routed experts in one launch (decode, T = 1): the results of
@@ -667,7 +689,7 @@ fn fused_clusters(gpu: &Gpu, smem: usize) -> Result<usize> {
 /// (`route`'s ids and weights, `act [k, I]`, `out [H]`, added to where
 /// `accumulate`), by one thread-block cluster an expert that shares the
 /// expert's activations in shared memory (kernels/moe.cu, section 2c).
-/// Only where `fused_decode_fits`; `route.host_blobs` must be false.
+/// Only where `fused_decode_shape` gives a shape; `route.host_blobs` must be false.
 #[allow(clippy::too_many_arguments)]
 pub fn fused_decode<I: DevicePtr<u32> + DevicePtrMut<u32>>(
     gpu: &Gpu,
@@ -686,12 +708,12 @@ pub fn fused_decode<I: DevicePtr<u32> + DevicePtrMut<u32>>(
     if route.host_blobs {
         return Err(invalid("fused_decode: the table may point into host memory".into()));
     }
-    if !fused_decode_fits(gpu, h, i, top_k, e) {
+    let Some(shape) = fused_decode_shape(gpu, h, i, top_k, e) else {
         return Err(invalid(format!(
             "fused_decode: hidden {h}, intermediate {i}, top_k {top_k} of {e} experts do not fit the fused kernel \
              on this device"
         )));
-    }
+    };
     need("fused_decode: x", x.len(), h)?;
     need("fused_decode: logits", route.logits.len(), e)?;
     need("fused_decode: ids", route.ids.len(), top_k)?;
@@ -699,29 +721,29 @@ pub fn fused_decode<I: DevicePtr<u32> + DevicePtrMut<u32>>(
     need("fused_decode: act", act.len(), top_k * i)?;
     need("fused_decode: out", out.len(), h)?;
     need("fused_decode: part", scratch.part.len(), top_k * h)?;
-    need("fused_decode: counters", scratch.counters.len(), FU_CS)?;
+    need("fused_decode: counters", scratch.counters.len(), shape.cluster)?;
     let table_len = i32_of("table length", table.len())?;
-    let smem = fused_smem(h, i);
     let f = gpu.function("moe_fused_decode_tc")?;
-    allow_smem(&f, smem)?;
+    allow_smem(&f, shape.smem())?;
     gpu.allow_large_clusters(&f)?;
     let cfg = LaunchConfig {
-        grid_dim: ((top_k * FU_CS) as u32, 1, 1),
+        grid_dim: ((top_k * shape.cluster) as u32, 1, 1),
         block_dim: ((FU_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: smem as u32,
+        shared_mem_bytes: shape.smem() as u32,
     };
     let mut a = KernelArgs::new();
     a.buf(gpu, x).buf(gpu, table).val(table_len).val(*layout).val(top_k as i32);
     a.buf(gpu, route.logits).val(e as i32).val(route.norm_topk_prob as i32);
     a.buf_mut(gpu, route.ids).buf_mut(gpu, route.weights).buf_mut(gpu, act);
     a.buf_mut(gpu, &mut scratch.part).buf_mut(gpu, &mut scratch.counters).buf_mut(gpu, out).val(accumulate as i32);
+    a.val(shape.ring as i32);
     // SAFETY: moe_fused_decode_tc(const float* x [H], const u64* table [table_len], int table_len, MoeBlobLayout,
     // int k, const float* logits [E], int E, int norm, unsigned* ids_out [k], float* weights_out [k], float* act
-    // [k, I], float* part [k, H], unsigned* counters [CS] (zero), float* out [H], int accumulate); lengths and
-    // shapes checked above (fused_decode_fits: the kernel's bounds, and its shared memory fits the device, since the
-    // driver runs such clusters); grid x = k clusters of FU_CS blocks; ids past the table give NaN rows; the kernel
-    // waits for its predecessor (strata_pdl_wait) before touching memory.
-    unsafe { gpu.launch_cluster(&f, cfg, FU_CS as u32, &mut a) }?;
+    // [k, I], float* part [k, H], unsigned* counters [CS] (zero), float* out [H], int accumulate, int ring);
+    // lengths and shapes checked above (fused_decode_shape: the kernel's bounds, and its shared memory fits the
+    // device, since the driver runs such clusters); grid x = k clusters of shape.cluster blocks; ids past the table
+    // give NaN rows; the kernel waits for its predecessor (strata_pdl_wait) before touching memory.
+    unsafe { gpu.launch_cluster(&f, cfg, shape.cluster as u32, &mut a) }?;
     Ok(())
 }
 
