@@ -722,8 +722,19 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// weights, act and output bits, onto a residual and not, launched twice in a row (the arrival counters must be
 /// reset for the second), at 30b-a3b's shape (H 2048, I 768, k 8 of E 128) and Qwen3-Next's (I 512, k 10 of
 /// 512), and within F32_TOL of the CPU's experts. With a table shorter than the ids routed to, the rows of both
-/// are NaN alike. Elsewhere (before sm_90, or with `STRATA_FUSED_MOE=0`) `fused_decode_shape` must give none.
+/// are NaN alike. Before sm_90 (or, without `test-hooks`, unless `STRATA_FUSED_MOE=1`) `fused_decode_shape` must
+/// give none.
 fn fused_decode_matches_two_launches(gpu: &Arc<Gpu>) -> Result<(), String> {
+    // Off by default (STRATA_FUSED_MOE=1 turns it on): on for this test where the device has clusters.
+    #[cfg(feature = "test-hooks")]
+    let prev = gpu.set_fused_moe(true);
+    let r = fused_decode_check(gpu);
+    #[cfg(feature = "test-hooks")]
+    gpu.set_fused_moe(prev);
+    r
+}
+
+fn fused_decode_check(gpu: &Arc<Gpu>) -> Result<(), String> {
     if !gpu.fused_moe() {
         if gm::fused_decode_shape(gpu, 2048, 768, 8, 128).is_some() {
             return Err("fused_decode_shape gives a shape with the fused kernel off".into());

@@ -186,8 +186,10 @@ pub struct Gpu {
     /// otherwise; tests may switch it: `set_prewait`).
     prewait: AtomicU8,
     /// Whether a decode step's routed experts may run as one launch of
-    /// thread-block clusters (`moe::fused_decode`: sm_90+, unless
-    /// `STRATA_FUSED_MOE=0`; tests may switch it: `set_fused_moe`).
+    /// thread-block clusters (`moe::fused_decode`: sm_90+ with
+    /// `STRATA_FUSED_MOE=1`, off by default: slower than the two GEMV
+    /// launches on an H100, docs/performance.md; tests may switch it:
+    /// `set_fused_moe`).
     fused_moe: AtomicBool,
     /// Held (`StreamHold`) by the thread that queues work on `stream`, for
     /// the length of one whole operation: a forward (which may capture the
@@ -297,7 +299,7 @@ impl Gpu {
             pdl: major >= 9 && std::env::var("STRATA_PDL").map_or(true, |v| v != "0"),
             tc_gemv: AtomicBool::new(major >= 8 && std::env::var("STRATA_TC_GEMV").map_or(true, |v| v != "0")),
             prewait: AtomicU8::new(prewait_from_env(std::env::var("STRATA_PREWAIT").ok().as_deref())),
-            fused_moe: AtomicBool::new(major >= 9 && std::env::var("STRATA_FUSED_MOE").map_or(true, |v| v != "0")),
+            fused_moe: AtomicBool::new(major >= 9 && std::env::var("STRATA_FUSED_MOE").is_ok_and(|v| v == "1")),
             queue: ReentrantMutex::new(()),
         }))
     }
@@ -332,8 +334,9 @@ impl Gpu {
     }
 
     /// Whether a decode step's routed experts may run as one launch of
-    /// thread-block clusters (`moe::fused_decode`; sm_90+,
-    /// `STRATA_FUSED_MOE=0` keeps the two GEMV launches, for comparison).
+    /// thread-block clusters (`moe::fused_decode`; sm_90+ with
+    /// `STRATA_FUSED_MOE=1`, for comparison: the two GEMV launches are the
+    /// default).
     pub fn fused_moe(&self) -> bool {
         self.fused_moe.load(Ordering::Relaxed)
     }

@@ -4,8 +4,9 @@
 //! - `route_topk`: router softmax + top-k (`moe::route`).
 //! - decode (T <= 8 rows): `expert_gate_up_gemv` then `expert_down_gemv`,
 //!   which also sums each token's experts (the combine) in j order.
-//!   One token on sm_90+: `fused_decode`, both in one launch of
-//!   thread-block clusters (the same bits).
+//!   One token on sm_90+ with `STRATA_FUSED_MOE=1`: `fused_decode`, both
+//!   in one launch of thread-block clusters (the same bits; slower on an
+//!   H100, so off by default).
 //! - prefill: `group_by_expert` (counting sort on the device), then
 //!   `expert_gate_up_grouped` / `expert_down_grouped` over the rows of each
 //!   expert (tensor cores on sm_80+, the SIMT kernels elsewhere), then
