@@ -1248,7 +1248,8 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
                         MoeBlobLayout L, int top_k, const float* __restrict__ logits, int num_experts,
                         int norm_topk_prob, uint32_t* __restrict__ ids_out, float* __restrict__ weights_out,
                         float* __restrict__ act, float* __restrict__ part, unsigned int* __restrict__ counters,
-                        float* __restrict__ out, int accumulate, int ring) {
+                        float* __restrict__ out, int accumulate, int ring, int group,
+                        unsigned int* __restrict__ xchg, int warp_bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) uint8_t moe_fu_smem[];
     __shared__ uint4 xs[MOE_FU_WARPS][64];
@@ -1266,9 +1267,10 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
     // The next kernel touches only constants before its own wait.
     strata_pdl_trigger();
     strata_pdl_wait();
-    const int H = (int)L.hidden, I = (int)L.intermediate, CS = (int)moe_fu_cluster_size();
+    // xchg null: clusters of CS blocks; else `group` blocks an expert without clusters.
+    const int H = (int)L.hidden, I = (int)L.intermediate, CS = xchg != nullptr ? group : (int)moe_fu_cluster_size();
     const int TG = I / (16 * CS), S = H / MOE_TC_SLICE, TD = H / (16 * CS), P = I / MOE_TC_SLICE;
-    const unsigned int r = moe_fu_cluster_rank();
+    const unsigned int r = xchg != nullptr ? blockIdx.x % CS : moe_fu_cluster_rank();
     const int j = blockIdx.x / CS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
 
@@ -1302,10 +1304,18 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
     const int nsl = (S - warp + MOE_FU_WARPS - 1) / MOE_FU_WARPS;
     const int gu_units = TG * nsl;
     const int units = blob != nullptr ? gu_units + (TD * P - warp + MOE_FU_WARPS - 1) / MOE_FU_WARPS : 0;
-    uint8_t* slots = moe_fu_smem + (size_t)warp * ring * MOE_FU_SLOT;
+    // ring 0: every unit has its own place (gate/up units, then the down
+    // parts at half the size), all requested at once.
+    uint8_t* slots = moe_fu_smem + (size_t)warp * warp_bytes;
     const uint64_t pol = strata_stream_policy();
+    auto slot_of = [&](int u) -> uint8_t* {
+        if (ring == 0)
+            return slots + (u < gu_units ? (size_t)u * MOE_FU_SLOT
+                                         : (size_t)gu_units * MOE_FU_SLOT + (size_t)(u - gu_units) * (MOE_FU_SLOT / 2));
+        return slots + (size_t)(u % ring) * MOE_FU_SLOT;
+    };
     auto request = [&](int u) {
-        uint8_t* slot = slots + (size_t)(u % ring) * MOE_FU_SLOT;
+        uint8_t* slot = slot_of(u);
         if (u < gu_units) {
             const int tg = u / nsl, sl = warp + MOE_FU_WARPS * (u - tg * nsl);
             moe_fu_request<2>(slot, blob, L.gate_codes, L.up_codes, L.gate_scales, L.up_scales,
@@ -1324,12 +1334,12 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
             for (int i = threadIdx.x; i < 16 * TD; i += blockDim.x) strata_cp_async4(prev + i, out + (size_t)r * 16 * TD + i);
     }
     int issued = 0;
-    for (; issued < units && issued < ring; ++issued) request(issued);
+    for (; issued < units && (ring == 0 || issued < ring); ++issued) request(issued);
     // Unit u's slot: waited for, then (once every lane has read it) refilled.
     auto take = [&](int u) -> const uint8_t* {
         moe_fu_wait(issued - 1 - u);
         __syncwarp();
-        return slots + (size_t)(u % ring) * MOE_FU_SLOT;
+        return slot_of(u);
     };
     auto refill = [&]() {
         __syncwarp();
@@ -1387,14 +1397,36 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
         act_mine[threadIdx.x] = a;
         act[(size_t)j * I + (size_t)r * 16 * TG + threadIdx.x] = a;
     }
-    // The cluster's act rows -> act_all (each block's rows from its shared memory).
-    moe_fu_cluster_arrive();
-    moe_fu_cluster_wait();
-    for (int i = threadIdx.x; i < I; i += blockDim.x) {
-        const int q = i / (16 * TG);
-        act_all[i] = moe_fu_ld_rank(act_mine + (i - q * 16 * TG), (unsigned int)q);
+    if (xchg != nullptr) {
+        // The expert's act rows through global memory: every block of the
+        // expert adds 1 to xchg[j] once its rows are written, then waits
+        // until this launch's `group` arrivals are in (xchg[j] only grows:
+        // this launch's target is the next multiple of group; compared as a
+        // wrapping difference). Every block of the grid is resident at once
+        // (the wrapper's check), so the wait ends.
+        if (threadIdx.x < 16 * TG) __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const unsigned int old = atomicAdd(xchg + j, 1u);
+            const unsigned int target = old - old % (unsigned int)group + (unsigned int)group;
+            unsigned int now;
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(xchg + j) : "memory");
+            } while ((int)(now - target) < 0);
+            __threadfence();
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < I; i += blockDim.x) act_all[i] = __ldcg(act + (size_t)j * I + i);
+    } else {
+        // The cluster's act rows -> act_all (each block's rows from its shared memory).
+        moe_fu_cluster_arrive();
+        moe_fu_cluster_wait();
+        for (int i = threadIdx.x; i < I; i += blockDim.x) {
+            const int q = i / (16 * TG);
+            act_all[i] = moe_fu_ld_rank(act_mine + (i - q * 16 * TG), (unsigned int)q);
+        }
+        moe_fu_cluster_arrive();  // done reading the others' act_mine (waited for before exit)
     }
-    moe_fu_cluster_arrive();  // done reading the others' act_mine (waited for before exit)
     __syncthreads();
 
     // Down: this warp's parts (moe_down_gemv_tc's part sums).
@@ -1448,7 +1480,7 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
         }
         out[o] = accumulate ? prev[threadIdx.x] + v : v;
     }
-    moe_fu_cluster_wait();
+    if (xchg == nullptr) moe_fu_cluster_wait();
 #endif
 }
 

@@ -746,7 +746,7 @@ fn fused_decode_check(gpu: &Arc<Gpu>) -> Result<(), String> {
         let counts: Vec<String> = [(16, 2), (16, 4), (8, 2), (8, 6)]
             .iter()
             .map(|&(cluster, ring)| {
-                format!("{cluster} x ring {ring}: {:?}", gm::fused_clusters(gpu, gm::FusedShape { cluster, ring }))
+                format!("{cluster} x ring {ring}: {:?}", gm::fused_clusters(gpu, cluster, 8 * ring * 4608))
             })
             .collect();
         return Err(format!(
@@ -754,7 +754,7 @@ fn fused_decode_check(gpu: &Arc<Gpu>) -> Result<(), String> {
             counts.join(", ")
         ));
     };
-    eprintln!("    (30b-a3b's shape: clusters of {}, {} ring slots a warp)", shape.cluster, shape.ring);
+    eprintln!("    (30b-a3b's shape: {shape:?})");
     let h = 2048usize;
     for &(i, n_exp, k, norm, n_blobs, table_len) in &[
         (768usize, 128usize, 8usize, false, 16usize, 16usize),

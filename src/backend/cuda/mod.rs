@@ -532,6 +532,17 @@ impl Gpu {
         Ok(())
     }
 
+    /// How many blocks of `f` with `threads` threads and `smem` bytes of
+    /// dynamic shared memory one SM runs at once.
+    pub fn max_active_blocks(&self, f: &CudaFunction, threads: u32, smem: usize) -> Result<usize> {
+        self.ctx.bind_to_thread()?;
+        let mut count: std::ffi::c_int = 0;
+        // SAFETY: `count` is written once; the function handle is alive.
+        unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut count, f.cu_function(), threads as i32, smem) }
+            .result()?;
+        Ok(count.max(0) as usize)
+    }
+
     /// How many clusters of `cluster` blocks of `f` in the shape `cfg` the
     /// device runs at once (0: none fits).
     pub fn max_active_clusters(&self, f: &CudaFunction, cfg: LaunchConfig, cluster: u32) -> Result<usize> {

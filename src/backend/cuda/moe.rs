@@ -598,25 +598,47 @@ const FU_MAX_CS: usize = 16;
 pub struct FusedScratch {
     part: CudaSlice<f32>,
     counters: CudaSlice<u32>,
+    /// The global exchange's arrival counts per expert slot (they only grow).
+    xchg: CudaSlice<u32>,
 }
 
 impl FusedScratch {
     pub fn new(gpu: &Gpu, hidden: usize, top_k: usize) -> Result<FusedScratch> {
-        Ok(FusedScratch { part: gpu.alloc_zeros(hidden * top_k.max(1))?, counters: gpu.alloc_zeros(FU_MAX_CS)? })
+        Ok(FusedScratch {
+            part: gpu.alloc_zeros(hidden * top_k.max(1))?,
+            counters: gpu.alloc_zeros(FU_MAX_CS)?,
+            xchg: gpu.alloc_zeros(MAX_TOP_K)?,
+        })
     }
 }
 
-/// How `moe_fused_decode_tc` runs a shape: blocks a cluster and ring slots a warp.
+/// How `moe_fused_decode_tc` runs a shape: blocks an expert, whether they
+/// form a cluster (sharing the activations in distributed shared memory) or
+/// exchange them through global memory (every block of the grid resident at
+/// once), and ring slots a warp (0: every weight of the block in shared
+/// memory at once).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FusedShape {
     pub cluster: usize,
+    pub global: bool,
     pub ring: usize,
 }
 
 impl FusedShape {
+    /// Shared memory of one warp's units for hidden `h` and intermediate `i`.
+    fn warp_bytes(&self, h: usize, i: usize) -> usize {
+        if self.ring > 0 {
+            return self.ring * FU_SLOT;
+        }
+        let cs = self.cluster;
+        let gu = i / (TC_ROWS * cs) * (h / TC_SLICE).div_ceil(FU_WARPS);
+        let dn = (h / (TC_ROWS * cs) * (i / TC_SLICE)).div_ceil(FU_WARPS);
+        gu * FU_SLOT + dn * FU_SLOT / 2
+    }
+
     /// Dynamic shared memory of a block.
-    pub fn smem(&self) -> usize {
-        FU_WARPS * self.ring * FU_SLOT
+    pub fn smem(&self, h: usize, i: usize) -> usize {
+        FU_WARPS * self.warp_bytes(h, i)
     }
 }
 
@@ -638,11 +660,13 @@ fn fused_shapes(cs: usize, h: usize, i: usize, top_k: usize, num_experts: usize)
 
 /// How `fused_decode` runs a token of this shape on `gpu`, or `None` where
 /// it does not apply: the fused kernel is off (`Gpu::fused_moe`, sm_90+),
-/// the shapes do not suit it, or the device cannot run the `top_k` clusters
-/// at once (one wave). The first cluster size of `FU_CLUSTERS` that fits
-/// (`STRATA_FUSED_CLUSTER` may name one), with the most ring slots (2 to
-/// 6) whose blocks still run k clusters at once; asked of the driver once
-/// per device and shape.
+/// the shapes do not suit it, or the device cannot run the whole grid (the
+/// global exchange) or the `top_k` clusters at once. In order: 16 blocks an
+/// expert exchanging through global memory with every weight in shared
+/// memory, then clusters of 16 and of 8 with the most ring slots (2 to 6)
+/// that still run k clusters at once. `STRATA_FUSED_SHAPE` may name one
+/// (`global`, `cluster16`, `cluster8`). Asked of the driver once per device
+/// and shape.
 pub fn fused_decode_shape(gpu: &Gpu, h: usize, i: usize, top_k: usize, num_experts: usize) -> Option<FusedShape> {
     if !gpu.fused_moe() {
         return None;
@@ -654,35 +678,50 @@ pub fn fused_decode_shape(gpu: &Gpu, h: usize, i: usize, top_k: usize, num_exper
     if let Some((_, s)) = shapes.iter().find(|(k, _)| *k == key) {
         return *s;
     }
-    let only: Option<usize> = std::env::var("STRATA_FUSED_CLUSTER").ok().and_then(|v| v.trim().parse().ok());
-    let mut found = None;
-    'search: for cs in FU_CLUSTERS.into_iter().filter(|c| only.is_none_or(|o| o == *c)) {
-        if !fused_shapes(cs, h, i, top_k, num_experts) {
-            continue;
-        }
-        for ring in (2..=6).rev() {
-            let shape = FusedShape { cluster: cs, ring };
-            if fused_clusters(gpu, shape).unwrap_or(0) >= top_k {
-                found = Some(shape);
-                break 'search;
-            }
+    let only = std::env::var("STRATA_FUSED_SHAPE").ok();
+    let wanted = |name: &str| only.as_deref().is_none_or(|o| o.trim() == name);
+    let mut candidates = Vec::new();
+    if wanted("global") {
+        candidates.push(FusedShape { cluster: 16, global: true, ring: 0 });
+    }
+    for cs in FU_CLUSTERS {
+        if wanted(&format!("cluster{cs}")) {
+            candidates.extend((2..=6).rev().map(|ring| FusedShape { cluster: cs, global: false, ring }));
         }
     }
+    let found = candidates.into_iter().find(|s| {
+        fused_shapes(s.cluster, h, i, top_k, num_experts) && fused_runs_at_once(gpu, *s, h, i, top_k).unwrap_or(false)
+    });
     shapes.push((key, found));
     found
 }
 
-/// How many clusters of `moe_fused_decode_tc` in `shape` the driver runs at once on `gpu`.
-pub fn fused_clusters(gpu: &Gpu, shape: FusedShape) -> Result<usize> {
+/// Whether the device runs a launch of `moe_fused_decode_tc` in `shape` for
+/// `top_k` experts in one wave: the whole grid (global exchange: its blocks
+/// wait for each other) or the k clusters.
+fn fused_runs_at_once(gpu: &Gpu, shape: FusedShape, h: usize, i: usize, top_k: usize) -> Result<bool> {
+    let smem = shape.smem(h, i);
+    if shape.global {
+        let f = gpu.function("moe_fused_decode_tc")?;
+        allow_smem(&f, smem)?;
+        let per_sm = gpu.max_active_blocks(&f, (FU_WARPS * 32) as u32, smem)?;
+        return Ok(per_sm * gpu.sm_count() as usize >= top_k * shape.cluster);
+    }
+    Ok(fused_clusters(gpu, shape.cluster, smem)? >= top_k)
+}
+
+/// How many clusters of `cluster` `moe_fused_decode_tc` blocks with `smem`
+/// bytes of dynamic shared memory each the driver runs at once on `gpu`.
+pub fn fused_clusters(gpu: &Gpu, cluster: usize, smem: usize) -> Result<usize> {
     let f = gpu.function("moe_fused_decode_tc")?;
-    allow_smem(&f, shape.smem())?;
+    allow_smem(&f, smem)?;
     gpu.allow_large_clusters(&f)?;
     let cfg = LaunchConfig {
-        grid_dim: (shape.cluster as u32, 1, 1),
+        grid_dim: (cluster as u32, 1, 1),
         block_dim: ((FU_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: shape.smem() as u32,
+        shared_mem_bytes: smem as u32,
     };
-    gpu.max_active_clusters(&f, cfg, shape.cluster as u32)
+    gpu.max_active_clusters(&f, cfg, cluster as u32)
 }
 
 /// One token's routed experts in one launch (decode, T = 1): the results of
@@ -725,26 +764,39 @@ pub fn fused_decode<I: DevicePtr<u32> + DevicePtrMut<u32>>(
     need("fused_decode: counters", scratch.counters.len(), shape.cluster)?;
     let table_len = i32_of("table length", table.len())?;
     let f = gpu.function("moe_fused_decode_tc")?;
-    allow_smem(&f, shape.smem())?;
+    let smem = shape.smem(h, i);
+    allow_smem(&f, smem)?;
     gpu.allow_large_clusters(&f)?;
     let cfg = LaunchConfig {
         grid_dim: ((top_k * shape.cluster) as u32, 1, 1),
         block_dim: ((FU_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: shape.smem() as u32,
+        shared_mem_bytes: smem as u32,
     };
+    let warp_bytes = i32_of("fused_decode: a warp's shared memory", shape.warp_bytes(h, i))?;
     let mut a = KernelArgs::new();
     a.buf(gpu, x).buf(gpu, table).val(table_len).val(*layout).val(top_k as i32);
     a.buf(gpu, route.logits).val(e as i32).val(route.norm_topk_prob as i32);
     a.buf_mut(gpu, route.ids).buf_mut(gpu, route.weights).buf_mut(gpu, act);
     a.buf_mut(gpu, &mut scratch.part).buf_mut(gpu, &mut scratch.counters).buf_mut(gpu, out).val(accumulate as i32);
-    a.val(shape.ring as i32);
+    a.val(shape.ring as i32).val(shape.cluster as i32);
+    if shape.global {
+        a.buf_mut(gpu, &mut scratch.xchg);
+    } else {
+        a.null();
+    }
+    a.val(warp_bytes);
     // SAFETY: moe_fused_decode_tc(const float* x [H], const u64* table [table_len], int table_len, MoeBlobLayout,
     // int k, const float* logits [E], int E, int norm, unsigned* ids_out [k], float* weights_out [k], float* act
-    // [k, I], float* part [k, H], unsigned* counters [CS] (zero), float* out [H], int accumulate, int ring);
-    // lengths and shapes checked above (fused_decode_shape: the kernel's bounds, and its shared memory fits the
-    // device, since the driver runs such clusters); grid x = k clusters of shape.cluster blocks; ids past the table
+    // [k, I], float* part [k, H], unsigned* counters [CS] (zero), float* out [H], int accumulate, int ring, int
+    // group, unsigned* xchg [k] or null, int warp_bytes); lengths and shapes checked above (fused_decode_shape: the
+    // kernel's bounds, and its shared memory fits the device, since the driver runs the grid or its clusters at
+    // once, which the global exchange's waits need); grid x = k groups of shape.cluster blocks; ids past the table
     // give NaN rows; the kernel waits for its predecessor (strata_pdl_wait) before touching memory.
-    unsafe { gpu.launch_cluster(&f, cfg, shape.cluster as u32, &mut a) }?;
+    if shape.global {
+        unsafe { gpu.launch(&f, cfg, &mut a) }?;
+    } else {
+        unsafe { gpu.launch_cluster(&f, cfg, shape.cluster as u32, &mut a) }?;
+    }
     Ok(())
 }
 
