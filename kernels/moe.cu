@@ -1109,6 +1109,14 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_DN_MAX_WARPS * 32)
 // launch. counters: CS u32, zero before the launch (and after it). The
 // wrapper picks CS and ring so that the k clusters run at once.
 //
+// Without clusters (xchg non-null): `group` blocks an expert exchange act
+// through global memory instead (each adds 1 to xchg[j] once its act rows
+// are written and waits for the launch's `group` arrivals), with ring 0:
+// every unit of a warp has its own place (`warp_bytes` a warp: its gate/up
+// units, then its down parts at half a slot), all requested at once. The
+// wrapper launches it so only where every block of the grid is resident at
+// once, so the waits end.
+//
 // A unit (one 16-row tile of one 256-element K slice) in its slot: the codes
 // of each matrix as 16 rows of 128 bytes, the 16-byte chunks of an odd row
 // stored with their halves swapped (chunk c at c ^ 4), so the two rows a

@@ -5,8 +5,7 @@
 //! - decode (T <= 8 rows): `expert_gate_up_gemv` then `expert_down_gemv`,
 //!   which also sums each token's experts (the combine) in j order.
 //!   One token on sm_90+ with `STRATA_FUSED_MOE=1`: `fused_decode`, both
-//!   in one launch of thread-block clusters (the same bits; slower on an
-//!   H100, so off by default).
+//!   in one launch (the same bits; slower on an H100, so off by default).
 //! - prefill: `group_by_expert` (counting sort on the device), then
 //!   `expert_gate_up_grouped` / `expert_down_grouped` over the rows of each
 //!   expert (tensor cores on sm_80+, the SIMT kernels elsewhere), then
@@ -727,8 +726,8 @@ pub fn fused_clusters(gpu: &Gpu, cluster: usize, smem: usize) -> Result<usize> {
 /// One token's routed experts in one launch (decode, T = 1): the results of
 /// `expert_gate_up_gemv_routed` then `expert_down_gemv_routed`, bit for bit
 /// (`route`'s ids and weights, `act [k, I]`, `out [H]`, added to where
-/// `accumulate`), by one thread-block cluster an expert that shares the
-/// expert's activations in shared memory (kernels/moe.cu, section 2c).
+/// `accumulate`), by 16 blocks an expert that share the expert's
+/// activations (kernels/moe.cu, section 2c; `FusedShape`).
 /// Only where `fused_decode_shape` gives a shape; `route.host_blobs` must be false.
 #[allow(clippy::too_many_arguments)]
 pub fn fused_decode<I: DevicePtr<u32> + DevicePtrMut<u32>>(
