@@ -1559,7 +1559,7 @@ impl GpuStage {
             if let Some(fs) =
                 s.moe.fused.as_mut().filter(|_| whole && t == 1 && moe::fused_decode_shape(gpu, h, i, k, e).is_some())
             {
-                // One launch: a cluster an expert (moe::fused_decode).
+                // One launch: 16 blocks an expert (moe::fused_decode; opt-in, STRATA_FUSED_MOE=1).
                 moe::fused_decode(gpu, &s.h, route, table, layout, k, &mut s.moe.act, fs, &mut s.x, true)?;
             } else {
                 if !skipped(t, "gateup") {

@@ -185,8 +185,8 @@ pub struct Gpu {
     /// wait (`PREWAIT_ATTN | PREWAIT_DOWN` unless `STRATA_PREWAIT` says
     /// otherwise; tests may switch it: `set_prewait`).
     prewait: AtomicU8,
-    /// Whether a decode step's routed experts may run as one launch of
-    /// thread-block clusters (`moe::fused_decode`: sm_90+ with
+    /// Whether a decode step's routed experts may run as one launch
+    /// (`moe::fused_decode`: sm_90+ with
     /// `STRATA_FUSED_MOE=1`, off by default: slower than the two GEMV
     /// launches on an H100, docs/performance.md; tests may switch it:
     /// `set_fused_moe`).
@@ -333,16 +333,16 @@ impl Gpu {
         self.tc_gemv.swap(on && self.compute_capability.0 >= 8, Ordering::Relaxed)
     }
 
-    /// Whether a decode step's routed experts may run as one launch of
-    /// thread-block clusters (`moe::fused_decode`; sm_90+ with
+    /// Whether a decode step's routed experts may run as one launch
+    /// (`moe::fused_decode`; sm_90+ with
     /// `STRATA_FUSED_MOE=1`, for comparison: the two GEMV launches are the
     /// default).
     pub fn fused_moe(&self) -> bool {
         self.fused_moe.load(Ordering::Relaxed)
     }
 
-    /// Tests (`test-hooks`): allows the fused decode MoE (`on`, where the
-    /// device has clusters) or not from the next launch on; returns the
+    /// Tests (`test-hooks`): allows the fused decode MoE (`on`, on sm_90+)
+    /// or not from the next launch on; returns the
     /// previous setting.
     #[cfg(feature = "test-hooks")]
     pub fn set_fused_moe(&self, on: bool) -> bool {
