@@ -40,6 +40,22 @@ static __device__ __forceinline__ void strata_cp_async4(void* smem, const void* 
 #endif
 }
 
+// 16 bytes global -> shared (cp.async.cg: not through L1) under the L2
+// policy pol (strata_l2_policy), sm_80+; before sm_80 a plain copy. As
+// strata_cp_async4: the issuing thread waits (strata_cp_async_wait_all or a
+// group wait) before it reads the copy, and the block a barrier before
+// another thread does.
+static __device__ __forceinline__ void strata_cp_async16(void* smem, const void* gmem, uint64_t pol) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "l"(pol)
+                 : "memory");
+#else
+    (void)pol;
+    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+
 static __device__ __forceinline__ void strata_cp_async_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;" ::: "memory");

@@ -65,6 +65,14 @@ static __device__ __forceinline__ float dense_bf16_hi(unsigned int u) { return _
 // (coalesced 512 B per row per warp), and applies them to all T rows of x
 // (read as float4 from L1/L2). Partial sums: per lane in k order, then a warp
 // butterfly, then the ksplit warps in warp order through shared memory.
+//
+// STAGED (T == 1; dense_gemv_staged_*): every step of a warp's weights is
+// requested into shared memory (cp.async, dynamic smem DENSE_GEMV_WARPS *
+// steps * ROWS * 512 bytes, steps = ceil(K / 8 / (32 ksplit))) before the
+// programmatic wait, so a grid that fits one wave has every weight of the
+// matrix in flight at once while the kernel before it ends; registers then
+// hold one row's 16 bytes at a time, not a step's ROWS. Same sums in the
+// same order as the unstaged body.
 
 #define DENSE_GEMV_WARPS 8
 
@@ -83,12 +91,14 @@ struct DenseNormIn {
     float* normed;
 };
 
-template <int T, int ROWS, int UNROLL, bool NORM>
+template <int T, int ROWS, int UNROLL, bool NORM, bool STAGED = false>
 static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__ x,
                                                        const __nv_bfloat16* __restrict__ w,
                                                        float* __restrict__ out, int N, int K, int ksplit,
                                                        int accumulate, DenseNormIn nin) {
     static_assert(!NORM || T == 1, "the fused norm is for one row");
+    static_assert(!STAGED || T == 1, "the staged weights are for one row");
+    extern __shared__ uint4 dense_stage[];  // STAGED: [warp][step][row][lane]
     __shared__ float red[DENSE_GEMV_WARPS][ROWS * T];
     __shared__ float norm_scratch[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -96,13 +106,20 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
     const int group = warp / ksplit, part = warp % ksplit;
     const long long row0 = ((long long)blockIdx.x * groups + group) * ROWS;
 
-    const uint4* wrow[ROWS];
+    // Row r's 16-byte vectors: rows past N read row N-1 (in bounds) and are
+    // never stored. (STAGED: one base pointer and offsets; ROWS 64-bit
+    // pointers cost its wider variants registers.)
+    const uint4* wrow_p[STAGED ? 1 : ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        // Rows past N read row N-1 (in bounds) and are never stored.
+    for (int r = 0; r < (STAGED ? 0 : ROWS); ++r) {
         const long long n = min(row0 + r, (long long)N - 1);
-        wrow[r] = reinterpret_cast<const uint4*>(w + n * (long long)K);
+        wrow_p[r] = reinterpret_cast<const uint4*>(w + n * (long long)K);
     }
+    const uint4* wbase = reinterpret_cast<const uint4*>(w + min(row0, (long long)N - 1) * (long long)K);
+    const int rows_here = (int)min((long long)ROWS, (long long)N - min(row0, (long long)N - 1));
+    auto wrow = [&](int r) {
+        return STAGED ? wbase + (size_t)min(r, rows_here - 1) * (size_t)(K >> 3) : wrow_p[STAGED ? 0 : r];
+    };
     float acc[ROWS][T];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
@@ -125,15 +142,22 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
     if (!streamed && (lane & 7) == 0) {
         for (int v = v_first; v < kvec; v += v_step) {
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow[r] + v));
+            for (int r = 0; r < ROWS; ++r) asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow(r) + v));
         }
     }
-    uint4 w_pre[DENSE_PRE_STEPS][ROWS];
+    const int steps = (kvec + v_step - 1) / v_step;  // of the block's warps (a warp may have one fewer)
+    uint4* stage = dense_stage + (size_t)warp * steps * ROWS * 32 + lane;
+    if (STAGED) {
+        for (int p = 0, v = v_first; v < kvec; ++p, v += v_step)
 #pragma unroll
-    for (int p = 0; p < DENSE_PRE_STEPS; ++p) {
+            for (int r = 0; r < ROWS; ++r) strata_cp_async16(stage + (p * ROWS + r) * 32, wrow(r) + v, pol);
+    }
+    uint4 w_pre[STAGED ? 1 : DENSE_PRE_STEPS][ROWS];
+#pragma unroll
+    for (int p = 0; p < (STAGED ? 0 : DENSE_PRE_STEPS); ++p) {
         const int v = v_first + p * v_step;
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) w_pre[p][r] = v < kvec ? dense_ld_stream(wrow[r] + v, pol) : make_uint4(0u, 0u, 0u, 0u);
+        for (int r = 0; r < ROWS; ++r) w_pre[p][r] = v < kvec ? dense_ld_stream(wrow(r) + v, pol) : make_uint4(0u, 0u, 0u, 0u);
     }
     strata_pdl_wait();
     // Thread i < groups * ROWS * T writes output i of the block (at most one
@@ -185,8 +209,9 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
             }
         }
     }
-    // acc += W[rows, 8 v .. 8 v + 8) x[8 v .. 8 v + 8) (normalized under NORM).
-    auto step = [&](int v, const uint4(&wv)[ROWS]) {
+    // acc += W[rows, 8 v .. 8 v + 8) x[8 v .. 8 v + 8) (normalized under
+    // NORM); row r's 16 bytes are wv(r).
+    auto step = [&](int v, auto&& wv) {
 #pragma unroll
         for (int t = 0; t < T; ++t) {
             float4 xa = __ldg(x4 + (long long)t * xstride4 + 2 * v);
@@ -199,31 +224,38 @@ static __device__ __forceinline__ void dense_gemv_body(const float* __restrict__
             }
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
+                const uint4 u = wv(r);
                 float a = acc[r][t];
-                a = fmaf(dense_bf16_lo(wv[r].x), xa.x, a);
-                a = fmaf(dense_bf16_hi(wv[r].x), xa.y, a);
-                a = fmaf(dense_bf16_lo(wv[r].y), xa.z, a);
-                a = fmaf(dense_bf16_hi(wv[r].y), xa.w, a);
-                a = fmaf(dense_bf16_lo(wv[r].z), xb.x, a);
-                a = fmaf(dense_bf16_hi(wv[r].z), xb.y, a);
-                a = fmaf(dense_bf16_lo(wv[r].w), xb.z, a);
-                a = fmaf(dense_bf16_hi(wv[r].w), xb.w, a);
+                a = fmaf(dense_bf16_lo(u.x), xa.x, a);
+                a = fmaf(dense_bf16_hi(u.x), xa.y, a);
+                a = fmaf(dense_bf16_lo(u.y), xa.z, a);
+                a = fmaf(dense_bf16_hi(u.y), xa.w, a);
+                a = fmaf(dense_bf16_lo(u.z), xb.x, a);
+                a = fmaf(dense_bf16_hi(u.z), xb.y, a);
+                a = fmaf(dense_bf16_lo(u.w), xb.z, a);
+                a = fmaf(dense_bf16_hi(u.w), xb.w, a);
                 acc[r][t] = a;
             }
         }
     };
-    int v = v_first;
+    if (STAGED) {
+        strata_cp_async_wait_all();  // this thread's own copies (and prev)
+        for (int p = 0, v = v_first; v < kvec; ++p, v += v_step)
+            step(v, [&](int r) { return stage[(p * ROWS + r) * 32]; });
+    } else {
+        int v = v_first;
 #pragma unroll
-    for (int p = 0; p < DENSE_PRE_STEPS; ++p) {
-        if (v < kvec) step(v, w_pre[p]);
-        v += v_step;
-    }
+        for (int p = 0; p < DENSE_PRE_STEPS; ++p) {
+            if (v < kvec) step(v, [&](int r) { return w_pre[STAGED ? 0 : p][r]; });
+            v += v_step;
+        }
 #pragma unroll UNROLL
-    for (; v < kvec; v += v_step) {
-        uint4 wv[ROWS];
+        for (; v < kvec; v += v_step) {
+            uint4 wv[ROWS];
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) wv[r] = dense_ld_stream(wrow[r] + v, pol);
-        step(v, wv);
+            for (int r = 0; r < ROWS; ++r) wv[r] = dense_ld_stream(wrow(r) + v, pol);
+            step(v, [&](int r) { return wv[r]; });
+        }
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
@@ -273,6 +305,26 @@ extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, 4)
                        int accumulate) {
     dense_gemv_body<1, 4, 2, true>(x, w, out, N, K, ksplit, accumulate, DenseNormIn{g, eps, flags, slot, normed});
 }
+
+// The STAGED bodies (see there) for one row, ROWS rows a warp group; dynamic
+// smem DENSE_GEMV_WARPS * steps * ROWS * 512 bytes (dense.rs:
+// gemv_staged_smem). Arguments as dense_gemv_t1 / dense_gemv_norm_t1.
+#define DENSE_GEMV_STAGED(ROWS, MINB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, MINB)                                  \
+        dense_gemv_staged_t1_r##ROWS(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,         \
+                                     float* __restrict__ out, int N, int K, int ksplit, int accumulate) {      \
+        dense_gemv_body<1, ROWS, 1, false, true>(x, w, out, N, K, ksplit, accumulate, DenseNormIn{});          \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(DENSE_GEMV_WARPS * 32, MINB) dense_gemv_staged_norm_t1_r##ROWS( \
+        const float* __restrict__ x, const float* __restrict__ g, float eps, unsigned int* __restrict__ flags,  \
+        int slot, float* __restrict__ normed, const __nv_bfloat16* __restrict__ w, float* __restrict__ out,     \
+        int N, int K, int ksplit, int accumulate) {                                                            \
+        dense_gemv_body<1, ROWS, 1, true, true>(x, w, out, N, K, ksplit, accumulate,                           \
+                                                DenseNormIn{g, eps, flags, slot, normed});                     \
+    }
+DENSE_GEMV_STAGED(4, 5)
+DENSE_GEMV_STAGED(8, 5)
+DENSE_GEMV_STAGED(16, 4)
 
 // The simple path for any K (K % 8 != 0): one warp per output (t, n), lanes
 // stride over k, scalar loads. grid = (ceil(N / 8), T), block = 256.

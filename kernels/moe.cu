@@ -1130,15 +1130,6 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_DN_MAX_WARPS * 32)
 #define MOE_FU_MAX_P 4    // K slices of a down row: I <= 1024
 #define MOE_FU_SLOT 4608  // a ring slot: a gate/up unit (a down unit uses half)
 
-// 16 bytes global -> shared (cp.async, L2 evict-first, not through L1).
-static __device__ __forceinline__ void moe_fu_cp16(void* smem, const void* gmem, uint64_t pol) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "l"(pol)
-                 : "memory");
-#endif
-}
-
 static __device__ __forceinline__ void moe_fu_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -1175,11 +1166,11 @@ static __device__ __forceinline__ void moe_fu_request(uint8_t* unit, const uint8
         const int m = i / PER, q = i - m * PER;
         if (q < 128) {
             const int row = q >> 3, c = q & 7;
-            moe_fu_cp16(unit + m * 2048 + row * 128 + 16 * (c ^ ((row & 1) << 2)),
+            strata_cp_async16(unit + m * 2048 + row * 128 + 16 * (c ^ ((row & 1) << 2)),
                         blob + (m ? codes1 : codes0) + (row0 + row) * row_bytes + 128 * sl + 16 * c, pol);
         } else {
             const int row = q - 128;
-            moe_fu_cp16(unit + NM * 2048 + m * 256 + row * 16,
+            strata_cp_async16(unit + NM * 2048 + m * 256 + row * 16,
                         blob + (m ? scales1 : scales0) + (row0 + row) * srow_bytes + 16 * sl, pol);
         }
     }

@@ -37,6 +37,7 @@ pub const TESTS: &[GpuTest] = &[
     ("dense_add_rmsnorm_fused", add_rmsnorm_fused),
     ("dense_rmsnorm_checked_flags", rmsnorm_checked_flags),
     ("dense_gemv_rmsnorm_fused", gemv_rmsnorm_fused),
+    ("dense_gemv_staged_matches_plain", gemv_staged_matches_plain),
     ("dense_rope_full_partial_yarn", rope_full_partial_yarn),
     ("dense_rmsnorm_rope_fused", rmsnorm_rope_fused),
     ("dense_rmsnorm_rope_step_pointer", rmsnorm_rope_step_pointer),
@@ -160,6 +161,87 @@ fn gemv_rmsnorm_fused(gpu: &Arc<Gpu>) -> Result<(), String> {
     if dense::gemv_rmsnorm(gpu, &x, norm, &mut normed, false, &wd, 1, 64, &mut out, Write::Store).is_ok() {
         return Err("gemv_rmsnorm accepted slot 2 of 2 flags".into());
     }
+    Ok(())
+}
+
+/// The staged one-row GEMVs (every weight requested into shared memory before the wait) against the plain
+/// kernels: bit for bit (the same sums in the same order), plain and with the input norm, stored and added to a
+/// residual, and against the exact dot products. Shapes: the 30b-a3b decode projections (qkv takes a staged
+/// kernel by default), N not a multiple of a block's rows, K not a multiple of a step, several steps a warp.
+/// A `test-hooks` build forces each mode (`dense::force_gemv_staged`); without, the default path only.
+fn gemv_staged_matches_plain(gpu: &Arc<Gpu>) -> Result<(), String> {
+    #[cfg(feature = "test-hooks")]
+    {
+        let mut staged_seen = 0;
+        for (n, k) in
+            [(5120usize, 2048usize), (2048, 4096), (128, 2048), (4097, 2048), (33, 2056), (3, 8), (9000, 1024)]
+        {
+            let (w, wm) = bf16_weights(90 + n as u64, n, k, 0.05);
+            let wd = gpu.upload(&w).map_err(e)?;
+            let g: Vec<f32> = rand_f32(91, k, 0.3).iter().map(|v| 1.0 + v).collect();
+            let gd = gpu.upload(&g).map_err(e)?;
+            let x = rand_f32(92 + k as u64, k, 3.0);
+            let xd = gpu.upload(&x).map_err(e)?;
+            let resid = rand_f32(93, n, 1.0);
+            let mut want_normed = vec![0.0f32; k];
+            ops::rmsnorm(&x, &g, 1e-6, &mut want_normed);
+            // [plain, normed] x [store, add] per mode.
+            let mut runs: Vec<(String, Vec<Vec<f32>>)> = Vec::new();
+            for mode in [0u8, 2] {
+                dense::force_gemv_staged(Some(mode));
+                let result = (|| -> Result<(String, Vec<Vec<f32>>), String> {
+                    let kernel = format!(
+                        "{} / {}",
+                        dense::gemv_choice(gpu, n, k, false).map_err(e)?.0,
+                        dense::gemv_choice(gpu, n, k, true).map_err(e)?.0
+                    );
+                    let mut outs = Vec::new();
+                    for (normed_in, write) in
+                        [(false, Write::Store), (false, Write::Add), (true, Write::Store), (true, Write::Add)]
+                    {
+                        let mut out = match write {
+                            Write::Add => gpu.upload(&resid).map_err(e)?,
+                            Write::Store => poisoned(gpu, n)?,
+                        };
+                        if normed_in {
+                            let mut normed = poisoned(gpu, k)?;
+                            let norm = dense::NormIn { w: &gd, eps: 1e-6, check: None };
+                            dense::gemv_rmsnorm(gpu, &xd, norm, &mut normed, false, &wd, n, k, &mut out, write)
+                                .map_err(e)?;
+                        } else {
+                            dense::gemv(gpu, &xd, &wd, 1, n, k, &mut out, write).map_err(e)?;
+                        }
+                        outs.push(gpu.download(&out).map_err(e)?);
+                    }
+                    Ok((kernel, outs))
+                })();
+                dense::force_gemv_staged(None);
+                runs.push(result?);
+            }
+            let (plain, staged) = (&runs[0], &runs[1]);
+            if staged.0.contains("staged") {
+                staged_seen += 1;
+            }
+            for (i, (a, b)) in plain.1.iter().zip(&staged.1).enumerate() {
+                let what = format!("N={n} K={k} case {i} ({} against {})", staged.0, plain.0);
+                if let Some(j) = (0..n).find(|&j| a[j].to_bits() != b[j].to_bits()) {
+                    return Err(format!("{what}: [{j}] = {} staged, {} plain", b[j], a[j]));
+                }
+                // Against the exact dots (the residual taken off again for the added cases).
+                let got: Vec<f32> =
+                    if i % 2 == 1 { b.iter().zip(&resid).map(|(v, r)| v - r).collect() } else { b.clone() };
+                let xin = if i >= 2 { &want_normed } else { &x };
+                let tol = if i % 2 == 1 { 1e-4 } else { 1e-5 };
+                check_dots(&what, &got, xin, &wm, tol)?;
+            }
+        }
+        // The 30b-a3b qkv (5120 x 2048) must have taken a staged kernel in the forced mode at least.
+        if staged_seen == 0 {
+            return Err("no shape took a staged kernel with the staged mode forced on".into());
+        }
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = gpu;
     Ok(())
 }
 
@@ -776,6 +858,17 @@ fn ksplit_lines(gpu: &Arc<Gpu>) -> Result<(), String> {
             dense::force_gemv_ksplit(None);
             let name = if ks == 0 { "auto".to_string() } else { ks.to_string() };
             line += &format!(" {name} {:.2} us", s? * 1e6);
+        }
+        println!("{line}");
+        // The staged kernels (all weights requested before the wait) against the plain ones.
+        let mut line = format!("     GEMV T=1 N={n} K={k} staged:");
+        for mode in [0u8, 1, 2] {
+            dense::force_gemv_staged(Some(mode));
+            let kernel = dense::gemv_choice(gpu, n, k, false).map_err(e);
+            let s = time_it(gpu, 20, |i| dense::matmul(gpu, &x, &ws[i % copies], 1, n, k, &mut out).map_err(e));
+            dense::force_gemv_staged(None);
+            let (name, blocks) = kernel?;
+            line += &format!(" [{mode}] {name} x {blocks}: {:.2} us", s? * 1e6);
         }
         println!("{line}");
         if k == 2048 && n > 128 {

@@ -210,6 +210,99 @@ fn gemv_ksplit(n: usize, k: usize, sm_count: usize) -> usize {
 /// Waves (of 4 blocks per SM) a K split may grow a GEMV's grid to.
 const GEMV_MAX_WAVES: usize = 4;
 
+/// Blocks per SM of `dense_gemv_t1` and `dense_gemv_norm_t1` (their launch bounds).
+const GEMV_T1_BLOCKS_PER_SM: usize = 4;
+
+/// Rows per warp group of the staged one-row GEMVs (`dense_gemv_staged_[norm_]t1_r{R}`), fewest first.
+const GEMV_STAGED_ROWS: [usize; 3] = [4, 8, 16];
+
+/// When a one-row GEMV takes a staged kernel (every weight requested into shared memory before the
+/// programmatic wait): STAGED_DEFAULT, or `force_gemv_staged` / `STRATA_GEMV_STAGED` in a `test-hooks` build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Staged {
+    Never,
+    /// Where the plain kernel's grid takes more than one wave and a staged one's fits in one.
+    BeyondOneWave,
+    /// Wherever a staged kernel's grid fits one wave.
+    Always,
+}
+
+/// Tests and benches (`test-hooks`): the staged mode every one-row GEMV uses instead of STAGED_DEFAULT
+/// (0: none; 1 Never, 2 BeyondOneWave, 3 Always); starts as `STRATA_GEMV_STAGED` (`0`, `1` or `2`: Never,
+/// BeyondOneWave, Always).
+#[cfg(any(test, feature = "test-hooks"))]
+static STAGED_OVERRIDE: std::sync::LazyLock<std::sync::atomic::AtomicU8> = std::sync::LazyLock::new(|| {
+    let v = match std::env::var("STRATA_GEMV_STAGED").as_deref() {
+        Ok("0") => 1,
+        Ok("1") => 2,
+        Ok("2") => 3,
+        _ => 0,
+    };
+    std::sync::atomic::AtomicU8::new(v)
+});
+
+/// Tests: forces the staged mode of every one-row GEMV: `Some(0)` never, `Some(1)` beyond one wave (the
+/// default), `Some(2)` always; `None`: the default again.
+#[cfg(any(test, feature = "test-hooks"))]
+pub fn force_gemv_staged(mode: Option<u8>) {
+    let v = mode.map_or(0, |m| m.min(2) + 1);
+    STAGED_OVERRIDE.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The staged mode of one-row GEMVs.
+const STAGED_DEFAULT: Staged = Staged::BeyondOneWave;
+
+fn staged_mode() -> Staged {
+    #[cfg(any(test, feature = "test-hooks"))]
+    {
+        match STAGED_OVERRIDE.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => return Staged::Never,
+            2 => return Staged::BeyondOneWave,
+            3 => return Staged::Always,
+            _ => {}
+        }
+    }
+    STAGED_DEFAULT
+}
+
+/// Dynamic shared memory of a staged one-row GEMV: DENSE_GEMV_WARPS warps x steps x rows x 512 bytes, a step
+/// being 32 lanes x 16 bytes of each row (`dense_gemv_body`'s STAGED layout).
+fn gemv_staged_smem(k: usize, ks: usize, rows: usize) -> usize {
+    GEMV_WARPS * (k / 8).div_ceil(32 * ks) * rows * 512
+}
+
+/// The staged kernel (name, rows per warp group, dynamic shared bytes) a one-row GEMV of `n x k` split `ks`
+/// ways takes, if any (`staged_mode`): the fewest rows whose grid the device runs in one wave.
+fn gemv_staged(gpu: &Gpu, n: usize, k: usize, ks: usize, norm: bool) -> Result<Option<(String, usize, usize)>> {
+    let mode = staged_mode();
+    let sms = gpu.sm_count() as usize;
+    let blocks = |rows: usize| n.div_ceil(GEMV_WARPS / ks * rows);
+    if mode == Staged::Never
+        || k % 8 != 0
+        || (mode == Staged::BeyondOneWave && blocks(GEMV_ROWS_PER_GROUP) <= GEMV_T1_BLOCKS_PER_SM * sms)
+    {
+        return Ok(None);
+    }
+    for rows in GEMV_STAGED_ROWS {
+        let smem = gemv_staged_smem(k, ks, rows);
+        let name = format!("dense_gemv_staged_{}t1_r{rows}", if norm { "norm_" } else { "" });
+        if blocks(rows) <= gpu.blocks_per_sm(&name, (GEMV_WARPS * 32) as u32, smem)? * sms {
+            return Ok(Some((name, rows, smem)));
+        }
+    }
+    Ok(None)
+}
+
+/// Tests: the kernel a one-row GEMV of `n x k` launches now (with the input norm inside: `norm`) and its
+/// grid's blocks.
+#[cfg(any(test, feature = "test-hooks"))]
+pub fn gemv_choice(gpu: &Gpu, n: usize, k: usize, norm: bool) -> Result<(String, usize)> {
+    let ks = gemv_ksplit(n, k, gpu.sm_count() as usize);
+    let plain = if norm { "dense_gemv_norm_t1" } else { "dense_gemv_t1" };
+    let (name, rows, _) = gemv_staged(gpu, n, k, ks, norm)?.unwrap_or((plain.to_string(), GEMV_ROWS_PER_GROUP, 0));
+    Ok((name, n.div_ceil(GEMV_WARPS / ks * rows)))
+}
+
 /// `out [T, N] (+)= x [T, K] * W^T` for T in 1..=8 with the own GEMV kernels
 /// (any K; the fast kernels need K % 8 == 0, others take the simple kernel).
 #[allow(clippy::too_many_arguments)]
@@ -247,19 +340,21 @@ pub fn gemv(
         return Ok(());
     }
     let ks = gemv_ksplit(n, k, gpu.sm_count() as usize);
-    let rows_per_block = GEMV_WARPS / ks * GEMV_ROWS_PER_GROUP;
-    let f = gpu.function(&format!("dense_gemv_t{t}"))?;
+    let staged = if t == 1 { gemv_staged(gpu, n, k, ks, false)? } else { None };
+    let (name, rows, smem) = staged.unwrap_or_else(|| (format!("dense_gemv_t{t}"), GEMV_ROWS_PER_GROUP, 0));
+    let f = gpu.function(&name)?;
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(rows_per_block) as u32, 1, 1),
+        grid_dim: (n.div_ceil(GEMV_WARPS / ks * rows) as u32, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem as u32,
     };
     let mut a = KernelArgs::new();
     a.buf(gpu, x).buf(gpu, w).buf_mut(gpu, out).val(n_i).val(k_i).val(ks as i32).val(acc_i);
-    // SAFETY: dense_gemv_tT(const float* x [T,K], const bf16* w [N,K], float* out [T,N], int N, int K, int ksplit,
-    // int accumulate);
+    // SAFETY: dense_gemv_tT and dense_gemv_staged_t1_rR(const float* x [T,K], const bf16* w [N,K], float* out
+    // [T,N], int N, int K, int ksplit, int accumulate);
     // K % 8 == 0 keeps every 16-byte load inside its row and aligned (cudarc buffers are 256-byte aligned);
-    // rows past N are clamped in the kernel and never stored. Only W is read before strata_pdl_wait.
+    // rows past N are clamped in the kernel and never stored; a staged kernel's dynamic shared memory is
+    // gemv_staged_smem's (allowed by blocks_per_sm). Only W is read before strata_pdl_wait.
     unsafe { gpu.launch(&f, cfg, &mut a) }?;
     Ok(())
 }
@@ -318,12 +413,13 @@ pub fn gemv_rmsnorm(
     check_matmul(x, w, 1, n, k, out)?;
     let (n_i, k_i, acc_i) = (n as i32, k as i32, (write == Write::Add) as i32);
     let ks = gemv_ksplit(n, k, gpu.sm_count() as usize);
-    let rows_per_block = GEMV_WARPS / ks * GEMV_ROWS_PER_GROUP;
-    let f = gpu.function("dense_gemv_norm_t1")?;
+    let staged = gemv_staged(gpu, n, k, ks, true)?;
+    let (name, rows, smem) = staged.unwrap_or_else(|| ("dense_gemv_norm_t1".to_string(), GEMV_ROWS_PER_GROUP, 0));
+    let f = gpu.function(&name)?;
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(rows_per_block) as u32, 1, 1),
+        grid_dim: (n.div_ceil(GEMV_WARPS / ks * rows) as u32, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem as u32,
     };
     let slot_i = norm.check.as_ref().map_or(0, |(_, slot)| *slot as i32);
     let mut a = KernelArgs::new();
@@ -339,10 +435,11 @@ pub fn gemv_rmsnorm(
         a.null();
     }
     a.buf(gpu, w).buf_mut(gpu, out).val(n_i).val(k_i).val(ks as i32).val(acc_i);
-    // SAFETY: dense_gemv_norm_t1(const float* x [K], const float* g [K], float eps, u32* flags (null or holding
-    // slot), int slot, float* normed (null or [K]), const bf16* w [N,K], float* out [N], int N, int K, int ksplit,
-    // int accumulate): lengths checked above; K % 8 == 0 keeps the 16-byte loads of W, x and g aligned and in
-    // bounds (cudarc buffers are 256-byte aligned). Only W is read before strata_pdl_wait.
+    // SAFETY: dense_gemv_norm_t1 and dense_gemv_staged_norm_t1_rR(const float* x [K], const float* g [K], float
+    // eps, u32* flags (null or holding slot), int slot, float* normed (null or [K]), const bf16* w [N,K], float*
+    // out [N], int N, int K, int ksplit, int accumulate): lengths checked above; K % 8 == 0 keeps the 16-byte
+    // loads of W, x and g aligned and in bounds (cudarc buffers are 256-byte aligned); a staged kernel's dynamic
+    // shared memory is gemv_staged_smem's (allowed by blocks_per_sm). Only W is read before strata_pdl_wait.
     unsafe { gpu.launch(&f, cfg, &mut a) }?;
     Ok(())
 }

@@ -171,6 +171,8 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     module: Arc<CudaModule>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    /// `blocks_per_sm`'s answers by (kernel, threads, dynamic shared bytes).
+    occupancy: Mutex<HashMap<(String, u32, usize), usize>>,
     blas: OnceLock<CudaBlas>,
     name: String,
     compute_capability: (u32, u32),
@@ -292,6 +294,7 @@ impl Gpu {
             stream,
             module,
             functions: Mutex::new(HashMap::new()),
+            occupancy: Mutex::new(HashMap::new()),
             blas: OnceLock::new(),
             name,
             compute_capability: (major as u32, minor as u32),
@@ -530,6 +533,40 @@ impl Gpu {
     pub fn allow_large_clusters(&self, f: &CudaFunction) -> Result<()> {
         f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)?;
         Ok(())
+    }
+
+    /// How many blocks of the kernel `name` with `threads` threads and
+    /// `smem` bytes of dynamic shared memory one SM runs at once (0: it does
+    /// not fit), asked of the driver once per (name, threads, smem). Above
+    /// the default 48 KB the kernel's dynamic shared memory limit is raised
+    /// to the device's opt-in maximum (less its static shared memory) first,
+    /// so a launch of that shape is allowed; past that the answer is 0.
+    pub fn blocks_per_sm(&self, name: &str, threads: u32, smem: usize) -> Result<usize> {
+        let key = (name.to_string(), threads, smem);
+        if let Some(&n) = self.occupancy.lock().get(&key) {
+            return Ok(n);
+        }
+        let f = self.function(name)?;
+        let n = if smem > 48 << 10 {
+            let optin =
+                self.ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+            // The limit covers dynamic memory only; with the static it may not pass the opt-in maximum.
+            let fixed = f.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?;
+            let room = optin.max(0).saturating_sub(fixed.max(0)) as usize;
+            if smem > room {
+                0
+            } else {
+                f.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    room as std::ffi::c_int,
+                )?;
+                self.max_active_blocks(&f, threads, smem)?
+            }
+        } else {
+            self.max_active_blocks(&f, threads, smem)?
+        };
+        self.occupancy.lock().insert(key, n);
+        Ok(n)
     }
 
     /// How many blocks of `f` with `threads` threads and `smem` bytes of
