@@ -921,6 +921,81 @@ static __device__ __forceinline__ void moe_tc_load(const uint8_t* codes, const u
     }
 }
 
+// A gate/up warp's products of one slice (codes c, scale pairs sc of gate
+// and up; x staged in xs, 2^E = pe) added to its row sums acc [gate, up][row
+// g, g + 8] (lanes t4 == 0).
+static __device__ __forceinline__ void moe_tc_gu_slice(const uint4 (&c)[2][2][2], const uint32_t (&sc)[2][2][2],
+                                                       const uint4* xs, int g, int t4, float pe,
+                                                       float (&acc)[2][2]) {
+    float d[2][1][4] = {};
+    moe_tc_slice<2, 1>(c, sc, xs, g, t4, d);
+    __syncwarp();  // xs is rewritten by the next slice
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        const float2 r = moe_tc_rows(d[m], pe);
+        acc[m][0] += r.x;
+        acc[m][1] += r.y;
+    }
+}
+
+// The end of a gate/up block: the warps' row sums (acc) through red, added
+// in warp order by 16 threads, times the global scales gsc (requested with
+// cp.async), silu(gate) * up into act_row [16].
+static __device__ __forceinline__ void moe_tc_gu_end(const float (&acc)[2][2], float (*red)[2][16],
+                                                     const float* gsc, float* act_row, int warp, int g, int t4) {
+    if (t4 == 0) {
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            red[warp][m][g] = acc[m][0];
+            red[warp][m][g + 8] = acc[m][1];
+        }
+    }
+    strata_cp_async_wait_all();  // gsc
+    __syncthreads();
+    if (threadIdx.x < 16) {
+        float sg = 0.0f, su = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MOE_TC_GU_WARPS; ++w) {
+            sg += red[w][0][threadIdx.x];
+            su += red[w][1][threadIdx.x];
+        }
+        const float gate = sg * (gsc[0] * 128.0f), up = su * (gsc[1] * 128.0f);
+        act_row[threadIdx.x] = moe_silu(gate) * up;
+    }
+}
+
+// A down warp's products of part q (codes c, scale pairs s; act staged in
+// xs, 2^E = pe): its 16 row sums into red[q] (lanes t4 == 0).
+static __device__ __forceinline__ void moe_tc_dn_part(const uint4 (&c)[1][2][2], const uint32_t (&s)[1][2][2],
+                                                      const uint4* xs, int g, int t4, float pe, float* red_q) {
+    float d[1][2][4] = {};
+    moe_tc_slice<1, 2>(c, s, xs, g, t4, d);
+    __syncwarp();  // xs is rewritten by the next part
+    if (t4 == 0) {
+        const float2 r = moe_tc_rows(d[0], pe);
+        red_q[g] = r.x;
+        red_q[g + 8] = r.y;
+    }
+}
+
+// The end of a down block: 16 threads write out_row[i] (+ prev[i] when
+// accumulating; prev requested with cp.async) = sum_j coefs[j] sum_p red[j
+// parts + p][i], in (j, p) order.
+static __device__ __forceinline__ void moe_tc_dn_end(const float (*red)[16], const float* coefs, const float* prev,
+                                                     float* out_row, int top_k, int parts, int accumulate) {
+    strata_cp_async_wait_all();  // prev
+    __syncthreads();
+    if (threadIdx.x < 16) {
+        float v = 0.0f;
+        for (int j = 0; j < top_k; ++j) {
+            float sj = 0.0f;
+            for (int p = 0; p < parts; ++p) sj += red[j * parts + p][threadIdx.x];
+            v = fmaf(coefs[j], sj, v);
+        }
+        out_row[threadIdx.x] = accumulate ? prev[threadIdx.x] + v : v;
+    }
+}
+
 // grid (T * k, I / 16), block 256 (8 warps), no dynamic smem; H % 256 == 0,
 // I % 16 == 0 (the wrapper's checks). Arguments and results as
 // moe_gate_up_gemv. Block (a, y): rows 16 y .. 16 y + 15 of gate and up of
@@ -966,35 +1041,9 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 3)
         moe_tc_load(blob + L.up_codes + co, blob + L.up_scales + so, code_row, scale_row, t4, c[1], sc[1]);
         const float pe = moe_tc_stage(x + (size_t)t * H + MOE_TC_SLICE * sl, xs[warp], lane);
         __syncwarp();
-        float d[2][1][4] = {};
-        moe_tc_slice<2, 1>(c, sc, xs[warp], g, t4, d);
-        __syncwarp();  // xs is rewritten by the next slice
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-            const float2 r = moe_tc_rows(d[m], pe);
-            acc[m][0] += r.x;
-            acc[m][1] += r.y;
-        }
+        moe_tc_gu_slice(c, sc, xs[warp], g, t4, pe, acc);
     }
-    if (t4 == 0) {
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-            red[warp][m][g] = acc[m][0];
-            red[warp][m][g + 8] = acc[m][1];
-        }
-    }
-    strata_cp_async_wait_all();  // gsc
-    __syncthreads();
-    if (threadIdx.x < 16) {
-        float sg = 0.0f, su = 0.0f;
-#pragma unroll
-        for (int w = 0; w < MOE_TC_GU_WARPS; ++w) {
-            sg += red[w][0][threadIdx.x];
-            su += red[w][1][threadIdx.x];
-        }
-        const float gate = sg * (gsc[0] * 128.0f), up = su * (gsc[1] * 128.0f);
-        act_row[threadIdx.x] = moe_silu(gate) * up;
-    }
+    moe_tc_gu_end(acc, red, gsc, act_row, warp, g, t4);
 }
 
 // grid (T, H / 16), block 32 * min(top_k * I / 256, 24) threads, dynamic
@@ -1060,26 +1109,9 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_DN_MAX_WARPS * 32)
         if (q != warp) load_part(q);  // the first part was loaded before the wait
         const float pe = moe_tc_stage(act + ((size_t)t * top_k + j) * I + MOE_TC_SLICE * p, xs, lane);
         __syncwarp();
-        float d[1][2][4] = {};
-        moe_tc_slice<1, 2>(c, s, xs, g, t4, d);
-        __syncwarp();  // xs is rewritten by the next part
-        if (t4 == 0) {
-            const float2 r = moe_tc_rows(d[0], pe);
-            red[q][g] = r.x;
-            red[q][g + 8] = r.y;
-        }
+        moe_tc_dn_part(c, s, xs, g, t4, pe, red[q]);
     }
-    strata_cp_async_wait_all();  // prev
-    __syncthreads();
-    if (threadIdx.x < 16) {
-        float v = 0.0f;
-        for (int j = 0; j < top_k; ++j) {
-            float sj = 0.0f;
-            for (int p = 0; p < parts; ++p) sj += red[j * parts + p][threadIdx.x];
-            v = fmaf(coefs[j], sj, v);
-        }
-        out[(size_t)t * H + 16 * blockIdx.y + threadIdx.x] = accumulate ? prev[threadIdx.x] + v : v;
-    }
+    moe_tc_dn_end(red, coefs, prev, out + (size_t)t * H + 16 * blockIdx.y, top_k, parts, accumulate);
 }
 
 // ---------------------------------------------------------------------------
@@ -1481,6 +1513,141 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
     }
     if (xchg == nullptr) moe_fu_cluster_wait();
 #endif
+}
+
+// ---------------------------------------------------------------------------
+// 2d. The decode GEMVs with their weights staged in shared memory (sm_80+):
+// moe_gate_up_gemv_tc_st and moe_down_gemv_tc_st, the results of
+// moe_gate_up_gemv_tc and moe_down_gemv_tc bit for bit (the same products
+// in the same order), for the routed decode path only.
+//
+// The register-staged pair cannot overlap: the gate/up GEMV's loads in
+// flight live in registers (3 blocks an SM hold ~all of them), so the down
+// GEMV's blocks find room only as the gate/up blocks end, and route and
+// request their weights after that. Here every warp requests its weights
+// with cp.async into shared memory (2c's units: moe_fu_request /
+// moe_fu_read), so both kernels hold few registers: a down block fits
+// beside three gate/up blocks, routes the token from the logits and
+// requests ALL of its weights before its programmatic wait, while the
+// gate/up GEMV still runs (the gate/up GEMV triggers after its wait, as for
+// moe_down_gemv_tc's routing before the wait).
+#define MOE_DN_ST_WARPS 8
+
+// grid (T * k, I / 16), block 256, dynamic smem MOE_TC_GU_WARPS *
+// ceil(H / 256 / MOE_TC_GU_WARPS) * MOE_FU_SLOT; as moe_gate_up_gemv_tc
+// (H % 256 == 0, I % 16 == 0), routed (logits non-null) or not.
+extern "C" __global__ void __launch_bounds__(MOE_TC_GU_WARPS * 32, 4)
+    moe_gate_up_gemv_tc_st(const float* __restrict__ x, const uint32_t* __restrict__ ids,
+                           const uint64_t* __restrict__ table, int table_len, MoeBlobLayout L, int top_k,
+                           float* __restrict__ act, const float* __restrict__ logits, int num_experts,
+                           int norm_topk_prob, uint32_t* __restrict__ ids_out, float* __restrict__ weights_out,
+                           int late_trigger) {
+    extern __shared__ __align__(16) uint8_t moe_gu_st[];  // [warp][its n-th slice] units
+    __shared__ uint4 xs[MOE_TC_GU_WARPS][64];
+    __shared__ float red[MOE_TC_GU_WARPS][2][16];
+    __shared__ float gsc[2];
+    if (!late_trigger) strata_pdl_trigger();
+    strata_pdl_wait();
+    if (late_trigger) strata_pdl_trigger();
+    const int a = blockIdx.x, t = a / top_k;
+    const int H = (int)L.hidden, I = (int)L.intermediate;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const uint8_t* blob =
+        moe_gemv_blob(ids, table, table_len, a, top_k, logits, num_experts, norm_topk_prob, ids_out, weights_out);
+    float* act_row = act + (size_t)a * I + 16 * blockIdx.y;
+    if (blob == nullptr) {
+        if (threadIdx.x < 16) act_row[threadIdx.x] = __int_as_float(0x7fc00000);
+        return;
+    }
+    if (threadIdx.x < 2) strata_cp_async4(gsc + threadIdx.x, reinterpret_cast<const float*>(blob + L.tail) + threadIdx.x);
+    const size_t code_row = (size_t)H >> 1, scale_row = (size_t)H >> 4;
+    const int nsl = H / MOE_TC_SLICE, per_warp = (nsl + MOE_TC_GU_WARPS - 1) / MOE_TC_GU_WARPS;
+    const int mine = (nsl - warp + MOE_TC_GU_WARPS - 1) / MOE_TC_GU_WARPS;  // this warp's slices
+    uint8_t* units = moe_gu_st + (size_t)warp * per_warp * MOE_FU_SLOT;
+    const uint64_t pol = strata_stream_policy();
+    for (int n = 0; n < mine; ++n)
+        moe_fu_request<2>(units + n * MOE_FU_SLOT, blob, L.gate_codes, L.up_codes, L.gate_scales, L.up_scales,
+                          (size_t)16 * blockIdx.y, code_row, scale_row, warp + n * MOE_TC_GU_WARPS, lane, pol);
+    float acc[2][2] = {};
+    for (int n = 0; n < mine; ++n) {
+        const int sl = warp + n * MOE_TC_GU_WARPS;
+        const float pe = moe_tc_stage(x + (size_t)t * H + MOE_TC_SLICE * sl, xs[warp], lane);
+        moe_fu_wait(mine - n - 1);
+        __syncwarp();  // every lane's copies of unit n, and xs
+        uint4 c[2][2][2];
+        uint32_t sc[2][2][2];
+        moe_fu_read<2>(units + n * MOE_FU_SLOT, 0, g, t4, c[0], sc[0]);
+        moe_fu_read<2>(units + n * MOE_FU_SLOT, 1, g, t4, c[1], sc[1]);
+        moe_tc_gu_slice(c, sc, xs[warp], g, t4, pe, acc);
+    }
+    moe_tc_gu_end(acc, red, gsc, act_row, warp, g, t4);
+}
+
+// grid (T, H / 16), block MOE_DN_ST_WARPS * 32, dynamic smem top_k * (I /
+// 256) * MOE_FU_SLOT / 2 (a unit per (expert, K slice) part); as
+// moe_down_gemv_tc with logits non-null (the wrapper's checks: I % 256 ==
+// 0, H % 16 == 0, top_k * I / 256 <= MOE_TC_DN_MAX_PARTS, E <=
+// MOE_FUSED_ROUTE_MAX). Routes the token and requests every part of its
+// rows before the programmatic wait; warp w then takes parts w, w + 8, ...
+// as moe_down_gemv_tc's warps do.
+extern "C" __global__ void __launch_bounds__(MOE_DN_ST_WARPS * 32, 4)
+    moe_down_gemv_tc_st(const float* __restrict__ act, const uint32_t* __restrict__ ids,
+                        const float* __restrict__ weights, const uint64_t* __restrict__ table, int table_len,
+                        MoeBlobLayout L, int top_k, float* __restrict__ out, int accumulate,
+                        const float* __restrict__ logits, int num_experts, int norm_topk_prob) {
+    extern __shared__ __align__(16) uint8_t moe_dn_st[];  // units [q]
+    __shared__ uint4 xs_all[MOE_DN_ST_WARPS][64];
+    __shared__ float red[MOE_TC_DN_MAX_PARTS][16];
+    __shared__ float coefs[MOE_MAX_TOP_K];
+    __shared__ uint64_t blobs[MOE_MAX_TOP_K];
+    __shared__ uint32_t ids_s[MOE_MAX_TOP_K];
+    __shared__ float w_s[MOE_MAX_TOP_K];
+    __shared__ float prev[16];
+    strata_pdl_trigger();
+    const int t = blockIdx.x, H = (int)L.hidden, I = (int)L.intermediate, parts = I / MOE_TC_SLICE;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    constexpr int unit_bytes = MOE_FU_SLOT / 2;
+    moe_down_route(logits, num_experts, norm_topk_prob, ids, weights, nullptr, 0, t, top_k, ids_s, w_s, nullptr);
+    if (threadIdx.x < top_k) {
+        const int j = threadIdx.x;
+        const uint32_t e = ids_s[j];
+        const uint8_t* b = e < (uint32_t)table_len ? reinterpret_cast<const uint8_t*>(__ldg(table + e)) : nullptr;
+        blobs[j] = reinterpret_cast<uint64_t>(b);
+        coefs[j] = b != nullptr ? w_s[j] * moe_tail(b, L, 2) * 128.0f : __int_as_float(0x7fc00000);
+    }
+    __syncthreads();
+    const size_t code_row = (size_t)I >> 1, scale_row = (size_t)I >> 4;
+    const int nparts = top_k * parts;
+    const uint64_t pol = strata_stream_policy();
+    int mine = 0;  // this warp's parts (one cp.async group each; none requested for a bad id)
+    for (int q = warp; q < nparts; q += MOE_DN_ST_WARPS, ++mine) {
+        const int j = q / parts, p = q - j * parts;
+        const uint8_t* blob = reinterpret_cast<const uint8_t*>(blobs[j]);
+        if (blob != nullptr)
+            moe_fu_request<1>(moe_dn_st + (size_t)q * unit_bytes, blob, L.down_codes, L.down_codes, L.down_scales,
+                              L.down_scales, (size_t)16 * blockIdx.y, code_row, scale_row, p, lane, pol);
+        else
+            moe_fu_commit();  // an empty group keeps the count
+    }
+    strata_pdl_wait();  // the act rows are the gate/up GEMV's
+    if (accumulate && threadIdx.x < 16) strata_cp_async4(prev + threadIdx.x, out + (size_t)t * H + 16 * blockIdx.y + threadIdx.x);
+    uint4* xs = xs_all[warp];
+    int n = 0;
+    for (int q = warp; q < nparts; q += MOE_DN_ST_WARPS, ++n) {
+        const int j = q / parts, p = q - j * parts;
+        if (blobs[j] == 0) {  // coefs[j] is NaN; red[q] is still read (0 * NaN: NaN)
+            if (t4 == 0) red[q][g] = red[q][g + 8] = 0.0f;
+            continue;
+        }
+        const float pe = moe_tc_stage(act + ((size_t)t * top_k + j) * I + MOE_TC_SLICE * p, xs, lane);
+        moe_fu_wait(mine - n - 1);
+        __syncwarp();  // every lane's copies of part q, and xs
+        uint4 c[1][2][2];
+        uint32_t s[1][2][2];
+        moe_fu_read<1>(moe_dn_st + (size_t)q * unit_bytes, 0, g, t4, c[0], s[0]);
+        moe_tc_dn_part(c, s, xs, g, t4, pe, red[q]);
+    }
+    moe_tc_dn_end(red, coefs, prev, out + (size_t)t * H + 16 * blockIdx.y, top_k, parts, accumulate);
 }
 
 // ---------------------------------------------------------------------------

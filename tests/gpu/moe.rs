@@ -40,6 +40,7 @@ pub const TESTS: &[GpuTest] = &[
     ("moe_gemv_matches_expert_ffn_row", gemv_matches_expert_ffn_row),
     ("moe_gemv_shared_expert_accumulates", gemv_shared_expert_accumulates),
     ("moe_gemv_bad_expert_id_gives_nan_rows", gemv_bad_expert_id_gives_nan_rows),
+    ("moe_routed_gemvs_bad_expert_id_give_nan_rows", routed_gemvs_bad_expert_id_give_nan_rows),
     ("moe_gemv_wide_range_and_slices", gemv_wide_range_and_slices),
     ("moe_decode_pipeline_matches_moe_forward", decode_pipeline_matches_moe_forward),
     ("moe_fused_decode_matches_two_launches", fused_decode_matches_two_launches),
@@ -227,26 +228,39 @@ fn route_topk_matches_moe_route(gpu: &Arc<Gpu>) -> Result<(), String> {
     Ok(())
 }
 
-/// Runs `check` with the expert GEMVs on tensor cores and, where the device
-/// has them, again on CUDA cores (`Gpu::set_tc_gemv`, test-hooks builds;
-/// others run the device's default once), then restores the setting. A
-/// failure names the kernels.
-fn each_gemv_kernel(gpu: &Gpu, check: impl Fn() -> Result<(), String>) -> Result<(), String> {
+/// Runs `check` with the expert GEMVs on tensor cores (for a `routed` check, which launches the routed decode
+/// pair, also with their weights staged in shared memory: `Gpu::set_staged_moe`) and, where the device has them,
+/// again on CUDA cores (`Gpu::set_tc_gemv`, test-hooks builds; others run the device's default once), then
+/// restores the settings. A failure names the kernels.
+fn each_gemv_kernel(gpu: &Gpu, routed: bool, check: impl Fn() -> Result<(), String>) -> Result<(), String> {
     #[cfg(feature = "test-hooks")]
     {
         let prev = gpu.set_tc_gemv(true);
+        let prev_staged = gpu.set_staged_moe(routed);
         let tc = gpu.tc_gemv();
-        let mut r = check().map_err(|m| format!("{}: {m}", if tc { "tensor cores" } else { "CUDA cores" }));
+        let name = if !tc {
+            "CUDA cores"
+        } else if gpu.staged_moe() {
+            "tensor cores, staged"
+        } else {
+            "tensor cores"
+        };
+        let mut r = check().map_err(|m| format!("{name}: {m}"));
+        if r.is_ok() && gpu.staged_moe() {
+            gpu.set_staged_moe(false);
+            r = check().map_err(|m| format!("tensor cores: {m}"));
+        }
         if r.is_ok() && tc {
             gpu.set_tc_gemv(false);
             r = check().map_err(|m| format!("CUDA cores: {m}"));
         }
         gpu.set_tc_gemv(prev);
+        gpu.set_staged_moe(prev_staged);
         r
     }
     #[cfg(not(feature = "test-hooks"))]
     {
-        let _ = gpu;
+        let _ = (gpu, routed);
         check()
     }
 }
@@ -259,7 +273,7 @@ fn each_gemv_kernel(gpu: &Gpu, check: impl Fn() -> Result<(), String>) -> Result
 /// CUDA-core one's second expert slot in every warp, 48 KB of staged act
 /// rows) at T = 1 and 8.
 fn gemv_matches_expert_ffn_row(gpu: &Arc<Gpu>) -> Result<(), String> {
-    each_gemv_kernel(gpu, || {
+    each_gemv_kernel(gpu, false, || {
         for &(h, i, n_exp, k) in &[(64usize, 32usize, 12usize, 10usize), (2048, 768, 10, 8), (2048, 512, 12, 10)] {
             check_gemv(gpu, h, i, n_exp, k, &[1, 3])?;
         }
@@ -293,7 +307,7 @@ fn gemv_wide_range_and_slices(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// slots of the fast CUDA-core down GEMV's warps), the tensor-core, fast and
 /// generic kernels (each_gemv_kernel).
 fn gemv_bad_expert_id_gives_nan_rows(gpu: &Arc<Gpu>) -> Result<(), String> {
-    each_gemv_kernel(gpu, || {
+    each_gemv_kernel(gpu, false, || {
         for &(h, i) in &[(2048usize, 512usize), (64, 32), (48, 16)] {
             let (n_exp, k, tokens) = (12usize, 10usize, 3usize);
             let host = HostExperts::random(70 + i as u64, h, i, n_exp);
@@ -628,7 +642,7 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
         // wrong ids and weights, so a kernel that read them fails).
         let want_out = download(gpu, &out)?;
         let logits = gm::Logits { logits: &d_logits, num_experts: n_exp, norm_topk_prob: true };
-        each_gemv_kernel(gpu, || {
+        each_gemv_kernel(gpu, true, || {
             let r = routed_gemvs(gpu, &dev, &d_x, logits, (h, i), tokens, k, false)?;
             let got = download(gpu, &r.out)?;
             if r.routed_itself {
@@ -701,7 +715,7 @@ fn decode_pipeline_matches_moe_forward(gpu: &Arc<Gpu>) -> Result<(), String> {
         // The down GEMV routing itself at this E and norm (the 512-expert routing path at E = 512), given wrong
         // ids and NaN weights: the same bits as from the gate/up GEMV's ids and weights, on both kernel families.
         let logits = gm::Logits { logits: &d_logits, num_experts: n_exp2, norm_topk_prob: norm };
-        each_gemv_kernel(gpu, || {
+        each_gemv_kernel(gpu, true, || {
             let r = routed_gemvs(gpu, &dev2, &d_x, logits, (h, i), tokens, k2, false)?;
             let mut want = poisoned(gpu, tokens * h)?;
             let (table, layout) = (&dev2.table, &dev2.layout);
@@ -872,6 +886,42 @@ fn fused_decode_check(gpu: &Arc<Gpu>) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The routed decode pair (`routed_gemvs`: the gate/up GEMV routes from the logits, the down GEMV routes itself)
+/// with a table shorter than the ids the logits favour: the act rows of an assignment past the table are NaN,
+/// the others finite, and the token's output rows NaN, on every kernel family (each_gemv_kernel, the staged pair
+/// included). T = 1 at 30b-a3b's shape (H 2048, I 768, k 8).
+fn routed_gemvs_bad_expert_id_give_nan_rows(gpu: &Arc<Gpu>) -> Result<(), String> {
+    let (h, i, n_exp, k, table_len) = (2048usize, 768usize, 16usize, 8usize, 11usize);
+    let host = HostExperts::random(75, h, i, n_exp);
+    let full = upload_experts(gpu, &host)?;
+    let table = table_of(gpu, &full._blobs, host.layout.stride, table_len)?;
+    let dev = DeviceExperts { _blobs: full._blobs, table, layout: full.layout };
+    // Expert 15 (past the table) is the first choice; the others are random.
+    let mut logits = rand_f32(76, n_exp, 1.0);
+    logits[n_exp - 1] += 5.0;
+    let d_logits = gpu.upload(&logits).map_err(e)?;
+    let d_x = gpu.upload(&rand_f32(77, h, 1.0)).map_err(e)?;
+    let logits = gm::Logits { logits: &d_logits, num_experts: n_exp, norm_topk_prob: true };
+    each_gemv_kernel(gpu, true, || {
+        let r = routed_gemvs(gpu, &dev, &d_x, logits, (h, i), 1, k, false)?;
+        let (ids, act, out) = (download_u32(gpu, &r.ids)?, download(gpu, &r.act)?, download(gpu, &r.out)?);
+        if !ids.iter().any(|&id| id as usize >= table_len) {
+            return Err(format!("ids {ids:?}: none past the table of {table_len}, the check tests nothing"));
+        }
+        for (j, &id) in ids.iter().enumerate() {
+            let rows = &act[j * i..(j + 1) * i];
+            let bad = id as usize >= table_len;
+            if let Some(p) = rows.iter().position(|v| v.is_nan() != bad || (!bad && !v.is_finite())) {
+                return Err(format!("expert {id} (j {j}): act[{p}] = {}", rows[p]));
+            }
+        }
+        if let Some(p) = out.iter().position(|v| !v.is_nan()) {
+            return Err(format!("out[{p}] = {} is not NaN", out[p]));
+        }
+        Ok(())
+    })
 }
 
 /// What `routed_gemvs` leaves: the gate/up GEMV's ids, weights and act, the down GEMV's out, and whether the down

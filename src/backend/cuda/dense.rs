@@ -223,7 +223,8 @@ enum Staged {
     Never,
     /// Where the plain kernel's grid takes more than one wave and a staged one's fits in one.
     BeyondOneWave,
-    /// Wherever a staged kernel's grid fits one wave.
+    /// Wherever a staged kernel's grid fits one wave (tests and benches only).
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     Always,
 }
 

@@ -193,6 +193,13 @@ pub struct Gpu {
     /// launches on an H100, docs/performance.md; tests may switch it:
     /// `set_fused_moe`).
     fused_moe: AtomicBool,
+    /// Whether the routed decode expert GEMVs stage their weights in shared
+    /// memory (`moe_gate_up_gemv_tc_st`, `moe_down_gemv_tc_st`: the down
+    /// GEMV's blocks then sit beside the gate/up GEMV's and request all of
+    /// their weights before their wait; sm_80+ with `STRATA_STAGED_MOE=1`,
+    /// off by default: slower than the register-staged pair on an H100,
+    /// docs/performance.md; tests may switch it: `set_staged_moe`).
+    staged_moe: AtomicBool,
     /// Held (`StreamHold`) by the thread that queues work on `stream`, for
     /// the length of one whole operation: a forward (which may capture the
     /// stream into a CUDA graph: anything another thread queued meanwhile
@@ -303,6 +310,7 @@ impl Gpu {
             tc_gemv: AtomicBool::new(major >= 8 && std::env::var("STRATA_TC_GEMV").map_or(true, |v| v != "0")),
             prewait: AtomicU8::new(prewait_from_env(std::env::var("STRATA_PREWAIT").ok().as_deref())),
             fused_moe: AtomicBool::new(major >= 9 && std::env::var("STRATA_FUSED_MOE").is_ok_and(|v| v == "1")),
+            staged_moe: AtomicBool::new(major >= 8 && std::env::var("STRATA_STAGED_MOE").is_ok_and(|v| v == "1")),
             queue: ReentrantMutex::new(()),
         }))
     }
@@ -350,6 +358,21 @@ impl Gpu {
     #[cfg(feature = "test-hooks")]
     pub fn set_fused_moe(&self, on: bool) -> bool {
         self.fused_moe.swap(on && self.compute_capability.0 >= 9, Ordering::Relaxed)
+    }
+
+    /// Whether the routed decode expert GEMVs stage their weights in shared
+    /// memory (sm_80+ with `STRATA_STAGED_MOE=1`, for comparison: the
+    /// register-staged pair is the default).
+    pub fn staged_moe(&self) -> bool {
+        self.staged_moe.load(Ordering::Relaxed)
+    }
+
+    /// Tests (`test-hooks`): lets the routed decode expert GEMVs stage their
+    /// weights in shared memory (`on`, on sm_80+) or not from the next
+    /// launch on; returns the previous setting.
+    #[cfg(feature = "test-hooks")]
+    pub fn set_staged_moe(&self, on: bool) -> bool {
+        self.staged_moe.swap(on && self.compute_capability.0 >= 8, Ordering::Relaxed)
     }
 
     /// Whether `what` (`PREWAIT_ATTN`: the one-row attention reads its first

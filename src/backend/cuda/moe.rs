@@ -169,6 +169,31 @@ fn tc_down(gpu: &Gpu, h: usize, i: usize, top_k: usize) -> bool {
     gpu.tc_gemv() && i % TC_SLICE == 0 && h % TC_ROWS == 0 && top_k * (i / TC_SLICE) <= TC_DN_MAX_PARTS
 }
 
+/// Warps of a `moe_down_gemv_tc_st` block (`MOE_DN_ST_WARPS`).
+const DN_ST_WARPS: usize = 8;
+
+/// Whether the routed decode GEMVs take their staged pair (`moe_gate_up_gemv_tc_st` and
+/// `moe_down_gemv_tc_st`, moe.cu section 2d): `Gpu::staged_moe`, and the down GEMV routes itself before its
+/// wait (`PREWAIT_DOWN`), which is what the pair is for.
+fn staged_pair(gpu: &Gpu) -> bool {
+    gpu.staged_moe() && gpu.prewait(PREWAIT_DOWN)
+}
+
+/// The staged pair's shared memory: the dynamic bytes allowed, and the SMs' carveout set to its largest, so
+/// a down block fits beside three gate/up blocks (an SM's carveout is chosen as its first blocks start).
+fn allow_staged(f: &super::CudaFunction, bytes: usize) -> Result<()> {
+    // (Always: with their static shared memory both pass the default 48 KB.)
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        i32_of("shared memory bytes", bytes)?,
+    )?;
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        100,
+    )?;
+    Ok(())
+}
+
 /// Warps of a `moe_down_gemv_tc` block: one per (expert, slice) part, at most `TC_DN_MAX_WARPS`.
 fn tc_down_warps(i: usize, top_k: usize) -> usize {
     (top_k * (i / TC_SLICE)).clamp(1, TC_DN_MAX_WARPS)
@@ -363,7 +388,11 @@ fn gate_up_gemv_launch<G: DevicePtr<u32>, R: DevicePtrMut<u32>>(
     let host_blobs = matches!(&ids, GateUpIds::Routed(r) if r.host_blobs);
     let tc = tc_gate_up(gpu, h, i) && !host_blobs;
     let fast = tc || fast_cols(h);
-    let f = gpu.function(if tc {
+    // The staged pair (moe.cu section 2d) where its down GEMV follows: routed, the down GEMV routing itself.
+    let staged = tc && routed && staged_pair(gpu);
+    let f = gpu.function(if staged {
+        "moe_gate_up_gemv_tc_st"
+    } else if tc {
         "moe_gate_up_gemv_tc"
     } else if fast {
         "moe_gate_up_gemv"
@@ -371,11 +400,16 @@ fn gate_up_gemv_launch<G: DevicePtr<u32>, R: DevicePtrMut<u32>>(
         "moe_gate_up_gemv16"
     })?;
     let cfg = if tc {
-        // 16 rows of gate and up a block, its 8 warps over K in 256-element slices.
+        // 16 rows of gate and up a block, its 8 warps over K in 256-element slices (staged: a unit of
+        // shared memory per slice).
+        let smem = if staged { TC_GU_WARPS * (h / TC_SLICE).div_ceil(TC_GU_WARPS) * FU_SLOT } else { 0 };
+        if staged {
+            allow_staged(&f, smem)?;
+        }
         LaunchConfig {
             grid_dim: ((tokens * top_k) as u32, (i / TC_ROWS) as u32, 1),
             block_dim: ((TC_GU_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem as u32,
         }
     } else {
         let smem = h * 4;
@@ -410,7 +444,7 @@ fn gate_up_gemv_launch<G: DevicePtr<u32>, R: DevicePtrMut<u32>>(
         // The down GEMV after a routed one may route before its wait (expert_down_gemv_routed): then trigger it
         // only after this kernel's wait, when the router's logits are final.
         a.val((routed && gpu.prewait(PREWAIT_DOWN)) as i32);
-        // SAFETY: moe_gate_up_gemv[_tc](const float* x [T, H], const unsigned* ids [T*k] or null, const u64* table
+        // SAFETY: moe_gate_up_gemv[_tc[_st]](const float* x [T, H], const unsigned* ids [T*k] or null, const u64* table
         // [table_len], int table_len, MoeBlobLayout, int k, float* act [T*k, I], const float* logits [T, E] or
         // null, int E, int norm, unsigned* ids_out [T*k], float* weights_out [T*k], int late_trigger) (null ids exactly when logits
         // are given); lengths checked above and by the callers; ids past the table give NaN rows; the kernel waits
@@ -508,16 +542,44 @@ pub fn expert_down_gemv_routed(
         // moe_down_gemv keeps row offsets in 32 bits.
         return Err(invalid(format!("expert_down_gemv: hidden {h} x intermediate {i} is too large")));
     }
-    let f = gpu.function(if tc {
+    let routed = logits.filter(|l| {
+        fast && gpu.prewait(PREWAIT_DOWN)
+            && l.num_experts > 0
+            && l.num_experts <= FUSED_ROUTE_MAX_EXPERTS
+            && top_k <= l.num_experts
+    });
+    // The staged kernel only after the staged gate/up GEMV (`staged_pair`), which triggers it after its wait.
+    let staged = tc && routed.is_some() && staged_pair(gpu);
+    let f = gpu.function(if staged {
+        "moe_down_gemv_tc_st"
+    } else if tc {
         "moe_down_gemv_tc"
     } else if fast {
         "moe_down_gemv"
     } else {
         "moe_down_gemv16"
     })?;
-    let smem = if tc { tc_down_warps(i, top_k) * TC_WARP_SMEM } else { top_k * i * 4 };
-    allow_smem(&f, smem)?;
-    let cfg = if tc {
+    let smem = if staged {
+        top_k * (i / TC_SLICE) * FU_SLOT / 2
+    } else if tc {
+        tc_down_warps(i, top_k) * TC_WARP_SMEM
+    } else {
+        top_k * i * 4
+    };
+    if staged {
+        allow_staged(&f, smem)?;
+    } else {
+        allow_smem(&f, smem)?;
+    }
+    let cfg = if staged {
+        // 16 output rows a block; DN_ST_WARPS warps over the (expert, K slice) parts, each part's weights in
+        // shared memory.
+        LaunchConfig {
+            grid_dim: (tokens as u32, (h / TC_ROWS) as u32, 1),
+            block_dim: ((DN_ST_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        }
+    } else if tc {
         // 16 output rows a block; its warps over the (expert, 256-element K slice) parts.
         LaunchConfig {
             grid_dim: (tokens as u32, (h / TC_ROWS) as u32, 1),
@@ -542,12 +604,6 @@ pub fn expert_down_gemv_routed(
     };
     let (k, acc) = (top_k as i32, accumulate as i32);
     if fast {
-        let routed = logits.filter(|l| {
-            gpu.prewait(PREWAIT_DOWN)
-                && l.num_experts > 0
-                && l.num_experts <= FUSED_ROUTE_MAX_EXPERTS
-                && top_k <= l.num_experts
-        });
         if let Some(l) = routed {
             need("expert_down_gemv_routed: logits", l.logits.len(), tokens * l.num_experts)?;
         }
@@ -558,7 +614,7 @@ pub fn expert_down_gemv_routed(
             Some(l) => a.buf(gpu, l.logits).val(l.num_experts as i32).val(l.norm_topk_prob as i32),
             None => a.null().val(0i32).val(0i32),
         };
-        // SAFETY: moe_down_gemv / moe_down_gemv_tc take moe_down_gemv16's arguments (below) plus (const float* logits [T, E] or null, int E,
+        // SAFETY: moe_down_gemv / moe_down_gemv_tc[_st] take moe_down_gemv16's arguments (below) plus (const float* logits [T, E] or null, int E,
         // int norm) (E <= MOE_FUSED_ROUTE_MAX, top_k <= E, length checked above); both wait for their predecessor
         // (strata_pdl_wait) before touching memory, except (logits given) the logits, the table and the expert
         // blobs (codes, scales, tails): the caller's predecessor is the routed gate/up GEMV, which triggers only
