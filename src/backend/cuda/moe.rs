@@ -6,6 +6,8 @@
 //!   which also sums each token's experts (the combine) in j order.
 //!   One token on sm_90+ with `STRATA_FUSED_MOE=1`: `fused_decode`, both
 //!   in one launch (the same bits; slower on an H100, so off by default).
+//!   With `STRATA_STAGED_MOE=1` the routed pair stages its weights in
+//!   shared memory (`Gpu::staged_moe`; the same bits; slower on an H100).
 //! - prefill: `group_by_expert` (counting sort on the device), then
 //!   `expert_gate_up_grouped` / `expert_down_grouped` over the rows of each
 //!   expert (tensor cores on sm_80+, the SIMT kernels elsewhere), then
