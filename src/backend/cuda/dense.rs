@@ -275,8 +275,22 @@ fn gemv_staged_smem(k: usize, ks: usize, rows: usize) -> usize {
 /// The staged kernel (name, rows per warp group, dynamic shared bytes) a one-row GEMV of `n x k` split `ks`
 /// ways takes, if any (`staged_mode`): the fewest rows whose grid the device runs in one wave.
 fn gemv_staged(gpu: &Gpu, n: usize, k: usize, ks: usize, norm: bool) -> Result<Option<(String, usize, usize)>> {
-    let mode = staged_mode();
-    let sms = gpu.sm_count() as usize;
+    let name = |rows: usize| format!("dense_gemv_staged_{}t1_r{rows}", if norm { "norm_" } else { "" });
+    let per_sm = |rows: usize, smem: usize| gpu.blocks_per_sm(&name(rows), (GEMV_WARPS * 32) as u32, smem);
+    let choice = staged_choice(staged_mode(), n, k, ks, gpu.sm_count() as usize, per_sm)?;
+    Ok(choice.map(|(rows, smem)| (name(rows), rows, smem)))
+}
+
+/// `gemv_staged`'s rule: (rows per warp group, dynamic shared bytes) of the staged kernel for `n x k` split `ks`
+/// ways on `sms` SMs under `mode`, where `per_sm(rows, smem)` is how many blocks of that kernel an SM runs.
+fn staged_choice(
+    mode: Staged,
+    n: usize,
+    k: usize,
+    ks: usize,
+    sms: usize,
+    mut per_sm: impl FnMut(usize, usize) -> Result<usize>,
+) -> Result<Option<(usize, usize)>> {
     let blocks = |rows: usize| n.div_ceil(GEMV_WARPS / ks * rows);
     if mode == Staged::Never
         || k % 8 != 0
@@ -286,9 +300,8 @@ fn gemv_staged(gpu: &Gpu, n: usize, k: usize, ks: usize, norm: bool) -> Result<O
     }
     for rows in GEMV_STAGED_ROWS {
         let smem = gemv_staged_smem(k, ks, rows);
-        let name = format!("dense_gemv_staged_{}t1_r{rows}", if norm { "norm_" } else { "" });
-        if blocks(rows) <= gpu.blocks_per_sm(&name, (GEMV_WARPS * 32) as u32, smem)? * sms {
-            return Ok(Some((name, rows, smem)));
+        if blocks(rows) <= per_sm(rows, smem)? * sms {
+            return Ok(Some((rows, smem)));
         }
     }
     Ok(None)
@@ -1179,6 +1192,30 @@ pub fn argmax(gpu: &Gpu, logits: &CudaSlice<f32>, rows: usize, vocab: usize, out
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The staged rule at the 30b-a3b decode shapes on 132 SMs, with an occupancy model of the H100/H200:
+    /// 48 registers a thread (5 blocks of 256 threads), 228 KB of shared memory an SM (1 KB reserved a block,
+    /// 1 KB of static shared memory), at most 227 KB a block.
+    #[test]
+    fn staged_takes_the_fewest_rows_that_fit_one_wave() {
+        let per_sm = |_rows: usize, smem: usize| -> Result<usize> {
+            Ok(if smem + 1024 > 227 << 10 { 0 } else { (5usize).min((228 << 10) / (smem + 2048)) })
+        };
+        let sms = 132;
+        let choose = |mode, n, k| staged_choice(mode, n, k, gemv_ksplit(n, k, sms), sms, per_sm).unwrap();
+        // q/k/v (5120 x 2048): 1280 plain blocks, 2.4 waves; 4 rows a group need 1280 blocks at 5 an SM (660),
+        // 8 rows 640: one wave at 32 KB a block.
+        assert_eq!(gemv_ksplit(5120, 2048, sms), 8);
+        assert_eq!(choose(Staged::BeyondOneWave, 5120, 2048), Some((8, 8 * 8 * 512)));
+        // o_proj (2048 x 4096) and the router (128 x 2048) fit one plain wave: staged only when always asked.
+        assert_eq!(choose(Staged::BeyondOneWave, 2048, 4096), None);
+        assert_eq!(choose(Staged::Always, 2048, 4096), Some((4, 8 * 2 * 4 * 512)));
+        assert_eq!(choose(Staged::BeyondOneWave, 128, 2048), None);
+        // The LM head (151936 x 2048) fits no one wave; K not a multiple of 8 never stages.
+        assert_eq!(choose(Staged::Always, 151_936, 2048), None);
+        assert_eq!(choose(Staged::Always, 64, 100), None);
+        assert_eq!(choose(Staged::Never, 5120, 2048), None);
+    }
 
     #[test]
     fn ksplit_fills_the_gpu_for_small_n() {
