@@ -213,8 +213,13 @@ const GEMV_MAX_WAVES: usize = 4;
 /// Blocks per SM of `dense_gemv_t1` and `dense_gemv_norm_t1` (their launch bounds).
 const GEMV_T1_BLOCKS_PER_SM: usize = 4;
 
-/// Rows per warp group of the staged one-row GEMVs (`dense_gemv_staged_[norm_]t1_r{R}`), fewest first.
+/// Rows per warp group of the staged one-row GEMVs (`dense_gemv_staged_[norm_]t1_r{R}`), fewest first, and
+/// their kernels.
 const GEMV_STAGED_ROWS: [usize; 3] = [4, 8, 16];
+const GEMV_STAGED_KERNELS: [&str; 3] =
+    ["dense_gemv_staged_t1_r4", "dense_gemv_staged_t1_r8", "dense_gemv_staged_t1_r16"];
+const GEMV_STAGED_NORM_KERNELS: [&str; 3] =
+    ["dense_gemv_staged_norm_t1_r4", "dense_gemv_staged_norm_t1_r8", "dense_gemv_staged_norm_t1_r16"];
 
 /// When a one-row GEMV takes a staged kernel (every weight requested into shared memory before the
 /// programmatic wait): STAGED_DEFAULT, or `force_gemv_staged` / `STRATA_GEMV_STAGED` in a `test-hooks` build.
@@ -274,9 +279,16 @@ fn gemv_staged_smem(k: usize, ks: usize, rows: usize) -> usize {
 
 /// The staged kernel (name, rows per warp group, dynamic shared bytes) a one-row GEMV of `n x k` split `ks`
 /// ways takes, if any (`staged_mode`): the fewest rows whose grid the device runs in one wave.
-fn gemv_staged(gpu: &Gpu, n: usize, k: usize, ks: usize, norm: bool) -> Result<Option<(String, usize, usize)>> {
-    let name = |rows: usize| format!("dense_gemv_staged_{}t1_r{rows}", if norm { "norm_" } else { "" });
-    let per_sm = |rows: usize, smem: usize| gpu.blocks_per_sm(&name(rows), (GEMV_WARPS * 32) as u32, smem);
+fn gemv_staged(gpu: &Gpu, n: usize, k: usize, ks: usize, norm: bool) -> Result<Option<(&'static str, usize, usize)>> {
+    let name = |rows: usize| {
+        let i = GEMV_STAGED_ROWS.iter().position(|&r| r == rows).expect("a staged row count");
+        if norm {
+            GEMV_STAGED_NORM_KERNELS[i]
+        } else {
+            GEMV_STAGED_KERNELS[i]
+        }
+    };
+    let per_sm = |rows: usize, smem: usize| gpu.blocks_per_sm(name(rows), (GEMV_WARPS * 32) as u32, smem);
     let choice = staged_choice(staged_mode(), n, k, ks, gpu.sm_count() as usize, per_sm)?;
     Ok(choice.map(|(rows, smem)| (name(rows), rows, smem)))
 }
@@ -313,8 +325,8 @@ fn staged_choice(
 pub fn gemv_choice(gpu: &Gpu, n: usize, k: usize, norm: bool) -> Result<(String, usize)> {
     let ks = gemv_ksplit(n, k, gpu.sm_count() as usize);
     let plain = if norm { "dense_gemv_norm_t1" } else { "dense_gemv_t1" };
-    let (name, rows, _) = gemv_staged(gpu, n, k, ks, norm)?.unwrap_or((plain.to_string(), GEMV_ROWS_PER_GROUP, 0));
-    Ok((name, n.div_ceil(GEMV_WARPS / ks * rows)))
+    let (name, rows, _) = gemv_staged(gpu, n, k, ks, norm)?.unwrap_or((plain, GEMV_ROWS_PER_GROUP, 0));
+    Ok((name.to_string(), n.div_ceil(GEMV_WARPS / ks * rows)))
 }
 
 /// `out [T, N] (+)= x [T, K] * W^T` for T in 1..=8 with the own GEMV kernels
@@ -355,8 +367,10 @@ pub fn gemv(
     }
     let ks = gemv_ksplit(n, k, gpu.sm_count() as usize);
     let staged = if t == 1 { gemv_staged(gpu, n, k, ks, false)? } else { None };
-    let (name, rows, smem) = staged.unwrap_or_else(|| (format!("dense_gemv_t{t}"), GEMV_ROWS_PER_GROUP, 0));
-    let f = gpu.function(&name)?;
+    let (f, rows, smem) = match staged {
+        Some((name, rows, smem)) => (gpu.function(name)?, rows, smem),
+        None => (gpu.function(&format!("dense_gemv_t{t}"))?, GEMV_ROWS_PER_GROUP, 0),
+    };
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(GEMV_WARPS / ks * rows) as u32, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
@@ -428,8 +442,8 @@ pub fn gemv_rmsnorm(
     let (n_i, k_i, acc_i) = (n as i32, k as i32, (write == Write::Add) as i32);
     let ks = gemv_ksplit(n, k, gpu.sm_count() as usize);
     let staged = gemv_staged(gpu, n, k, ks, true)?;
-    let (name, rows, smem) = staged.unwrap_or_else(|| ("dense_gemv_norm_t1".to_string(), GEMV_ROWS_PER_GROUP, 0));
-    let f = gpu.function(&name)?;
+    let (name, rows, smem) = staged.unwrap_or(("dense_gemv_norm_t1", GEMV_ROWS_PER_GROUP, 0));
+    let f = gpu.function(name)?;
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(GEMV_WARPS / ks * rows) as u32, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),

@@ -172,7 +172,7 @@ pub struct Gpu {
     module: Arc<CudaModule>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     /// `blocks_per_sm`'s answers by (kernel, threads, dynamic shared bytes).
-    occupancy: Mutex<HashMap<(String, u32, usize), usize>>,
+    occupancy: Mutex<HashMap<(&'static str, u32, usize), usize>>,
     blas: OnceLock<CudaBlas>,
     name: String,
     compute_capability: (u32, u32),
@@ -564,8 +564,9 @@ impl Gpu {
     /// the default 48 KB the kernel's dynamic shared memory limit is raised
     /// to the device's opt-in maximum (less its static shared memory) first,
     /// so a launch of that shape is allowed; past that the answer is 0.
-    pub fn blocks_per_sm(&self, name: &str, threads: u32, smem: usize) -> Result<usize> {
-        let key = (name.to_string(), threads, smem);
+    pub fn blocks_per_sm(&self, name: &'static str, threads: u32, smem: usize) -> Result<usize> {
+        // (A static name: a launch that asks again allocates nothing.)
+        let key = (name, threads, smem);
         if let Some(&n) = self.occupancy.lock().get(&key) {
             return Ok(n);
         }
