@@ -1210,6 +1210,15 @@ ATTN_DEC_INSTANCES(256)
 // block (kv head * parts + part)), zero before the launch (and after it).
 // One split: the block writes `out`.
 //
+// attn_rowc_hd{HD}_{i8,bf16}_g{GB} (sm_90+): the same kernel launched in
+// thread-block clusters of C blocks along x (the grid's x a multiple of C;
+// C <= 16). A cluster with a split in the key range runs whole: its blocks
+// past the range hold no keys and help merge; the other clusters exit. The
+// splits of a cluster merge in distributed shared memory (attn_rowc_merge),
+// the clusters in one level through global memory (cnt[0]; partial rows
+// `cluster * heads + h`). Not the same bits as attn_row_* (another merge
+// tree); the same operations in the same order for a fixed C and chunk.
+//
 // Step pointer (non-null): start_pos = step[0], chunk = step[1]; the grid has
 // a fixed split count and the splits past ceil((start_pos + 1) / chunk) exit:
 // the same operations, in the same order, as the null-step launch with
@@ -1424,7 +1433,78 @@ static __device__ __forceinline__ bool attn_row_arrive(unsigned int* counter, un
     return *flag != 0;
 }
 
-template <int HD, typename KV, int GB>
+// The arrival counters of the block's (kv head, part): 1 + ceil(gridDim.x / ATTN_ROW_GS) of them.
+static __device__ __forceinline__ unsigned int* attn_row_counters(unsigned int* counters, int kvh, int part) {
+    return counters + (size_t)(kvh * (int)gridDim.z + part) * (1 + (gridDim.x + ATTN_ROW_GS - 1) / ATTN_ROW_GS);
+}
+
+// The merge of attn_rowc (clusters of C blocks along the splits): block `split` of the cluster holds its
+// partial in its shared memory (o_s [GB][HD] summed over the key subsets, m_s and l_s [GB]; none of its own
+// past the key range). After the cluster's barrier, block `rank` folds the columns rank, rank + C, ... of the
+// qn queries' rows (float4 columns, one warp each): lane j reads block j's partial (j < the cluster's blocks
+// with keys, at most 16), then the lanes' results are combined by a fixed xor tree. One cluster in the key
+// range: the result is `out`. More: each cluster's is its partial row `cluster * heads + h`, and the last
+// cluster to arrive (its rank 0 block: a count on cnt[0]) merges the clusters' rows in cluster order into `out`
+// (attn_row_merge). A second barrier keeps every block until the others have read its shared memory.
+template <int HD, int GB>
+static __device__ __forceinline__ void attn_rowc_merge(const float* o_s, const float* m_s, const float* l_s,
+                                                       int split, int nsplit, int heads, int hb, int qn,
+                                                       float* __restrict__ out, float* __restrict__ part_acc,
+                                                       float* __restrict__ part_ml, unsigned int* __restrict__ cnt,
+                                                       int* flag_s) {
+    constexpr int NC = HD / 4, NW = ATTN_ROW_WARPS;
+    const int cs = (int)strata_cluster_size();
+    const unsigned int rank = strata_cluster_rank();
+    const int cl = split / cs;
+    const int na = min(cs, nsplit - cl * cs);  // the cluster's blocks with keys (>= 1: the kernel's entry)
+    const int ncl = (nsplit + cs - 1) / cs;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    strata_cluster_arrive();
+    strata_cluster_wait();  // every block's partial in its shared memory
+    for (int item = (int)rank + cs * warp; item < qn * NC; item += cs * NW) {
+        const int g = item / NC, d = (item % NC) * 4;
+        float m = ATTN_NEG_INF, l = 0.0f;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (lane < na) {
+            m = strata_cluster_ld_f32(m_s + g, (unsigned int)lane);
+            l = strata_cluster_ld_f32(l_s + g, (unsigned int)lane);
+            a = strata_cluster_ld_f4(o_s + g * HD + d, (unsigned int)lane);
+        }
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float mo = __shfl_xor_sync(0xffffffffu, m, o);
+            const float lo = __shfl_xor_sync(0xffffffffu, l, o);
+            float4 ao;
+            ao.x = __shfl_xor_sync(0xffffffffu, a.x, o);
+            ao.y = __shfl_xor_sync(0xffffffffu, a.y, o);
+            ao.z = __shfl_xor_sync(0xffffffffu, a.z, o);
+            ao.w = __shfl_xor_sync(0xffffffffu, a.w, o);
+            attn_row_fold(m, l, a, mo, lo, ao);
+        }
+        if (lane == 0) {
+            const size_t h = (size_t)(hb + g);
+            if (ncl == 1) {
+                const float inv = 1.0f / l;
+                *reinterpret_cast<float4*>(out + h * HD + d) = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+            } else {
+                const size_t row = (size_t)cl * heads + h;
+                *reinterpret_cast<float4*>(part_acc + row * HD + d) = a;
+                if (d == 0) {
+                    part_ml[row * 2] = m;
+                    part_ml[row * 2 + 1] = l;
+                }
+            }
+        }
+    }
+    if (ncl > 1) __threadfence();  // this block's share of the cluster's row, before rank 0 counts the cluster
+    strata_cluster_arrive();        // done reading the others' shared memory
+    strata_cluster_wait();
+    if (ncl == 1 || rank != 0) return;
+    if (!attn_row_arrive(cnt, (unsigned int)ncl, flag_s)) return;
+    attn_row_merge<HD, GB>(part_acc, part_ml, 0, ncl, heads, hb, qn, true, out, 0);
+}
+
+template <int HD, typename KV, int GB, bool CL>
 static __device__ __forceinline__ void attn_row(const float* __restrict__ q, const KV* __restrict__ kc,
                                                 const KV* __restrict__ vc, const float* __restrict__ ks,
                                                 const float* __restrict__ vs, float* __restrict__ out,
@@ -1458,7 +1538,14 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     // Non-empty splits (a chunk too small for the grid drops the keys past it:
     // the caller's duty, kept from corrupting the counters).
     const int nsplit = min((kend + chunk - 1) / chunk, (int)gridDim.x);
-    if (split >= nsplit) return;
+    if (CL) {
+        // A cluster with a split in the key range runs whole (its blocks past the range hold no keys, and
+        // take part in the merge); the others exit (every block of theirs alike).
+        const int cs = (int)strata_cluster_size();
+        if (split / cs * cs >= nsplit) return;
+    } else if (split >= nsplit) {
+        return;
+    }
     const int kbeg = split * chunk;
     const int kstop = min(kbeg + chunk, kend);
 
@@ -1697,6 +1784,7 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     __syncthreads();
     const int nsplit_b = keep_s[0], hb_b = keep_s[1], qn_b = keep_s[2];
     const bool single = nsplit_b == 1;
+    const bool keys = !CL || split < nsplit_b;  // (CL: a block past the key range writes nothing of its own)
     for (int item = tid; item < GB * (HD / 4); item += NT) {
         const int g = item / (HD / 4), d = (item % (HD / 4)) * 4;
         if (g >= qn_b) continue;
@@ -1712,7 +1800,13 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
         const size_t h = (size_t)(hb_b + g);
         if (single) {
             const float inv = 1.0f / l_s[g];
-            *reinterpret_cast<float4*>(out + h * HD + d) = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+            if (keys)
+                *reinterpret_cast<float4*>(out + h * HD + d) =
+                    make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+        } else if (CL) {
+            // The block's partial stays in its shared memory (the first key subset's rows: each column is
+            // read and written by this thread alone) for the cluster's merge.
+            *reinterpret_cast<float4*>(red_o + g * HD + d) = o;
         } else {
             const size_t row = (size_t)split * heads + h;
             *reinterpret_cast<float4*>(part_acc + row * HD + d) = o;
@@ -1723,6 +1817,11 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
         }
     }
     if (single) return;
+    if (CL) {
+        attn_rowc_merge<HD, GB>(red_o, m_s, l_s, split, nsplit_b, heads, hb_b, qn_b, out, part_acc, part_ml,
+                                attn_row_counters(counters, kvh, part), flag_s);
+        return;
+    }
 
     // Merge: one level (few splits): the (kv head, part)'s last block merges every split; else the group's
     // last block merges its splits, the (kv head, part)'s last group merger the groups.
@@ -1731,8 +1830,7 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     const int ngroups = (nsplit_b + gsz - 1) / gsz;
     const int grp = split / gsz;
     const int gbeg = grp * gsz, gn = min(gsz, nsplit_b - gbeg);
-    unsigned int* cnt =
-        counters + (size_t)(kvh * (int)gridDim.z + part) * (1 + (gridDim.x + ATTN_ROW_GS - 1) / ATTN_ROW_GS);
+    unsigned int* cnt = attn_row_counters(counters, kvh, part);
     if (!attn_row_arrive(cnt + 1 + grp, (unsigned int)gn, flag_s)) return;
     attn_row_merge<HD, GB>(part_acc, part_ml, gbeg, gn, heads, hb_b, qn_b, ngroups == 1, out, gridDim.x + grp);
     if (ngroups == 1) return;
@@ -1740,32 +1838,40 @@ static __device__ __forceinline__ void attn_row(const float* __restrict__ q, con
     attn_row_merge<HD, GB>(part_acc, part_ml, gridDim.x, ngroups, heads, hb_b, qn_b, true, out, 0);
 }
 
-#define ATTN_ROW_INSTANCE(HD, KVNAME, KV, GB)                                                                     \
+#define ATTN_ROW_INSTANCE(HD, KVNAME, KV, GB, NAME, CL)                                                           \
     extern "C" __global__ void __launch_bounds__(ATTN_ROW_THREADS, ATTN_ROW_MINB)                                 \
-        attn_row_hd##HD##_##KVNAME##_g##GB(                                                                       \
+        NAME##_hd##HD##_##KVNAME##_g##GB(                                                                         \
             const float* __restrict__ q, const KV* __restrict__ kc, const KV* __restrict__ vc,                    \
             const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out,                  \
             float* __restrict__ part_acc, float* __restrict__ part_ml, unsigned int* __restrict__ counters,       \
             int heads, int kv_heads, int start_pos, int chunk, float scale, const int* __restrict__ step,         \
             int one_level, int prewait) {                                                                         \
         strata_pdl_trigger(); /* attn_row waits (strata_pdl_wait) */                                              \
-        attn_row<HD, KV, GB>(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads, start_pos,     \
-                             chunk, scale, step, one_level, prewait);                                             \
+        attn_row<HD, KV, GB, CL>(q, kc, vc, ks, vs, out, part_acc, part_ml, counters, heads, kv_heads, start_pos, \
+                                 chunk, scale, step, one_level, prewait);                                         \
     }
 
-#define ATTN_ROW_INSTANCES(HD)                    \
-    ATTN_ROW_INSTANCE(HD, i8, int8_t, 1)          \
-    ATTN_ROW_INSTANCE(HD, i8, int8_t, 2)          \
-    ATTN_ROW_INSTANCE(HD, i8, int8_t, 4)          \
-    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 1) \
-    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 2) \
-    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 4)
+#define ATTN_ROW_INSTANCES(HD, NAME, CL)                    \
+    ATTN_ROW_INSTANCE(HD, i8, int8_t, 1, NAME, CL)          \
+    ATTN_ROW_INSTANCE(HD, i8, int8_t, 2, NAME, CL)          \
+    ATTN_ROW_INSTANCE(HD, i8, int8_t, 4, NAME, CL)          \
+    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 1, NAME, CL) \
+    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 2, NAME, CL) \
+    ATTN_ROW_INSTANCE(HD, bf16, __nv_bfloat16, 4, NAME, CL)
 
-ATTN_ROW_INSTANCES(16)
-ATTN_ROW_INSTANCES(32)
-ATTN_ROW_INSTANCES(64)
-ATTN_ROW_INSTANCES(128)
-ATTN_ROW_INSTANCES(256)
+ATTN_ROW_INSTANCES(16, attn_row, false)
+ATTN_ROW_INSTANCES(32, attn_row, false)
+ATTN_ROW_INSTANCES(64, attn_row, false)
+ATTN_ROW_INSTANCES(128, attn_row, false)
+ATTN_ROW_INSTANCES(256, attn_row, false)
+// attn_rowc_*: in thread-block clusters, sm_90 and later only (the wrapper launches it nowhere else).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+ATTN_ROW_INSTANCES(16, attn_rowc, true)
+ATTN_ROW_INSTANCES(32, attn_rowc, true)
+ATTN_ROW_INSTANCES(64, attn_rowc, true)
+ATTN_ROW_INSTANCES(128, attn_rowc, true)
+ATTN_ROW_INSTANCES(256, attn_rowc, true)
+#endif
 
 // ------------------------------------------------- q / k / v preparation --
 //

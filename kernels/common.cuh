@@ -25,6 +25,84 @@ static __device__ __forceinline__ void strata_pdl_trigger() {
 #endif
 }
 
+// Thread-block clusters (sm_90+; a block is its own cluster of one before).
+// strata_cluster_arrive (release) and strata_cluster_wait (acquire) are the
+// two halves of the cluster's barrier: what a block wrote to its shared
+// memory before its arrive is visible to every block of the cluster after
+// its wait. A block reads another's shared memory (strata_cluster_ld_*)
+// only between a barrier after that block's writes and one before that
+// block exits.
+static __device__ __forceinline__ unsigned int strata_cluster_rank() {
+    unsigned int r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+
+// The cluster's size (blocks).
+static __device__ __forceinline__ unsigned int strata_cluster_size() {
+    unsigned int n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+    return n;
+}
+
+static __device__ __forceinline__ void strata_cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void strata_cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+
+// The address of `p` (this block's shared memory) in block `rank` of the cluster.
+static __device__ __forceinline__ unsigned int strata_cluster_map(const void* p, unsigned int rank) {
+    unsigned int remote = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned int s = (unsigned int)__cvta_generic_to_shared(p);
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(s), "r"(rank));
+#else
+    (void)p;
+    (void)rank;
+#endif
+    return remote;
+}
+
+// The float at `p` (this block's shared memory) in block `rank` of the cluster.
+static __device__ __forceinline__ float strata_cluster_ld_f32(const float* p, unsigned int rank) {
+    float v = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned int remote = strata_cluster_map(p, rank);
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#else
+    (void)p;
+    (void)rank;
+#endif
+    return v;
+}
+
+// The float4 at `p` (16-byte aligned, this block's shared memory) in block `rank` of the cluster.
+static __device__ __forceinline__ float4 strata_cluster_ld_f4(const float* p, unsigned int rank) {
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned int remote = strata_cluster_map(p, rank);
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(remote)
+                 : "memory");
+#else
+    (void)p;
+    (void)rank;
+#endif
+    return v;
+}
+
 // 4 bytes global -> shared without a register (cp.async, sm_80+): a value a
 // block needs only at its end is requested at its start, and no thread
 // stalls for it (a register held across the block's work may be spilled,

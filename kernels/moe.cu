@@ -1225,47 +1225,6 @@ static __device__ __forceinline__ void moe_fu_read(const uint8_t* unit, int m, i
     }
 }
 
-static __device__ __forceinline__ unsigned int moe_fu_cluster_rank() {
-    unsigned int r = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-#endif
-    return r;
-}
-
-static __device__ __forceinline__ void moe_fu_cluster_arrive() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-#endif
-}
-
-static __device__ __forceinline__ void moe_fu_cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
-#endif
-}
-
-// The float at `p` (this block's shared memory) in block `rank` of the cluster.
-static __device__ __forceinline__ float moe_fu_ld_rank(const float* p, unsigned int rank) {
-    float v = 0.0f;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const unsigned int s = (unsigned int)__cvta_generic_to_shared(p);
-    unsigned int remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(s), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-#endif
-    return v;
-}
-
-// The cluster's size (blocks).
-static __device__ __forceinline__ unsigned int moe_fu_cluster_size() {
-    unsigned int n = 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-#endif
-    return n;
-}
-
 // grid (top_k * CS), cluster (CS) with CS in {8, 16}, block MOE_FU_WARPS *
 // 32, dynamic smem MOE_FU_WARPS * ring * MOE_FU_SLOT; one token; H and I
 // multiples of 16 * CS and 256, TG = I / (16 CS) <= MOE_FU_MAX_TG, TD = H /
@@ -1299,9 +1258,9 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
     strata_pdl_trigger();
     strata_pdl_wait();
     // xchg null: clusters of CS blocks; else `group` blocks an expert without clusters.
-    const int H = (int)L.hidden, I = (int)L.intermediate, CS = xchg != nullptr ? group : (int)moe_fu_cluster_size();
+    const int H = (int)L.hidden, I = (int)L.intermediate, CS = xchg != nullptr ? group : (int)strata_cluster_size();
     const int TG = I / (16 * CS), S = H / MOE_TC_SLICE, TD = H / (16 * CS), P = I / MOE_TC_SLICE;
-    const unsigned int r = xchg != nullptr ? blockIdx.x % CS : moe_fu_cluster_rank();
+    const unsigned int r = xchg != nullptr ? blockIdx.x % CS : strata_cluster_rank();
     const int j = blockIdx.x / CS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
 
@@ -1450,13 +1409,13 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
         for (int i = threadIdx.x; i < I; i += blockDim.x) act_all[i] = __ldcg(act + (size_t)j * I + i);
     } else {
         // The cluster's act rows -> act_all (each block's rows from its shared memory).
-        moe_fu_cluster_arrive();
-        moe_fu_cluster_wait();
+        strata_cluster_arrive();
+        strata_cluster_wait();
         for (int i = threadIdx.x; i < I; i += blockDim.x) {
             const int q = i / (16 * TG);
-            act_all[i] = moe_fu_ld_rank(act_mine + (i - q * 16 * TG), (unsigned int)q);
+            act_all[i] = strata_cluster_ld_f32(act_mine + (i - q * 16 * TG), (unsigned int)q);
         }
-        moe_fu_cluster_arrive();  // done reading the others' act_mine (waited for before exit)
+        strata_cluster_arrive();  // done reading the others' act_mine (waited for before exit)
     }
     __syncthreads();
 
@@ -1511,7 +1470,7 @@ extern "C" __global__ void __launch_bounds__(MOE_FU_WARPS * 32, 1)
         }
         out[o] = accumulate ? prev[threadIdx.x] + v : v;
     }
-    if (xchg == nullptr) moe_fu_cluster_wait();
+    if (xchg == nullptr) strata_cluster_wait();
 #endif
 }
 

@@ -12,11 +12,11 @@ use half::bf16;
 use strata::backend::cpu::ops;
 use strata::backend::cuda::attention::{
     attention, attention_at, attention_with, attention_with_scratch, kv_append, kv_append_at, kv_read_f32, qkv_prepare,
-    qkv_prepare_at, step_chunk, step_plan, AttnConfig, AttnKernel, AttnPrecision, AttnScratch, DeviceKv, KvDtype,
-    QkvPrep, StepPlan, StepPos,
+    qkv_prepare_at, step_chunk, step_plan, step_plan_with, AttnConfig, AttnKernel, AttnPrecision, AttnScratch,
+    DeviceKv, KvDtype, QkvPrep, StepPlan, StepPos,
 };
 use strata::backend::cuda::dense::{self, RopeTable};
-use strata::backend::cuda::{CudaSlice, Gpu};
+use strata::backend::cuda::{CudaSlice, Gpu, LaunchConfig};
 use strata::backend::{AttentionShape, Rope};
 
 use super::common::{check_close, e, poisoned, rand_f32, GpuTest};
@@ -53,6 +53,10 @@ pub const TESTS: &[GpuTest] = &[
     ("attention_row_step_pointer_int8", row_step_pointer_int8),
     ("attention_row_step_pointer_bf16", row_step_pointer_bf16),
     ("attention_row_rejects_bad_arguments", row_rejects_bad_arguments),
+    ("attention_row_clusters_int8", row_clusters_int8),
+    ("attention_row_clusters_bf16", row_clusters_bf16),
+    ("attention_row_clusters_step_pointer", row_clusters_step_pointer),
+    ("attention_row_clusters_counters_reset", row_clusters_counters_reset),
     ("attention_qkv_prepare_int8_exact", qkv_prepare_int8_exact),
     ("attention_qkv_prepare_bf16_exact", qkv_prepare_bf16_exact),
     ("attention_qkv_prepare_rejects_bad_arguments", qkv_prepare_rejects_bad_arguments),
@@ -266,9 +270,9 @@ const DECODE_CASES: [(usize, usize); 7] = [(0, 1), (1, 1), (1000, 1), (40000, 1)
 const PREFILL_CASES: [(usize, usize); 8] =
     [(0, 17), (0, 64), (0, 200), (0, 1000), (500, 17), (500, 64), (500, 200), (500, 1000)];
 
-const AUTO: AttnConfig = AttnConfig { kernel: AttnKernel::Auto, precision: AttnPrecision::F32 };
-const SIMT: AttnConfig = AttnConfig { kernel: AttnKernel::Simt, precision: AttnPrecision::F32 };
-const MMA: AttnConfig = AttnConfig { kernel: AttnKernel::Mma, precision: AttnPrecision::F32 };
+const AUTO: AttnConfig = AttnConfig { kernel: AttnKernel::Auto, precision: AttnPrecision::F32, row_cluster: 0 };
+const SIMT: AttnConfig = AttnConfig { kernel: AttnKernel::Simt, precision: AttnPrecision::F32, row_cluster: 0 };
+const MMA: AttnConfig = AttnConfig { kernel: AttnKernel::Mma, precision: AttnPrecision::F32, row_cluster: 0 };
 
 /// The default path (on sm_80+: the tensor-core decode kernel up to 16 query
 /// vectors per kv head, the prefill kernel for T = 3 with groups of 8).
@@ -304,7 +308,7 @@ fn simt_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// as fit its 16 query vectors per kv head (two n-blocks), at context
 /// lengths from 1 to 40K (one split, many splits, partly filled warp tiles).
 fn dec_kernel(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
-    let dec = AttnConfig { kernel: AttnKernel::Decode, precision: AttnPrecision::F32 };
+    let dec = AttnConfig { kernel: AttnKernel::Decode, precision: AttnPrecision::F32, row_cluster: 0 };
     for (si, &sh) in SHAPES.iter().enumerate() {
         let shape = shape_of(sh);
         let most_rows = (16 / (sh.0 / sh.1)).max(1);
@@ -350,7 +354,7 @@ fn mma_decode_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// its largest entry; 1e-2 bounds that (a dropped key or a wrong scale
 /// still fails: see int8_error_vs_f32 for why errors stay this size).
 fn mma_bf16_operands(gpu: &Arc<Gpu>) -> Result<(), String> {
-    let fast = AttnConfig { kernel: AttnKernel::Mma, precision: AttnPrecision::Bf16 };
+    let fast = AttnConfig { kernel: AttnKernel::Mma, precision: AttnPrecision::Bf16, row_cluster: 0 };
     for dtype in [KvDtype::Int8, KvDtype::Bf16] {
         check_cases(gpu, dtype, &[(0, 64), (500, 200), (0, 1000), (1000, 1)], fast, |_| 1e-2)?;
     }
@@ -477,7 +481,7 @@ fn rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
     if attention(gpu, &q, &kv, shape, 0, 5, &mut out).is_ok() {
         failures.push("attention of more rows than q holds");
     }
-    let dec = AttnConfig { kernel: AttnKernel::Decode, precision: AttnPrecision::F32 };
+    let dec = AttnConfig { kernel: AttnKernel::Decode, precision: AttnPrecision::F32, row_cluster: 0 };
     if attention_with(gpu, &q, &kv, shape, 0, 5, &mut out, dec).is_ok() {
         failures.push("the decode kernel with 20 query vectors per kv head");
     }
@@ -487,7 +491,7 @@ fn rejects_bad_arguments(gpu: &Arc<Gpu>) -> Result<(), String> {
     // The tensor-core kernels are not built for head_dim 32: forcing them is refused.
     let small = shape_of((4, 2, 32));
     let kv32 = DeviceKv::new(gpu, KvDtype::Int8, 16, 2, 32).map_err(e)?;
-    let mma = AttnConfig { kernel: AttnKernel::Mma, precision: AttnPrecision::F32 };
+    let mma = AttnConfig { kernel: AttnKernel::Mma, precision: AttnPrecision::F32, row_cluster: 0 };
     let has_tc = gpu.compute_capability().0 >= 8;
     if has_tc && attention_with(gpu, &q, &kv32, small, 0, 1, &mut out, mma).is_ok() {
         failures.push("the tensor-core prefill kernel at head_dim 32");
@@ -549,7 +553,7 @@ fn timing(gpu: &Arc<Gpu>) -> Result<(), String> {
             gbs / 43.0
         );
     }
-    let fast = AttnConfig { kernel: AttnKernel::Mma, precision: AttnPrecision::Bf16 };
+    let fast = AttnConfig { kernel: AttnKernel::Mma, precision: AttnPrecision::Bf16, row_cluster: 0 };
     let runs = [
         ((32usize, 4usize, 128usize), AUTO),
         ((32, 4, 128), fast),
@@ -615,23 +619,25 @@ fn all_finite(what: &str, x: &[f32]) -> Result<(), String> {
 /// non-empty splits cover the same ranges; the extra splits are empty and their neutral partials change nothing
 /// in the combine; a range within split 0 is written by split 0 as the one-split launch does.)
 fn step_pointer(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
-    step_pointer_at(gpu, dtype, &STEP_SHAPES, &STEP_POSITIONS, STEP_CAPACITY)
+    step_pointer_at(gpu, dtype, &STEP_SHAPES, &STEP_POSITIONS, STEP_CAPACITY, AUTO)
 }
 
-/// `step_pointer` over `shapes` at `positions` (each < capacity) on caches of `capacity` positions.
+/// `step_pointer` over `shapes` at `positions` (each < capacity) on caches of `capacity` positions, both paths
+/// with the kernel `config` gives.
 fn step_pointer_at(
     gpu: &Arc<Gpu>,
     dtype: KvDtype,
     shapes: &[(usize, usize, usize)],
     positions: &[usize],
     capacity: usize,
+    config: AttnConfig,
 ) -> Result<(), String> {
     for (si, &sh) in shapes.iter().enumerate() {
         let shape = shape_of(sh);
         let seed = 900 + si as u64 * 10;
         let (mut kv_plain, ..) = filled_cache(gpu, dtype, shape, capacity, capacity, seed)?;
         let (mut kv_step, ..) = filled_cache(gpu, dtype, shape, capacity, capacity, seed)?;
-        let plan: StepPlan = step_plan(gpu, shape, 1, dtype).map_err(e)?;
+        let plan: StepPlan = step_plan_with(gpu, shape, 1, dtype, config).map_err(e)?;
         if plan.splits < 2 || plan.tile == 0 {
             return Err(format!("{sh:?}: step plan {plan:?} (want a split launch)"));
         }
@@ -652,7 +658,7 @@ fn step_pointer_at(
             let qd = gpu.upload(&rand_f32(sd + 2, qn, 2.0)).map_err(e)?;
             kv_append(gpu, &mut kv_plain, &kd, &vd, sp, 1).map_err(e)?;
             let mut want = poisoned(gpu, qn)?;
-            attention_with_scratch(gpu, &qd, &kv_plain, shape, sp, 1, &mut want, AUTO, &mut scratch_plain)
+            attention_with_scratch(gpu, &qd, &kv_plain, shape, sp, 1, &mut want, config, &mut scratch_plain)
                 .map_err(e)?;
 
             pos.set(gpu, sp, chunk).map_err(e)?;
@@ -751,7 +757,12 @@ fn step_graph_replay(gpu: &Arc<Gpu>) -> Result<(), String> {
 // ------------------------------------------------------------------------
 // The one-row decode kernel (attn_row_*).
 
-const ROW: AttnConfig = AttnConfig { kernel: AttnKernel::Row, precision: AttnPrecision::F32 };
+const ROW: AttnConfig = AttnConfig { kernel: AttnKernel::Row, precision: AttnPrecision::F32, row_cluster: 0 };
+/// The one-row kernel without clusters (attn_row_*), and in clusters of 16, 8 and 5 blocks (attn_rowc_*, sm_90+).
+const ROW_PLAIN: AttnConfig = AttnConfig { row_cluster: 1, ..ROW };
+const ROW_C16: AttnConfig = AttnConfig { row_cluster: 16, ..ROW };
+const ROW_C8: AttnConfig = AttnConfig { row_cluster: 8, ..ROW };
+const ROW_C5: AttnConfig = AttnConfig { row_cluster: 5, ..ROW };
 
 /// Shapes (heads, kv_heads, head_dim) of the one-row kernel (a block takes at most 4 query heads of a kv head,
 /// a larger group is cut into parts, grid z): Qwen3-30B-A3B (group 8: 2 parts of 4, hd 128), Qwen3-Next (group
@@ -787,24 +798,87 @@ const ROW_CONTEXTS: [usize; 12] = [1, 2, 17, 63, 64, 65, 1000, 1024, 1025, 4128,
 /// tiles, subsets and splits, the merge's rescaling) against the CPU's sequential sums: the same error sources
 /// as the SIMT kernel's, bounded by the same 2e-5 (5e-5 past 4096 keys) of max |out|, while a dropped key or
 /// split (~1e-3 at 1000 keys, more at fewer), a lost scale or a wrong head fails by orders of magnitude.
-fn row_cases(gpu: &Arc<Gpu>, dtype: KvDtype) -> Result<(), String> {
+fn row_cases(gpu: &Arc<Gpu>, dtype: KvDtype, config: AttnConfig) -> Result<(), String> {
     for (si, &sh) in ROW_SHAPES.iter().enumerate() {
         let shape = shape_of(sh);
         for (ci, &kend) in ROW_CONTEXTS.iter().enumerate() {
             let seed = 7000 + (si * 100 + ci) as u64;
-            let (got, want, ..) = run_case(gpu, dtype, shape, kend - 1, 1, seed, ROW)?;
-            check_close(&format!("{dtype:?} row kernel {sh:?} keys {kend}"), &got, &want, tight_tol(kend))?;
+            let (got, want, ..) = run_case(gpu, dtype, shape, kend - 1, 1, seed, config)?;
+            let what = format!("{dtype:?} row kernel {sh:?} keys {kend}, clusters {}", config.row_cluster);
+            check_close(&what, &got, &want, tight_tol(kend))?;
         }
     }
     Ok(())
 }
 
 fn row_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
-    row_cases(gpu, KvDtype::Int8)
+    row_cases(gpu, KvDtype::Int8, ROW_PLAIN)?;
+    row_cases(gpu, KvDtype::Int8, ROW)
 }
 
 fn row_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
-    row_cases(gpu, KvDtype::Bf16)
+    row_cases(gpu, KvDtype::Bf16, ROW_PLAIN)?;
+    row_cases(gpu, KvDtype::Bf16, ROW)
+}
+
+/// The one-row kernel in thread-block clusters of 16, 8 and 5 blocks (attn_rowc_*: a cluster's splits merged in
+/// distributed shared memory, then the clusters through global memory), on sm_90 and later; before sm_90 the
+/// plain kernel runs (the same cases as row_int8). Checked as row_int8 (against the CPU, `tight_tol`), and the
+/// plan must really take clusters where the device has them: one cluster of 8 or 5 blocks a (kv head, part)
+/// always runs at once (8 is the portable size); 16 may not fit (printed at the 30B shape, with the splits).
+fn row_cluster_cases(gpu: &Arc<Gpu>, dtype: KvDtype, configs: &[AttnConfig]) -> Result<(), String> {
+    for &config in configs {
+        for (si, &sh) in ROW_SHAPES.iter().enumerate() {
+            let shape = shape_of(sh);
+            let plan = step_plan_with(gpu, shape, 1, dtype, config).map_err(e)?;
+            let got = plan.row_cluster();
+            if si == 0 {
+                println!(
+                    "     clusters of {} asked at {sh:?} {dtype:?}: {got}, {} splits",
+                    config.row_cluster, plan.splits
+                );
+            }
+            if config.row_cluster != 16 && gpu.compute_capability().0 >= 9 && got != config.row_cluster {
+                return Err(format!("{dtype:?} {sh:?}: clusters of {got}, want {} ({plan:?})", config.row_cluster));
+            }
+        }
+        row_cases(gpu, dtype, config)?;
+    }
+    Ok(())
+}
+
+fn row_clusters_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
+    // What the occupancy API answers at the 30B shape (int8 KV, 4 query heads a block: 42416 bytes of shared
+    // memory), for the record.
+    if gpu.compute_capability().0 >= 9 {
+        for cluster in [4u32, 5, 8, 11, 16] {
+            let cfg = LaunchConfig { grid_dim: (cluster, 4, 2), block_dim: (256, 1, 1), shared_mem_bytes: 42416 };
+            let n = gpu.active_clusters("attn_rowc_hd128_i8_g4", cfg, cluster);
+            println!("     attn_rowc_hd128_i8_g4 in clusters of {cluster}: {n:?} run at once");
+        }
+    }
+    row_cluster_cases(gpu, KvDtype::Int8, &[ROW_C16, ROW_C8, ROW_C5])
+}
+
+fn row_clusters_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
+    row_cluster_cases(gpu, KvDtype::Bf16, &[ROW_C16, ROW_C5])
+}
+
+/// The captured step in clusters against the plain path in the same clusters, bit for bit (as
+/// row_step_pointer_int8).
+fn row_clusters_step_pointer(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for config in [ROW_C16, ROW_C8, ROW_C5] {
+        step_pointer_at(gpu, KvDtype::Int8, &ROW_STEP_SHAPES, &ROW_STEP_POSITIONS, 8195, config)?;
+    }
+    step_pointer_at(gpu, KvDtype::Bf16, &ROW_STEP_SHAPES, &ROW_STEP_POSITIONS, 8195, ROW_C16)
+}
+
+/// One scratch reused across split counts in clusters (as row_counters_reset).
+fn row_clusters_counters_reset(gpu: &Arc<Gpu>) -> Result<(), String> {
+    for config in [ROW_C16, ROW_C8, ROW_C5] {
+        row_counters_reset_with(gpu, config)?;
+    }
+    Ok(())
 }
 
 /// `Auto` runs the one-row kernel for one row (the same bits as `Row` forced; the tensor-core decode kernel's
@@ -872,6 +946,11 @@ fn row_prewait_same_bits(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// find its arrival counters at zero (each launch's mergers reset them), so each output is the same bits as a
 /// launch with a fresh scratch, and a decode-sized scratch never grows.
 fn row_counters_reset(gpu: &Arc<Gpu>) -> Result<(), String> {
+    row_counters_reset_with(gpu, ROW_PLAIN)?;
+    row_counters_reset_with(gpu, ROW)
+}
+
+fn row_counters_reset_with(gpu: &Arc<Gpu>, config: AttnConfig) -> Result<(), String> {
     for (si, &sh) in [(32usize, 4usize, 128usize), (16, 1, 128), (10, 1, 32), (2, 1, 64)].iter().enumerate() {
         let shape = shape_of(sh);
         let len = 8195;
@@ -881,9 +960,9 @@ fn row_counters_reset(gpu: &Arc<Gpu>) -> Result<(), String> {
         for (ci, &kend) in [4128usize, 8195, 65, 1000, 1, 1025, 4128, 1024, 8195, 513, 8195].iter().enumerate() {
             let qd = gpu.upload(&rand_f32(7800 + ci as u64, shape.q_dim(), 2.0)).map_err(e)?;
             let mut want = poisoned(gpu, shape.q_dim())?;
-            attention_with(gpu, &qd, &kv, shape, kend - 1, 1, &mut want, ROW).map_err(e)?;
+            attention_with(gpu, &qd, &kv, shape, kend - 1, 1, &mut want, config).map_err(e)?;
             let mut got = poisoned(gpu, shape.q_dim())?;
-            attention_with_scratch(gpu, &qd, &kv, shape, kend - 1, 1, &mut got, ROW, &mut scratch).map_err(e)?;
+            attention_with_scratch(gpu, &qd, &kv, shape, kend - 1, 1, &mut got, config, &mut scratch).map_err(e)?;
             let what = format!("{sh:?} launch {ci} (keys {kend}) with a reused scratch");
             let want = gpu.download(&want).map_err(e)?;
             all_finite(&what, &want)?;
@@ -905,11 +984,11 @@ const ROW_STEP_SHAPES: [(usize, usize, usize); 6] =
     [(32, 4, 128), (16, 2, 256), (16, 1, 128), (10, 1, 32), (14, 2, 128), (2, 1, 64)];
 
 fn row_step_pointer_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
-    step_pointer_at(gpu, KvDtype::Int8, &ROW_STEP_SHAPES, &ROW_STEP_POSITIONS, 8195)
+    step_pointer_at(gpu, KvDtype::Int8, &ROW_STEP_SHAPES, &ROW_STEP_POSITIONS, 8195, AUTO)
 }
 
 fn row_step_pointer_bf16(gpu: &Arc<Gpu>) -> Result<(), String> {
-    step_pointer_at(gpu, KvDtype::Bf16, &ROW_STEP_SHAPES, &ROW_STEP_POSITIONS, 8195)
+    step_pointer_at(gpu, KvDtype::Bf16, &ROW_STEP_SHAPES, &ROW_STEP_POSITIONS, 8195, AUTO)
 }
 
 /// The one-row kernel forced on more than one row or more than 16 query heads per kv head is refused (and takes
@@ -956,12 +1035,12 @@ fn row_timing(gpu: &Arc<Gpu>) -> Result<(), String> {
     let runs =
         [((32usize, 4usize, 128usize), KvDtype::Int8), ((32, 4, 128), KvDtype::Bf16), ((16, 2, 256), KvDtype::Int8)];
     for (sh, dtype) in runs {
-        for ctx in [16usize, 4128] {
+        for (ctx, config) in [16usize, 4128].into_iter().flat_map(|c| [ROW_PLAIN, ROW_C16, ROW_C8].map(|k| (c, k))) {
             let shape = shape_of(sh);
             let (kv, ..) = filled_cache(gpu, dtype, shape, ctx, ctx, 97)?;
             let qd = gpu.upload(&rand_f32(98, shape.q_dim(), 2.0)).map_err(e)?;
             let mut out = poisoned(gpu, shape.q_dim())?;
-            let plan = step_plan(gpu, shape, 1, dtype).map_err(e)?;
+            let plan = step_plan_with(gpu, shape, 1, dtype, config).map_err(e)?;
             let mut pos = StepPos::new(gpu).map_err(e)?;
             pos.set(gpu, ctx - 1, step_chunk(&plan, ctx)).map_err(e)?;
             let mut scratch = AttnScratch::new(gpu, shape, 1).map_err(e)?;
@@ -976,17 +1055,18 @@ fn row_timing(gpu: &Arc<Gpu>) -> Result<(), String> {
             let secs = median_seconds(gpu, 50, || graph.launch().map_err(e))? / LAUNCHES as f64;
             let bytes = ctx * kv.bytes_per_position();
             println!(
-                "     timing: attention row {dtype:?} {sh:?} ctx {ctx} ({} splits of {}): {:.2} us per launch, KV {} KB \
-                 = {:.2} us at 4.25 TB/s",
+                "     timing: attention row {dtype:?} {sh:?} ctx {ctx} ({} splits of {}, clusters of {}): {:.2} us per \
+                 launch, KV {} KB = {:.2} us at 4.25 TB/s",
                 ctx.div_ceil(step_chunk(&plan, ctx)),
                 step_chunk(&plan, ctx),
+                plan.row_cluster(),
                 secs * 1e6,
                 bytes / 1000,
                 bytes as f64 / 4.25e12 * 1e6
             );
             let got = gpu.download(&out).map_err(e)?;
             let mut want = poisoned(gpu, shape.q_dim())?;
-            attention_with(gpu, &qd, &kv, shape, ctx - 1, 1, &mut want, AUTO).map_err(e)?;
+            attention_with(gpu, &qd, &kv, shape, ctx - 1, 1, &mut want, config).map_err(e)?;
             exact(&format!("timing run {dtype:?} {sh:?} ctx {ctx}"), &got, &gpu.download(&want).map_err(e)?)?;
             drop(graph);
         }

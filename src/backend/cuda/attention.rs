@@ -477,6 +477,21 @@ fn row_blocks_per_sm() -> usize {
     ROW_BLOCKS_PER_SM
 }
 
+/// Blocks of a thread-block cluster of the one-row decode kernel where the device has clusters (sm_90 and
+/// later): attn_rowc_*, whose splits merge in the cluster's distributed shared memory and then, with more than
+/// one cluster, in one level through global memory. 1: attn_row_* on every device.
+const ROW_CLUSTER: usize = 1;
+
+fn row_cluster_default() -> usize {
+    #[cfg(any(test, feature = "test-hooks"))]
+    {
+        static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        *V.get_or_init(|| row_knob("STRATA_ROW_CLUSTER", ROW_CLUSTER))
+    }
+    #[cfg(not(any(test, feature = "test-hooks")))]
+    ROW_CLUSTER
+}
+
 fn row_one_level() -> usize {
     #[cfg(any(test, feature = "test-hooks"))]
     {
@@ -571,17 +586,25 @@ fn row_target_splits(kv_heads: usize, parts: usize, sm_count: usize) -> usize {
     (row_blocks_per_sm() * sm_count.max(1)).div_ceil(kv_heads.max(1) * parts.max(1)).max(1)
 }
 
+/// The split count attn_rowc_* aims for in clusters of `cluster` blocks over `kv_parts` (kv heads x query parts):
+/// whole clusters, at most `plain` (row_target_splits) splits, and at most as many clusters as the device runs
+/// at once (`resident`, the occupancy API's count at that shape), so that no cluster waits for another to end;
+/// 0 where not one cluster a (kv head, part) fits.
+fn row_cluster_splits(plain: usize, cluster: usize, resident: usize, kv_parts: usize) -> usize {
+    (plain / cluster.max(1)).min(resident / kv_parts.max(1)) * cluster
+}
+
 /// Keys per split of attn_row_* for keys `0..kend` with `target` splits at most: a multiple of ROW_ALIGN, at
 /// least ROW_MIN_CHUNK.
 fn row_chunk(kend: usize, target: usize) -> usize {
     kend.div_ceil(target.max(1)).next_multiple_of(ROW_ALIGN).max(ROW_MIN_CHUNK)
 }
 
-/// The split of keys `0..kend` for the one-row decode kernel (attn_row_*) with `parts` query parts: at most
-/// ROW_BLOCKS_PER_SM blocks per SM over (kv heads x parts x splits), each split at least ROW_MIN_CHUNK keys;
-/// `splits = ceil(kend / chunk)` (none empty).
-pub fn plan_row_splits(kend: usize, kv_heads: usize, parts: usize, sm_count: usize) -> SplitPlan {
-    let chunk = row_chunk(kend, row_target_splits(kv_heads, parts, sm_count));
+/// The split of keys `0..kend` for the one-row decode kernel (attn_row_*, attn_rowc_*) aiming for `target`
+/// splits (row_target_splits, row_cluster_splits), each at least ROW_MIN_CHUNK keys; `splits = ceil(kend /
+/// chunk)` (none empty; a launch in clusters rounds its grid up to whole clusters).
+pub fn plan_row_splits(kend: usize, target: usize) -> SplitPlan {
+    let chunk = row_chunk(kend, target);
     SplitPlan { splits: kend.max(1).div_ceil(chunk), chunk }
 }
 
@@ -679,6 +702,9 @@ pub enum AttnPrecision {
 pub struct AttnConfig {
     pub kernel: AttnKernel,
     pub precision: AttnPrecision,
+    /// The one-row decode kernel's thread-block clusters: 0 the default (ROW_CLUSTER), 1 none (attn_row_*), n
+    /// clusters of n blocks (attn_rowc_*, at most 16) where the device runs them at that shape, else none.
+    pub row_cluster: usize,
 }
 
 /// Reusable split-partial buffers of `attention_with_scratch` (flash-decoding
@@ -707,6 +733,7 @@ impl AttnScratch {
         let sms = (gpu.sm_count() as usize).max(1);
         let mut most_splits = (BLOCKS_PER_SM * sms).div_ceil(shape.kv_heads.max(1));
         let parts = row_parts(shape.heads / shape.kv_heads.max(1));
+        // (clusters take at most as many splits)
         let row_splits = row_target_splits(shape.kv_heads, parts, sms);
         if max_rows >= 1 {
             // The one-row kernel's split and group partials.
@@ -834,9 +861,10 @@ pub fn attention_with_scratch(
     let f = gpu.function(&choice.name(head_dim, kv.dtype))?;
     set_smem(&f, choice.smem)?;
     if choice.kernel == AttnKernel::Row {
-        let plan = plan_row_splits(kend, kv_heads, choice.qtiles, gpu.sm_count() as usize);
-        let prow = row_partial_rows(plan.splits) * heads;
-        scratch.reserve(gpu, prow * head_dim, prow * 2, row_counters(kv_heads, choice.qtiles, plan.splits))?;
+        let plan = plan_row_splits(kend, choice.splits);
+        let grid = plan.splits.next_multiple_of(choice.cluster);
+        let prow = row_partial_rows(grid) * heads;
+        scratch.reserve(gpu, prow * head_dim, prow * 2, row_counters(kv_heads, choice.qtiles, grid))?;
         return launch_row(gpu, &f, q, kv, shape, out, &choice, plan, sp, None, scratch);
     }
     let plan = plan_splits(kend, kv_heads * choice.qtiles, gpu.sm_count() as usize, choice.tile);
@@ -863,6 +891,10 @@ struct KernelChoice {
     tile: usize,
     /// Dynamic shared memory bytes.
     smem: usize,
+    /// Row: blocks of a thread-block cluster (attn_rowc_*), 1 none (attn_row_*); 1 for every other kernel.
+    cluster: usize,
+    /// Row: the split target (a step plan's grid, the most splits a launch takes); 0 for every other kernel.
+    splits: usize,
 }
 
 impl KernelChoice {
@@ -873,6 +905,7 @@ impl KernelChoice {
                 format!("attn_mma_hd{head_dim}_{tag}_{}", if self.variant == 1 { "f32" } else { "bf16" })
             }
             AttnKernel::Decode => format!("attn_dec_hd{head_dim}_{tag}_n{}", self.variant),
+            AttnKernel::Row if self.cluster > 1 => format!("attn_rowc_hd{head_dim}_{tag}_g{}", self.variant),
             AttnKernel::Row => format!("attn_row_hd{head_dim}_{tag}_g{}", self.variant),
             _ => format!("attn_simt_hd{head_dim}_{tag}_q{}", self.variant),
         }
@@ -946,7 +979,7 @@ fn choose_kernel(
     }
     let (kernel, variant, threads, bq, tile, smem) = choice;
     let qtiles = nq_total.div_ceil(bq);
-    let choice = KernelChoice { kernel, variant, threads, qtiles, tile, smem };
+    let mut choice = KernelChoice { kernel, variant, threads, qtiles, tile, smem, cluster: 1, splits: 0 };
     if smem > smem_max {
         return Err(Error::InvalidArgument(format!(
             "attention: {} needs {smem} bytes of shared memory, the device allows {smem_max}",
@@ -956,7 +989,45 @@ fn choose_kernel(
     if qtiles > 65535 {
         return Err(Error::InvalidArgument(format!("attention: {rows} rows is too many for one launch")));
     }
+    if kernel == AttnKernel::Row {
+        let plain = row_target_splits(kv_heads, qtiles, (gpu.sm_count() as usize).max(1));
+        (choice.cluster, choice.splits) = row_cluster(gpu, shape, dtype, choice, config.row_cluster, plain)?;
+    }
     Ok(choice)
+}
+
+/// The cluster size and split target of a one-row launch: `wanted` (0: the default) blocks a cluster, capped at
+/// 16 and at the plain kernel's split target `plain`, and row_cluster_splits splits, where the device has
+/// clusters and runs one a (kv head, part) at once; else (1, plain): the plain attn_row_*.
+fn row_cluster(
+    gpu: &Gpu,
+    shape: AttentionShape,
+    dtype: KvDtype,
+    choice: KernelChoice,
+    wanted: usize,
+    plain: usize,
+) -> Result<(usize, usize)> {
+    let wanted = if wanted == 0 { row_cluster_default() } else { wanted };
+    let kv_parts = shape.kv_heads * choice.qtiles;
+    let cluster = wanted.min(16).min(plain);
+    if cluster < 2 || gpu.compute_capability().0 < 9 {
+        return Ok((1, plain));
+    }
+    let clustered = KernelChoice { cluster, ..choice };
+    let name = clustered.name(shape.head_dim, dtype);
+    // The occupancy API counts the clusters of this shape that run at once (a grid of whole clusters).
+    let cfg = LaunchConfig {
+        grid_dim: (cluster as u32, shape.kv_heads as u32, choice.qtiles as u32),
+        block_dim: (choice.threads, 1, 1),
+        shared_mem_bytes: choice.smem as u32,
+    };
+    set_smem(&gpu.function(&name)?, choice.smem)?;
+    // A shape the driver refuses runs without clusters.
+    let resident = gpu.active_clusters(&name, cfg, cluster as u32).unwrap_or(0);
+    Ok(match row_cluster_splits(plain, cluster, resident, kv_parts) {
+        0 => (1, plain),
+        splits => (cluster, splits),
+    })
 }
 
 /// The split kernel over `plan.splits` splits (grid fixed) and, when the grid has more than one split, the combine.
@@ -1051,7 +1122,8 @@ fn launch_row(
     scratch: &mut AttnScratch,
 ) -> Result<()> {
     let AttentionShape { heads, kv_heads, head_dim } = shape;
-    let splits = u32::try_from(plan.splits).ok().filter(|&s| s <= 65535);
+    // Whole clusters (the blocks past the key range take part in their cluster's merge).
+    let splits = u32::try_from(plan.splits.next_multiple_of(choice.cluster)).ok().filter(|&s| s <= 65535);
     let kvh_grid = u32::try_from(kv_heads).ok().filter(|&k| k <= 65535);
     // The kernel gives part z the query heads [z * qpb, min((z + 1) * qpb, group)), qpb = ceil(group / parts):
     // qpb must fit its GB and no part be empty.
@@ -1097,7 +1169,13 @@ fn launch_row(
     // or by an attn_qkv_prep_* two or more kernels back; the kernel just before this one is attn_qkv_prep_* (which
     // then triggers only after its own wait, so every kernel before it has finished when this one starts) or, with
     // STRATA_DECODE_SKIP=prep, the q/k/v GEMV (the keys are then an earlier forward's).
-    unsafe { gpu.launch(f, cfg, &mut a) }?;
+    unsafe {
+        if choice.cluster > 1 {
+            gpu.launch_cluster(f, cfg, choice.cluster as u32, &mut a)
+        } else {
+            gpu.launch(f, cfg, &mut a)
+        }
+    }?;
     Ok(())
 }
 
@@ -1135,7 +1213,8 @@ impl StepPos {
 pub struct StepPlan {
     /// Splits of the grid (fixed): `(BLOCKS_PER_SM * sm_count).div_ceil(kv_heads * query tiles)`, the most
     /// `plan_splits` ever gives for this shape, so every key range splits exactly as the plain `attention` does
-    /// (the one-row kernel: `(2 * sm_count).div_ceil(kv_heads * query parts)`, the most `plan_row_splits` gives).
+    /// (the one-row kernel: `(2 * sm_count).div_ceil(kv_heads * query parts)`, or in clusters row_cluster_splits:
+    /// the most `plan_row_splits` gives).
     pub splits: usize,
     /// Key tile: a chunk is a multiple of it.
     pub tile: usize,
@@ -1149,17 +1228,30 @@ pub struct StepPlan {
 /// `AttnKernel::Auto` picks for that many rows and a fixed split count (the most `plan_splits` gives for this shape:
 /// `4 * sm_count / (kv_heads * query tiles)`, rounded up; for the one-row kernel, which Auto picks for one row,
 /// the most `plan_row_splits` gives: `2 * sm_count / (kv_heads * query parts)` rounded up, the parts
-/// `ceil(group / 4)`; `AttnScratch::new(gpu, shape, rows)` holds
+/// `ceil(group / 4)`, or in thread-block clusters whole clusters of at most that many splits, no more clusters
+/// than run at once; `AttnScratch::new(gpu, shape, rows)` holds
 /// either). Also sets the kernel's shared-memory attribute (so `attention_at` makes no such call).
 pub fn step_plan(gpu: &Gpu, shape: AttentionShape, rows: usize, kv_dtype: KvDtype) -> Result<StepPlan> {
+    step_plan_with(gpu, shape, rows, kv_dtype, AttnConfig::default())
+}
+
+/// `step_plan` with the kernel `config` gives (tests, benchmarks; its precision applies to the tensor-core
+/// prefill kernel, which a plan for one row never takes).
+pub fn step_plan_with(
+    gpu: &Gpu,
+    shape: AttentionShape,
+    rows: usize,
+    kv_dtype: KvDtype,
+    config: AttnConfig,
+) -> Result<StepPlan> {
     let AttentionShape { heads, kv_heads, head_dim } = shape;
     if kv_heads == 0 || heads == 0 || heads % kv_heads != 0 || !HEAD_DIMS.contains(&head_dim) || rows == 0 {
         return Err(Error::InvalidArgument(format!("step_plan: shape {shape:?}, {rows} rows")));
     }
-    let choice = choose_kernel(gpu, shape, rows, kv_dtype, AttnConfig::default())?;
+    let choice = choose_kernel(gpu, shape, rows, kv_dtype, config)?;
     let sms = (gpu.sm_count() as usize).max(1);
     let splits = if choice.kernel == AttnKernel::Row {
-        row_target_splits(kv_heads, choice.qtiles, sms)
+        choice.splits
     } else {
         (BLOCKS_PER_SM * sms).div_ceil(kv_heads * choice.qtiles).max(1)
     };
@@ -1170,6 +1262,13 @@ pub fn step_plan(gpu: &Gpu, shape: AttentionShape, rows: usize, kv_dtype: KvDtyp
     set_smem(&f, choice.smem)?;
     gpu.function("attn_combine")?;
     Ok(StepPlan { splits, tile: choice.tile, choice, shape, rows, dtype: kv_dtype })
+}
+
+impl StepPlan {
+    /// Blocks of a thread-block cluster of the plan's one-row kernel (1: none, and for every other kernel).
+    pub fn row_cluster(&self) -> usize {
+        self.choice.cluster
+    }
 }
 
 /// The chunk (keys per split, a multiple of `plan.tile`) for keys `0..kend` (`kend = start_pos + rows`) with
@@ -1290,6 +1389,8 @@ mod tests {
                         qtiles: 1,
                         tile,
                         smem: 0,
+                        cluster: 1,
+                        splits: 0,
                     };
                     let plan = StepPlan {
                         splits,
@@ -1317,35 +1418,59 @@ mod tests {
     fn row_splits_cover_the_key_range() {
         for sms in [1usize, 46, 132] {
             for (kv_heads, parts) in [(1usize, 1usize), (1, 4), (2, 2), (3, 1), (4, 2), (8, 1)] {
-                let target = row_target_splits(kv_heads, parts, sms);
-                assert!(target * kv_heads * parts < ROW_BLOCKS_PER_SM * sms + kv_heads * parts);
-                let choice = KernelChoice {
-                    kernel: AttnKernel::Row,
-                    variant: 4,
-                    threads: ROW_THREADS,
-                    qtiles: parts,
-                    tile: ROW_ALIGN,
-                    smem: 0,
-                };
-                let plan = StepPlan {
-                    splits: target,
-                    tile: ROW_ALIGN,
-                    choice,
-                    shape: AttentionShape { heads: 4 * parts * kv_heads, kv_heads, head_dim: 128 },
-                    rows: 1,
-                    dtype: KvDtype::Int8,
-                };
-                for kend in (1usize..=3000).chain([4128, 8195, 40001, 262144]) {
-                    let p = plan_row_splits(kend, kv_heads, parts, sms);
-                    let what = format!("{sms} SMs, {kv_heads} kv heads x {parts} parts, {kend} keys: {p:?}");
-                    assert!(p.chunk % ROW_ALIGN == 0 && p.chunk >= ROW_MIN_CHUNK, "{what}");
-                    assert!(p.splits * p.chunk >= kend && (p.splits - 1) * p.chunk < kend, "{what}");
-                    assert!(p.splits <= target, "{what}: more than {target} splits");
-                    assert_eq!(step_chunk(&plan, kend), p.chunk, "{what}");
-                    assert!(row_partial_rows(p.splits) <= row_partial_rows(target));
-                    assert!(row_counters(kv_heads, parts, p.splits) <= row_counters(kv_heads, parts, target));
+                let plain = row_target_splits(kv_heads, parts, sms);
+                assert!(plain * kv_heads * parts < ROW_BLOCKS_PER_SM * sms + kv_heads * parts);
+                row_splits_cover_the_key_range_in(kv_heads, parts, 1, plain, plain);
+                // choose_kernel's clusters: at most the plain target, as many as run at once or fewer.
+                for cluster in [3usize, 8, 16].into_iter().filter(|&c| c <= plain) {
+                    for resident in [kv_heads * parts, 30, 1000] {
+                        let target = row_cluster_splits(plain, cluster, resident, kv_heads * parts);
+                        let what = format!("{sms} SMs, {kv_heads} x {parts}: {cluster} x {resident} resident");
+                        assert!(target % cluster == 0 && target <= plain, "{what}: {target}");
+                        assert!(target / cluster * kv_heads * parts <= resident, "{what}: {target}");
+                        assert!(target >= cluster || resident < kv_heads * parts, "{what}: {target}");
+                        if target > 0 {
+                            row_splits_cover_the_key_range_in(kv_heads, parts, cluster, target, plain);
+                        }
+                    }
                 }
             }
+        }
+    }
+
+    fn row_splits_cover_the_key_range_in(kv_heads: usize, parts: usize, cluster: usize, target: usize, plain: usize) {
+        let choice = KernelChoice {
+            kernel: AttnKernel::Row,
+            variant: 4,
+            threads: ROW_THREADS,
+            qtiles: parts,
+            tile: ROW_ALIGN,
+            smem: 0,
+            cluster,
+            splits: target,
+        };
+        let plan = StepPlan {
+            splits: target,
+            tile: ROW_ALIGN,
+            choice,
+            shape: AttentionShape { heads: 4 * parts * kv_heads, kv_heads, head_dim: 128 },
+            rows: 1,
+            dtype: KvDtype::Int8,
+        };
+        for kend in (1usize..=3000).chain([4128, 8195, 40001, 262144]) {
+            let p = plan_row_splits(kend, target);
+            let what = format!(
+                "{kv_heads} kv heads x {parts} parts, {target} splits in clusters of {cluster}, {kend} keys: {p:?}"
+            );
+            assert!(p.chunk % ROW_ALIGN == 0 && p.chunk >= ROW_MIN_CHUNK, "{what}");
+            assert!(p.splits * p.chunk >= kend && (p.splits - 1) * p.chunk < kend, "{what}");
+            assert!(p.splits <= target, "{what}: more than {target} splits");
+            assert_eq!(step_chunk(&plan, kend), p.chunk, "{what}");
+            // The plain launch's grid (whole clusters) within what AttnScratch::new sizes.
+            let grid = p.splits.next_multiple_of(cluster);
+            assert!(grid <= target, "{what}: a grid of {grid}");
+            assert!(row_partial_rows(grid) <= row_partial_rows(plain));
+            assert!(row_counters(kv_heads, parts, grid) <= row_counters(kv_heads, parts, plain));
         }
     }
 
@@ -1387,10 +1512,17 @@ mod tests {
     #[test]
     fn row_plans_of_the_models() {
         assert_eq!(row_target_splits(4, 2, 132), 33);
-        assert_eq!(plan_row_splits(4128, 4, 2, 132), SplitPlan { splits: 33, chunk: 128 });
-        assert_eq!(plan_row_splits(16, 4, 2, 132), SplitPlan { splits: 1, chunk: 64 });
+        assert_eq!(plan_row_splits(4128, 33), SplitPlan { splits: 33, chunk: 128 });
+        assert_eq!(plan_row_splits(16, 33), SplitPlan { splits: 1, chunk: 64 });
         assert_eq!(row_target_splits(2, 2, 132), 66);
-        assert_eq!(plan_row_splits(4128, 2, 2, 132), SplitPlan { splits: 65, chunk: 64 });
+        assert_eq!(plan_row_splits(4128, 66), SplitPlan { splits: 65, chunk: 64 });
+        // In clusters of 16 (of 11), all resident: 32 (33) splits, 2 (3) clusters a (kv head, part).
+        assert_eq!(row_cluster_splits(33, 16, 1000, 8), 32);
+        assert_eq!(plan_row_splits(4128, 32), SplitPlan { splits: 26, chunk: 160 });
+        assert_eq!(row_cluster_splits(33, 11, 1000, 8), 33);
+        // Clusters of 8 where 30 run at once: 3 a (kv head, part), 24 splits.
+        assert_eq!(row_cluster_splits(33, 8, 30, 8), 24);
+        assert_eq!(row_cluster_splits(33, 8, 7, 8), 0);
     }
 
     #[test]

@@ -163,6 +163,10 @@ pub fn probe(ordinal: usize) -> Result<()> {
     Ok(())
 }
 
+/// A launch shape `Gpu::active_clusters` memoizes: kernel, grid, threads,
+/// dynamic shared bytes, cluster blocks.
+type ClusterShape = (String, (u32, u32, u32), u32, u32, u32);
+
 /// One CUDA device, ready to launch the embedded kernels. Shared as
 /// `Arc<Gpu>`; every method may be called from any thread (cudarc binds the
 /// context to the calling thread before each driver call).
@@ -173,6 +177,8 @@ pub struct Gpu {
     functions: Mutex<HashMap<String, CudaFunction>>,
     /// `blocks_per_sm`'s answers by (kernel, threads, dynamic shared bytes).
     occupancy: Mutex<HashMap<(&'static str, u32, usize), usize>>,
+    /// `active_clusters`' answers by (kernel, grid, threads, dynamic shared bytes, cluster).
+    cluster_occupancy: Mutex<HashMap<ClusterShape, usize>>,
     blas: OnceLock<CudaBlas>,
     name: String,
     compute_capability: (u32, u32),
@@ -302,6 +308,7 @@ impl Gpu {
             module,
             functions: Mutex::new(HashMap::new()),
             occupancy: Mutex::new(HashMap::new()),
+            cluster_occupancy: Mutex::new(HashMap::new()),
             blas: OnceLock::new(),
             name,
             compute_capability: (major as u32, minor as u32),
@@ -602,6 +609,24 @@ impl Gpu {
         unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut count, f.cu_function(), threads as i32, smem) }
             .result()?;
         Ok(count.max(0) as usize)
+    }
+
+    /// `max_active_clusters` of the kernel `name` in the shape `cfg`, asked of
+    /// the driver once per (name, grid, threads, dynamic shared memory,
+    /// cluster). The caller has set the kernel's dynamic shared memory limit;
+    /// a cluster of more than 8 blocks is allowed here first.
+    pub fn active_clusters(&self, name: &str, cfg: LaunchConfig, cluster: u32) -> Result<usize> {
+        let key = (name.to_string(), cfg.grid_dim, cfg.block_dim.0, cfg.shared_mem_bytes, cluster);
+        if let Some(&n) = self.cluster_occupancy.lock().get(&key) {
+            return Ok(n);
+        }
+        let f = self.function(name)?;
+        if cluster > 8 {
+            self.allow_large_clusters(&f)?;
+        }
+        let n = self.max_active_clusters(&f, cfg, cluster)?;
+        self.cluster_occupancy.lock().insert(key, n);
+        Ok(n)
     }
 
     /// How many clusters of `cluster` blocks of `f` in the shape `cfg` the
