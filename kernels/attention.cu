@@ -1345,6 +1345,23 @@ static __device__ __forceinline__ void attn_row_fold(float& m, float& l, float4&
     m = mn;
 }
 
+// The fold of each group of P adjacent lanes' (m, l, a) (P a power of two <= 32) by a fixed xor tree: every
+// lane of the group ends with the group's merge (lane 0's in a fixed order).
+template <int P>
+static __device__ __forceinline__ void attn_row_fold_lanes(float& m, float& l, float4& a) {
+#pragma unroll
+    for (int o = 1; o < P; o <<= 1) {
+        const float mo = __shfl_xor_sync(0xffffffffu, m, o);
+        const float lo = __shfl_xor_sync(0xffffffffu, l, o);
+        float4 ao;
+        ao.x = __shfl_xor_sync(0xffffffffu, a.x, o);
+        ao.y = __shfl_xor_sync(0xffffffffu, a.y, o);
+        ao.z = __shfl_xor_sync(0xffffffffu, a.z, o);
+        ao.w = __shfl_xor_sync(0xffffffffu, a.w, o);
+        attn_row_fold(m, l, a, mo, lo, ao);
+    }
+}
+
 // Merges the partial rows r0 .. r0 + n - 1 of the block's qn queries (heads hb .. hb + qn - 1): P adjacent
 // threads per float4 column of a query's row, thread `sub` folding the rows sub, sub + P, ... in row order
 // (loads issued 8 rows at a time), then the P threads' results combined by an xor tree (a fixed order).
@@ -1387,17 +1404,7 @@ static __device__ __forceinline__ void attn_row_merge(float* __restrict__ part_a
             for (int j = 0; j < RB; ++j)
                 if (live && i0 + j * P < n) attn_row_fold(m, l, a, mm[j], ll[j], aa[j]);
         }
-#pragma unroll
-        for (int o = 1; o < P; o <<= 1) {
-            const float mo = __shfl_xor_sync(0xffffffffu, m, o);
-            const float lo = __shfl_xor_sync(0xffffffffu, l, o);
-            float4 ao;
-            ao.x = __shfl_xor_sync(0xffffffffu, a.x, o);
-            ao.y = __shfl_xor_sync(0xffffffffu, a.y, o);
-            ao.z = __shfl_xor_sync(0xffffffffu, a.z, o);
-            ao.w = __shfl_xor_sync(0xffffffffu, a.w, o);
-            attn_row_fold(m, l, a, mo, lo, ao);
-        }
+        attn_row_fold_lanes<P>(m, l, a);
         if (live && sub == 0) {
             if (final_out) {
                 const float inv = 1.0f / l;
@@ -1470,17 +1477,7 @@ static __device__ __forceinline__ void attn_rowc_merge(const float* o_s, const f
             l = strata_cluster_ld_f32(l_s + g, (unsigned int)lane);
             a = strata_cluster_ld_f4(o_s + g * HD + d, (unsigned int)lane);
         }
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const float mo = __shfl_xor_sync(0xffffffffu, m, o);
-            const float lo = __shfl_xor_sync(0xffffffffu, l, o);
-            float4 ao;
-            ao.x = __shfl_xor_sync(0xffffffffu, a.x, o);
-            ao.y = __shfl_xor_sync(0xffffffffu, a.y, o);
-            ao.z = __shfl_xor_sync(0xffffffffu, a.z, o);
-            ao.w = __shfl_xor_sync(0xffffffffu, a.w, o);
-            attn_row_fold(m, l, a, mo, lo, ao);
-        }
+        attn_row_fold_lanes<32>(m, l, a);
         if (lane == 0) {
             const size_t h = (size_t)(hb + g);
             if (ncl == 1) {
