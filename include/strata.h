@@ -256,8 +256,8 @@ typedef struct strata_engine_params {
    */
   strata_gpu_precision gpu_precision;
   /*
-   With several devices: the first layer of each stage after the first, ascending, `n_devices - 1` entries
-   (`n_layer_split` of them); NULL (default) = layers split evenly.
+   With several devices: the first layer of each stage after the first, ascending, one entry fewer than the
+   devices listed (`n_layer_split` of them); NULL (default) = layers split evenly.
    Read during the call only.
    */
   const uint32_t *layer_split;

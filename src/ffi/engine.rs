@@ -81,8 +81,8 @@ pub struct strata_engine_params {
     /// How a CUDA device rounds activations in its tensor-core products
     /// (prefill); default `STRATA_GPU_PRECISION_ACCURATE`. Ignored on cpu.
     pub gpu_precision: strata_gpu_precision,
-    /// With several devices: the first layer of each stage after the first, ascending, `n_devices - 1` entries
-    /// (`n_layer_split` of them); NULL (default) = layers split evenly.
+    /// With several devices: the first layer of each stage after the first, ascending, one entry fewer than the
+    /// devices listed (`n_layer_split` of them); NULL (default) = layers split evenly.
     /// Read during the call only.
     pub layer_split: *const u32,
     /// Entries of `layer_split`. Default 0.

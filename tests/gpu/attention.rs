@@ -852,7 +852,7 @@ fn row_clusters_int8(gpu: &Arc<Gpu>) -> Result<(), String> {
         for cluster in [4u32, 5, 8, 11, 16] {
             let cfg = LaunchConfig { grid_dim: (cluster, 4, 2), block_dim: (256, 1, 1), shared_mem_bytes: 42416 };
             let n = gpu.active_clusters("attn_rowc_hd128_i8_g4", cfg, cluster);
-            println!("     attn_rowc_hd128_i8_g4 in clusters of {cluster}: {n:?} run at once");
+            println!("     attn_rowc_hd128_i8_g4 in clusters of {cluster}: {n} run at once");
         }
     }
     row_cluster_cases(gpu, KvDtype::Int8, &[ROW_C16, ROW_C8, ROW_C5])

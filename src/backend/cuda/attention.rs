@@ -1022,8 +1022,8 @@ fn row_cluster(
         shared_mem_bytes: choice.smem as u32,
     };
     set_smem(&gpu.function(&name)?, choice.smem)?;
-    // A shape the driver refuses runs without clusters.
-    let resident = gpu.active_clusters(&name, cfg, cluster as u32).unwrap_or(0);
+    // A shape the driver refuses (0) runs without clusters.
+    let resident = gpu.active_clusters(&name, cfg, cluster as u32);
     Ok(match row_cluster_splits(plain, cluster, resident, kv_parts) {
         0 => (1, plain),
         splits => (cluster, splits),

@@ -613,20 +613,25 @@ impl Gpu {
 
     /// `max_active_clusters` of the kernel `name` in the shape `cfg`, asked of
     /// the driver once per (name, grid, threads, dynamic shared memory,
-    /// cluster). The caller has set the kernel's dynamic shared memory limit;
-    /// a cluster of more than 8 blocks is allowed here first.
-    pub fn active_clusters(&self, name: &str, cfg: LaunchConfig, cluster: u32) -> Result<usize> {
+    /// cluster); 0 where the driver refuses the query (remembered too, so
+    /// every later call gives the same answer). The caller has set the
+    /// kernel's dynamic shared memory limit; a cluster of more than 8 blocks
+    /// is allowed here first.
+    pub fn active_clusters(&self, name: &str, cfg: LaunchConfig, cluster: u32) -> usize {
         let key = (name.to_string(), cfg.grid_dim, cfg.block_dim.0, cfg.shared_mem_bytes, cluster);
         if let Some(&n) = self.cluster_occupancy.lock().get(&key) {
-            return Ok(n);
+            return n;
         }
-        let f = self.function(name)?;
-        if cluster > 8 {
-            self.allow_large_clusters(&f)?;
-        }
-        let n = self.max_active_clusters(&f, cfg, cluster)?;
+        let ask = || -> Result<usize> {
+            let f = self.function(name)?;
+            if cluster > 8 {
+                self.allow_large_clusters(&f)?;
+            }
+            self.max_active_clusters(&f, cfg, cluster)
+        };
+        let n = ask().unwrap_or(0);
         self.cluster_occupancy.lock().insert(key, n);
-        Ok(n)
+        n
     }
 
     /// How many clusters of `cluster` blocks of `f` in the shape `cfg` the
