@@ -156,4 +156,47 @@ fn errors_exit_with_status_one_and_a_message() {
     let (rc, _, err) = strata(&["synth", "--preset", "huge", "--out", d.path().join("x").to_str().unwrap()]);
     assert_eq!(rc, 1);
     assert!(err.contains("huge") && err.contains("30b-a3b"), "{err}");
+
+    // A cache's settings without a cache are refused by flag, before the load.
+    let (rc, _, err) = strata(&["generate", "--pack", p, "--tokens", "1", "--ring-slots", "8", "--adapt-decay", "7"]);
+    assert_eq!(rc, 1);
+    assert!(err.contains("--ring-slots, --adapt-decay") && err.contains("--expert-cache"), "{err}");
+    // A ring larger than a layer's 8 experts is refused (it used to size an allocation from it).
+    let huge = u64::MAX.to_string();
+    let (rc, _, err) =
+        strata(&["generate", "--pack", p, "--tokens", "1", "--expert-cache", "4", "--ring-slots", &huge]);
+    assert_eq!(rc, 1);
+    assert!(err.contains(&format!("ring_slots {huge} is more than one layer's 8 experts")), "{err}");
+    // A bad sampling parameter fails before the ceilings and the load.
+    let (rc, out, err) = strata(&["bench", "--pack", p, "--device", "cpu", "--temperature=-1"]);
+    assert_eq!(rc, 1);
+    assert!(err.contains("temperature") && !out.contains("measured") && !err.contains("loaded"), "{out}{err}");
+    // Filters without a temperature: greedy, with a note.
+    let (rc, out, err) =
+        strata(&["generate", "--pack", p, "--tokens", "1,2", "-n", "2", "--top-k", "5", "--seed", "3"]);
+    assert_eq!(rc, 0, "{err}");
+    assert_eq!(out.split_whitespace().count(), 2, "{out}");
+    assert!(err.contains("--top-k, --seed without --temperature: decoding is greedy"), "{err}");
+    // More tokens than the context leaves: as many as fit, with a note (not an error after the last one).
+    let (rc, out, err) = strata(&["generate", "--pack", p, "--tokens", "1", "-n", "32", "--context", "8"]);
+    assert_eq!(rc, 0, "{err}");
+    assert_eq!(out.split_whitespace().count(), 7, "{out}");
+    assert!(err.contains("leaves room for 7 after the prompt's 1: generating 7, not 32"), "{err}");
+
+    // A pack written into its own checkpoint directory is refused, and the checkpoint's files stay whole
+    // (a copy of tokenizer.json onto itself truncated it).
+    let ck = d.path().join("ck");
+    std::fs::create_dir(&ck).unwrap();
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/fixtures/a/bf16");
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let f = entry.unwrap().path();
+        std::fs::copy(&f, ck.join(f.file_name().unwrap())).unwrap();
+    }
+    let tok_len = std::fs::metadata(ck.join("tokenizer.json")).unwrap().len();
+    let c = ck.to_str().unwrap();
+    let (rc, _, err) = strata(&["pack", "--from", c, "--out", c, "--force"]);
+    assert_eq!(rc, 1);
+    assert!(err.contains("is the checkpoint directory itself"), "{err}");
+    assert_eq!(std::fs::metadata(ck.join("tokenizer.json")).unwrap().len(), tok_len);
+    assert!(tok_len > 0 && !ck.join("manifest.json").exists());
 }

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use clap::Args;
 
-use strata::engine::{layer_state_bytes, Engine};
+use strata::engine::layer_state_bytes;
 use strata::experts::ExpertStats;
 use strata::model::weights::{model_tensor_name, Role};
 use strata::model::ModelConfig;
@@ -262,10 +262,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         eprintln!("strata bench: STRATA_DECODE_SKIP={skip}: decode steps leave those kernels out (timing only)");
     }
+    // Bad arguments fail before the ceilings are measured and the model loads.
+    a.cache.check()?;
+    let sampler = a.sampling.sampler()?;
     let ceil = ceilings(a.device.first().map_or("cpu", String::as_str), a.cache.options().enabled())?;
     let t = Instant::now();
     let opts = a.split.engine_options(a.threads, &a.device, &a.cache, a.precision);
-    let engine = Engine::load(&a.pack, &opts)?;
+    let engine = super::load_engine(&a.pack, &opts)?;
     let c: ModelConfig = engine.config().clone();
     eprintln!(
         "strata bench: loaded {} on {} in {:.1} s",
@@ -297,7 +300,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
         kv_type,
         ..Default::default()
     };
-    let sampler = a.sampling.sampler()?; // (a bad parameter fails before any work)
     let mut rng = Rng::new(7);
     let prompt: Vec<u32> = (0..a.prompt_len).map(|_| (rng.next_u64() % c.vocab_size as u64) as u32).collect();
     let (mut prefill_s, mut step_s, mut mean_s) = (Vec::new(), Vec::new(), Vec::new());

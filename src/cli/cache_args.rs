@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
+use strata::error::{Error, Result};
 use strata::experts::{Capacity, ExpertCacheOptions, ExpertStats};
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -66,6 +67,36 @@ fn bytes(v: f64, unit: f64) -> u64 {
 }
 
 impl ExpertCacheArgs {
+    /// Refuses a cache's own settings given without a cache (--expert-cache
+    /// or --expert-vram-budget-mib), by flag, before anything loads.
+    pub fn check(&self) -> Result<()> {
+        let o = self.options();
+        if o.enabled() {
+            return Ok(());
+        }
+        let flag = |field: &str| match field {
+            "vram_reserve" => "--vram-reserve-mib",
+            "ring_slots" => "--ring-slots",
+            "ring_threshold" => "--ring-threshold",
+            "host_budget" => "--resident-budget-gib",
+            "pool_workers" => "--pool-workers",
+            "adapt_every" => "--adapt-every",
+            "adapt_swaps" => "--adapt-swaps",
+            "adapt_decay" => "--adapt-decay",
+            "profile" => "--expert-profile",
+            "mapped_decode" => "--copy-decode-misses",
+            _ => "an expert-cache option",
+        };
+        let set: Vec<&str> = o.set_without_cache().into_iter().map(flag).collect();
+        if set.is_empty() {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "{} set the expert cache, which is off: add --expert-cache N or --expert-vram-budget-mib M",
+            set.join(", ")
+        )))
+    }
+
     pub fn options(&self) -> ExpertCacheOptions {
         ExpertCacheOptions {
             slots: self.slots,

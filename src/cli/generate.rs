@@ -7,8 +7,6 @@ use std::time::Instant;
 
 use clap::Args;
 
-use strata::engine::Engine;
-
 use super::cache_args::{stats_line, tiers_line, ExpertCacheArgs};
 use super::sampling_args::SamplingArgs;
 use super::split_args::{split_line, KvArg, PrecisionArg, SplitArgs};
@@ -65,23 +63,23 @@ pub struct GenerateArgs {
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
+    // Bad arguments fail before the model loads.
+    a.cache.check()?;
+    let mut sampler = a.sampling.sampler()?;
+    if a.prompt.is_some() && strata::pack::Pack::open(&a.pack)?.tokenizer_path().is_none() {
+        return Err(no_tokenizer(&a.pack));
+    }
     let t_load = Instant::now();
-    let engine = Engine::load(&a.pack, &a.split.engine_options(a.threads, &a.device, &a.cache, a.precision))?;
+    let engine = super::load_engine(&a.pack, &a.split.engine_options(a.threads, &a.device, &a.cache, a.precision))?;
     let tokenizer = match engine.pack().tokenizer_path() {
         Some(p) => Some(Tokenizer::from_file(&p)?),
         None => None,
     };
     let prompt = match (&a.prompt, &tokenizer) {
         (Some(text), Some(tok)) => tok.encode(text)?,
-        (Some(_), None) => {
-            return Err(Error::Tokenizer(format!(
-                "{} has no tokenizer.json; pass --tokens instead of --prompt",
-                a.pack.display()
-            )))
-        }
+        (Some(_), None) => return Err(no_tokenizer(&a.pack)),
         (None, _) => a.tokens.clone(),
     };
-    let mut sampler = a.sampling.sampler()?;
     let mut session = engine.new_session(&SessionOptions {
         context_size: a.context,
         prefill_chunk: a.chunk,
@@ -97,12 +95,25 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     session.prefill(&prompt)?;
     let prefill_s = t.elapsed().as_secs_f64();
 
-    let mut out = Vec::with_capacity(a.n);
+    // Each step adds a token: at most what the context leaves after the prompt.
+    let room = session.capacity().saturating_sub(session.len());
+    if a.n > room {
+        eprintln!(
+            "strata generate: the context of {} tokens leaves room for {room} after the prompt's {}: generating {room}, \
+             not {}",
+            session.capacity(),
+            session.len(),
+            a.n
+        );
+    }
+    let mut out = Vec::with_capacity(a.n.min(room));
     let stdout = std::io::stdout();
     let eos = if a.ignore_eos { &[][..] } else { engine.eos_token_ids() };
     let mut stopped = None;
+    // Whether stdout was closed (a reader such as `head` ended): decoding stops there, quietly.
+    let mut closed = false;
     let t = Instant::now();
-    for _ in 0..a.n {
+    for _ in 0..a.n.min(room) {
         let tok = session.step(&mut sampler)?;
         if eos.contains(&tok) {
             stopped = Some(tok);
@@ -110,18 +121,25 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
         out.push(tok);
         let mut s = stdout.lock();
-        let _ = write!(s, "{tok} ");
-        let _ = s.flush();
+        if write!(s, "{tok} ").and_then(|()| s.flush()).is_err() {
+            closed = true;
+            break;
+        }
     }
     let decode_s = t.elapsed().as_secs_f64();
-    println!();
+    let mut print_line = |line: &str| {
+        if !closed && writeln!(stdout.lock(), "{line}").is_err() {
+            closed = true;
+        }
+    };
+    print_line("");
     // Steps run, the end-of-generation token's included.
     let steps = out.len() + usize::from(stopped.is_some());
     if let Some(tok) = stopped {
         eprintln!("strata generate: stopped at end-of-generation token {tok} after {} tokens", out.len());
     }
     if let Some(tok) = &tokenizer {
-        println!("{}", tok.decode(&out)?);
+        print_line(&tok.decode(&out)?);
     }
     eprintln!(
         "strata generate: prefill {} tokens in {:.3} s ({:.1} tok/s), decode {} tokens in {:.3} s ({:.1} tok/s)",
@@ -139,4 +157,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         eprintln!("strata generate: {}", split_line(&stats));
     }
     Ok(())
+}
+
+fn no_tokenizer(pack: &std::path::Path) -> Error {
+    Error::Tokenizer(format!("{} has no tokenizer.json; pass --tokens instead of --prompt", pack.display()))
 }

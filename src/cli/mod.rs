@@ -1,7 +1,7 @@
 //! Command-line front end. Each subcommand lives in its own function; errors
 //! print as `strata <cmd>: <message>` and exit with status 1.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Parser, Subcommand, ValueEnum};
 
@@ -15,6 +15,7 @@ mod bench;
 mod cache_args;
 mod generate;
 mod profile;
+mod progress;
 mod sampling_args;
 mod split_args;
 
@@ -168,6 +169,17 @@ fn gib(b: u64) -> String {
     }
 }
 
+/// `Engine::load` with its progress on stderr (progress::Progress).
+fn load_engine(pack: &Path, opts: &strata::engine::EngineOptions) -> Result<strata::engine::Engine> {
+    let mut p = progress::Progress::new(format!("loading {}", pack.display()));
+    let engine = strata::engine::Engine::load_with_progress(pack, opts, &mut |f| {
+        p.set(f64::from(f));
+        true
+    });
+    p.finish();
+    engine
+}
+
 fn cmd_inspect(path: PathBuf, verify: bool) -> Result<()> {
     let pack = Pack::open(&path)?;
     let m = pack.manifest();
@@ -216,7 +228,9 @@ fn cmd_inspect(path: PathBuf, verify: bool) -> Result<()> {
     }
     if verify {
         let t = std::time::Instant::now();
-        pack.verify(|_, _| {})?;
+        let mut p = progress::Progress::new(format!("verifying {}", path.display()));
+        pack.verify(|done, total| p.set(done as f64 / total.max(1) as f64))?;
+        p.finish();
         println!("checksums   all match ({:.1} s)", t.elapsed().as_secs_f64());
     }
     Ok(())

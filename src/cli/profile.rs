@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use strata::engine::{Engine, EngineOptions};
+use strata::engine::EngineOptions;
 use strata::experts::ExpertCacheOptions;
 use strata::pack::Pack;
 use strata::sampling::SamplingParams;
@@ -70,20 +70,32 @@ fn read_prompts(a: &ProfileArgs, tokenizer: Option<&Tokenizer>) -> Result<Vec<Ve
 }
 
 pub fn run(a: ProfileArgs) -> Result<()> {
+    // The prompts and the output's folder are checked before the model loads.
+    let pack = Pack::open(&a.pack)?;
+    let tokenizer = match pack.tokenizer_path() {
+        Some(p) => Some(Tokenizer::from_file(&p)?),
+        None => None,
+    };
+    let prompts = read_prompts(&a, tokenizer.as_ref())?;
+    let folder = a.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    if !folder.is_dir() {
+        return Err(Error::InvalidArgument(format!(
+            "--out {}: no folder {} to write it in",
+            a.out.display(),
+            folder.display()
+        )));
+    }
     // The smallest cache records the routing; placement does not change logits.
-    let top_k = Pack::open(&a.pack)?.config().num_experts_per_tok;
+    let top_k = pack.config().num_experts_per_tok;
+    drop(pack);
     let opts = EngineOptions {
         threads: a.threads,
         expert_cache: ExpertCacheOptions { slots: Some(top_k), adapt_every: 0, ..Default::default() },
         ..Default::default()
     };
-    let engine = Engine::load(&a.pack, &opts)?;
-    let tokenizer = match engine.pack().tokenizer_path() {
-        Some(p) => Some(Tokenizer::from_file(&p)?),
-        None => None,
-    };
-    let prompts = read_prompts(&a, tokenizer.as_ref())?;
-    for prompt in &prompts {
+    let engine = super::load_engine(&a.pack, &opts)?;
+    for (i, prompt) in prompts.iter().enumerate() {
+        eprintln!("strata profile: prompt {} of {} ({} tokens)", i + 1, prompts.len(), prompt.len());
         let mut s = engine.new_session(&SessionOptions { prefill_chunk: a.chunk, ..Default::default() })?;
         s.prefill(prompt)?;
         for _ in 0..a.gen.min(s.capacity().saturating_sub(prompt.len())) {

@@ -35,8 +35,23 @@ impl SamplingArgs {
         }
     }
 
-    /// A sampler of these parameters (an error names a bad one).
+    /// A sampler of these parameters (an error names a bad one). Filters or
+    /// a seed given without a temperature change nothing (decoding is
+    /// greedy): a note on stderr says so.
     pub fn sampler(&self) -> Result<Sampler> {
-        Sampler::new(self.params())
+        let sampler = Sampler::new(self.params())?;
+        let unused: Vec<&str> = [
+            ("--top-k", self.top_k != 0),
+            ("--top-p", self.top_p != 1.0),
+            ("--min-p", self.min_p != 0.0),
+            ("--seed", self.seed != 0),
+        ]
+        .into_iter()
+        .filter_map(|(flag, set)| set.then_some(flag))
+        .collect();
+        if self.temperature == 0.0 && !unused.is_empty() {
+            eprintln!("strata: {} without --temperature: decoding is greedy, they change nothing", unused.join(", "));
+        }
+        Ok(sampler)
     }
 }

@@ -319,5 +319,10 @@ mod tests {
         assert!(CpuExpertCache::load(&pack, &ExpertCacheOptions::default()).unwrap().is_none());
         let bad = ExpertCacheOptions { profile: Some("p.json".into()), ..Default::default() };
         assert!(CpuExpertCache::load(&pack, &bad).is_err());
+        // So is every other setting of a cache, by name.
+        let bad =
+            ExpertCacheOptions { ring_slots: Some(2), adapt_every: 1, mapped_decode: false, ..Default::default() };
+        let e = CpuExpertCache::load(&pack, &bad).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("ring_slots, adapt_every, mapped_decode need a cache"), "{e}");
     }
 }

@@ -123,6 +123,28 @@ impl ExpertCacheOptions {
         self.slots.is_some() || self.vram_budget.is_some()
     }
 
+    /// The options other than `slots` and `vram_budget` that differ from
+    /// their defaults, by field name: a cache's own settings, which mean
+    /// nothing without one (the engine refuses them then).
+    pub fn set_without_cache(&self) -> Vec<&'static str> {
+        let d = ExpertCacheOptions::default();
+        [
+            ("vram_reserve", self.vram_reserve != d.vram_reserve),
+            ("ring_slots", self.ring_slots != d.ring_slots),
+            ("ring_threshold", self.ring_threshold.to_bits() != d.ring_threshold.to_bits()),
+            ("host_budget", self.host_budget != d.host_budget),
+            ("pool_workers", self.pool_workers != d.pool_workers),
+            ("adapt_every", self.adapt_every != d.adapt_every),
+            ("adapt_swaps", self.adapt_swaps != d.adapt_swaps),
+            ("adapt_decay", self.adapt_decay.to_bits() != d.adapt_decay.to_bits()),
+            ("profile", self.profile != d.profile),
+            ("mapped_decode", self.mapped_decode != d.mapped_decode),
+        ]
+        .into_iter()
+        .filter_map(|(name, set)| set.then_some(name))
+        .collect()
+    }
+
     /// The policy part of the options, checked.
     pub fn policy(&self) -> Result<Policy> {
         let bad = |m: String| Err(Error::InvalidArgument(format!("expert cache: {m}")));
@@ -227,6 +249,12 @@ impl Capacity {
         if opts.ring_slots == Some(0) {
             return bad("ring_slots 0: the prefill ring needs at least 1 slot".into());
         }
+        if let Some(r) = opts.ring_slots.filter(|&r| r > c.num_experts) {
+            return bad(format!(
+                "ring_slots {r} is more than one layer's {} experts (the most a ring streams)",
+                c.num_experts
+            ));
+        }
         let min_slots = top_k;
         let avail = opts.vram_budget.map(|b| b.saturating_sub(opts.vram_reserve));
         let fit = avail.map(|a| (a / blob_bytes) as usize);
@@ -297,10 +325,12 @@ pub(crate) fn plan_cache(
     layers: Range<usize>,
 ) -> Result<Option<(Capacity, Planner, tiers::Fills)>> {
     if !opts.enabled() {
-        if opts.host_budget.is_some() || opts.profile.is_some() {
-            return Err(Error::InvalidArgument(
-                "expert cache: host_budget and profile need a cache (slots or vram_budget)".into(),
-            ));
+        let set = opts.set_without_cache();
+        if !set.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "expert cache: {} need a cache (slots or vram_budget)",
+                set.join(", ")
+            )));
         }
         return Ok(None);
     }

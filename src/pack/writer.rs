@@ -258,7 +258,13 @@ impl PackWriter {
             .ok_or_else(|| Error::InvalidArgument(format!("{}: not a file name", src.display())))?
             .to_string();
         let dst = self.dir.join(&name);
-        let size = fs::copy(src, &dst).map_err(|e| Error::io(src, e))?;
+        // A file onto itself is left as it is (a copy would truncate it first).
+        let same = matches!((src.canonicalize(), dst.canonicalize()), (Ok(a), Ok(b)) if a == b);
+        let size = if same {
+            fs::metadata(src).map_err(|e| Error::io(src, e))?.len()
+        } else {
+            fs::copy(src, &dst).map_err(|e| Error::io(src, e))?
+        };
         self.extra_files.retain(|f| f.name != name);
         self.extra_files.push(FileEntry { name, size });
         Ok(())

@@ -91,6 +91,15 @@ pub fn convert(from: &Path, out: &Path, opts: &ConvertOptions) -> Result<Manifes
     if !from.is_dir() {
         return Err(Error::io(from, std::io::Error::new(std::io::ErrorKind::NotFound, "not a checkpoint directory")));
     }
+    // A pack written into its own checkpoint would truncate the files it copies (tokenizer.json...).
+    if let (Ok(a), Ok(b)) = (from.canonicalize(), out.canonicalize()) {
+        if a == b {
+            return Err(Error::InvalidArgument(format!(
+                "{} is the checkpoint directory itself: write the pack to another directory",
+                out.display()
+            )));
+        }
+    }
     let cfg_path = from.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
