@@ -156,6 +156,23 @@ fn checksum_mismatch() {
 }
 
 #[test]
+fn a_tensor_of_the_wrong_shape_is_named_with_its_pack() {
+    let d = tempfile::tempdir().unwrap();
+    let p = tiny_pack(d.path());
+    let mut name = String::new();
+    edit_manifest(&p, |v| {
+        let t = &mut v["tensors"][0];
+        name = t["name"].as_str().unwrap().to_string();
+        // 3 rows of bf16, the bytes to match: only the config's shape is wrong.
+        let cols = t["shape"][1].as_u64().unwrap();
+        t["shape"][0] = 3.into();
+        t["nbytes"] = (3 * cols * 2).into();
+    });
+    let e = open_err(&p);
+    assert!(e.contains(&name) && e.contains("has shape [3") && e.contains("dense.bin"), "{e}");
+}
+
+#[test]
 fn unsupported_architecture() {
     let d = tempfile::tempdir().unwrap();
     let p = tiny_pack(d.path());

@@ -53,7 +53,8 @@ enum Cmd {
         /// Storage of dense projection weights (experts are always NVFP4).
         #[arg(long, value_enum, default_value = "bf16")]
         dense: DenseArg,
-        /// Replace an existing pack at --out.
+        /// Replace an existing pack at --out, or write into a folder that is
+        /// not empty (never the checkpoint's own).
         #[arg(long)]
         force: bool,
     },

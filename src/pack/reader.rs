@@ -244,7 +244,10 @@ impl Pack {
             };
             let got: Vec<usize> = m.tensors[i].shape.iter().map(|&d| d as usize).collect();
             if got != shape {
-                return Err(Error::tensor(name, format!("shape {got:?}, the config needs {shape:?}")));
+                return Err(Error::bad_pack(
+                    &dense_path,
+                    format!("tensor {name} has shape {got:?}, the config needs {shape:?}"),
+                ));
             }
             if m.tensors[i].dtype == DType::Nvfp4 && !role.is_linear() {
                 return Err(Error::bad_pack(
