@@ -1362,6 +1362,25 @@ static __device__ __forceinline__ void attn_row_fold_lanes(float& m, float& l, f
     }
 }
 
+// A merged float4 column d of query head h: the output (acc / sum) when final, else partial row `row`'s
+// (acc, and with column 0 its max and sum).
+template <int HD>
+static __device__ __forceinline__ void attn_row_put(bool final_out, float* __restrict__ out,
+                                                    float* __restrict__ part_acc, float* __restrict__ part_ml,
+                                                    int row, int heads, size_t h, int d, float m, float l, float4 a) {
+    if (final_out) {
+        const float inv = 1.0f / l;
+        *reinterpret_cast<float4*>(out + h * HD + d) = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+    } else {
+        const size_t r = (size_t)row * heads + h;
+        *reinterpret_cast<float4*>(part_acc + r * HD + d) = a;
+        if (d == 0) {
+            part_ml[r * 2] = m;
+            part_ml[r * 2 + 1] = l;
+        }
+    }
+}
+
 // Merges the partial rows r0 .. r0 + n - 1 of the block's qn queries (heads hb .. hb + qn - 1): P adjacent
 // threads per float4 column of a query's row, thread `sub` folding the rows sub, sub + P, ... in row order
 // (loads issued 8 rows at a time), then the P threads' results combined by an xor tree (a fixed order).
@@ -1405,19 +1424,7 @@ static __device__ __forceinline__ void attn_row_merge(float* __restrict__ part_a
                 if (live && i0 + j * P < n) attn_row_fold(m, l, a, mm[j], ll[j], aa[j]);
         }
         attn_row_fold_lanes<P>(m, l, a);
-        if (live && sub == 0) {
-            if (final_out) {
-                const float inv = 1.0f / l;
-                *reinterpret_cast<float4*>(out + h * HD + d) = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
-            } else {
-                const size_t row = (size_t)dst_row * heads + h;
-                *reinterpret_cast<float4*>(part_acc + row * HD + d) = a;
-                if (d == 0) {
-                    part_ml[row * 2] = m;
-                    part_ml[row * 2 + 1] = l;
-                }
-            }
-        }
+        if (live && sub == 0) attn_row_put<HD>(final_out, out, part_acc, part_ml, dst_row, heads, h, d, m, l, a);
     }
 }
 
@@ -1478,20 +1485,7 @@ static __device__ __forceinline__ void attn_rowc_merge(const float* o_s, const f
             a = strata_cluster_ld_f4(o_s + g * HD + d, (unsigned int)lane);
         }
         attn_row_fold_lanes<32>(m, l, a);
-        if (lane == 0) {
-            const size_t h = (size_t)(hb + g);
-            if (ncl == 1) {
-                const float inv = 1.0f / l;
-                *reinterpret_cast<float4*>(out + h * HD + d) = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
-            } else {
-                const size_t row = (size_t)cl * heads + h;
-                *reinterpret_cast<float4*>(part_acc + row * HD + d) = a;
-                if (d == 0) {
-                    part_ml[row * 2] = m;
-                    part_ml[row * 2 + 1] = l;
-                }
-            }
-        }
+        if (lane == 0) attn_row_put<HD>(ncl == 1, out, part_acc, part_ml, cl, heads, (size_t)(hb + g), d, m, l, a);
     }
     if (ncl > 1) __threadfence();  // this block's share of the cluster's row, before rank 0 counts the cluster
     strata_cluster_arrive();        // done reading the others' shared memory

@@ -110,8 +110,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let stdout = std::io::stdout();
     let eos = if a.ignore_eos { &[][..] } else { engine.eos_token_ids() };
     let mut stopped = None;
-    // Whether stdout was closed (a reader such as `head` ended): decoding stops there, quietly.
-    let mut closed = false;
+    // (A closed pipe ends the process quietly: main restores SIGPIPE. Another write error is an error.)
+    let stdout_err = |e| Error::io("stdout", e);
     let t = Instant::now();
     for _ in 0..a.n.min(room) {
         let tok = session.step(&mut sampler)?;
@@ -121,25 +121,17 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         }
         out.push(tok);
         let mut s = stdout.lock();
-        if write!(s, "{tok} ").and_then(|()| s.flush()).is_err() {
-            closed = true;
-            break;
-        }
+        write!(s, "{tok} ").and_then(|()| s.flush()).map_err(stdout_err)?;
     }
     let decode_s = t.elapsed().as_secs_f64();
-    let mut print_line = |line: &str| {
-        if !closed && writeln!(stdout.lock(), "{line}").is_err() {
-            closed = true;
-        }
-    };
-    print_line("");
+    writeln!(stdout.lock()).map_err(stdout_err)?;
     // Steps run, the end-of-generation token's included.
     let steps = out.len() + usize::from(stopped.is_some());
     if let Some(tok) = stopped {
         eprintln!("strata generate: stopped at end-of-generation token {tok} after {} tokens", out.len());
     }
     if let Some(tok) = &tokenizer {
-        print_line(&tok.decode(&out)?);
+        writeln!(stdout.lock(), "{}", tok.decode(&out)?).map_err(stdout_err)?;
     }
     eprintln!(
         "strata generate: prefill {} tokens in {:.3} s ({:.1} tok/s), decode {} tokens in {:.3} s ({:.1} tok/s)",
