@@ -43,3 +43,29 @@ extern "C" __global__ void infra_spin(long long cycles) {
     while (clock64() - start < cycles) {
     }
 }
+
+// Reads x[0..n) once, 16 bytes a lane (512 contiguous bytes a warp load, as
+// the CUDA-core expert GEMVs read an expert in place), four loads in flight
+// a thread; each warp XORs what it read into *sink, so no load can be left
+// out. The bench's ceiling of reads in place from page-locked host memory
+// mapped into the device (ceilings::host_read_in_place_bandwidth).
+extern "C" __global__ void infra_read_u4(const uint4* __restrict__ x, unsigned long long n,
+                                         unsigned int* __restrict__ sink) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned int acc = 0u;
+    for (; i + 3ull * stride < n; i += 4ull * stride) {
+        uint4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = x[i + (unsigned long long)u * stride];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    for (; i < n; i += stride) {
+        const uint4 v = x[i];
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31u) == 0u) atomicXor(sink, acc);
+}

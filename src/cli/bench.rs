@@ -192,6 +192,8 @@ struct CachePhase {
     /// (`ExpertStats::copy_ns`).
     copied: u64,
     copy_s: f64,
+    /// Bytes read in place from page-locked host memory (mapped decode).
+    mapped: u64,
 }
 
 impl CachePhase {
@@ -207,6 +209,7 @@ impl CachePhase {
             self.rates.push(bytes as f64 / seconds);
             self.copied += a.bytes_copied - b.bytes_copied;
             self.copy_s += (a.copy_ns - b.copy_ns) as f64 / 1e9;
+            self.mapped += a.bytes_mapped - b.bytes_mapped;
         }
     }
 
@@ -222,6 +225,9 @@ struct Ceilings {
     /// Page-locked host-to-device bandwidth, measured when the expert
     /// cache is on (the floor of what it copies).
     h2d: Option<f64>,
+    /// Reads in place from page-locked host memory, measured with it (what
+    /// mapped decode's kernels do with the experts in no slot).
+    in_place: Option<f64>,
 }
 
 #[cfg(feature = "cuda")]
@@ -234,15 +240,24 @@ fn ceilings(device: &str, cache: bool) -> Result<Option<Ceilings>> {
     let gpu = Gpu::open(ordinal)?;
     let hbm = ceilings::hbm_bandwidth(&gpu)?;
     let bf16 = ceilings::bf16_tensor_rate(&gpu)?;
-    let h2d = if cache { Some(ceilings::h2d_pinned_bandwidth(&gpu)?) } else { None };
+    let (h2d, in_place) = if cache {
+        (Some(ceilings::h2d_pinned_bandwidth(&gpu)?), Some(ceilings::host_read_in_place_bandwidth(&gpu)?))
+    } else {
+        (None, None)
+    };
+    let host = match (h2d, in_place) {
+        (Some(c), Some(r)) => {
+            format!(", pinned host-to-device {:.1} GB/s (copy), {:.1} GB/s (read in place)", c / 1e9, r / 1e9)
+        }
+        _ => String::new(),
+    };
     eprintln!(
-        "strata bench: {} measured: HBM copy {:.2} TB/s, BF16 tensor GEMM {:.0} TFLOP/s{}",
+        "strata bench: {} measured: HBM copy {:.2} TB/s, BF16 tensor GEMM {:.0} TFLOP/s{host}",
         gpu.name(),
         hbm / 1e12,
         bf16 / 1e12,
-        h2d.map_or(String::new(), |b| format!(", pinned host-to-device {:.1} GB/s", b / 1e9))
     );
-    Ok(Some(Ceilings { hbm, bf16, h2d }))
+    Ok(Some(Ceilings { hbm, bf16, h2d, in_place }))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -443,7 +458,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             let tokens = (a.gen * a.repeats) as f64;
             let missed = decode_cache.bytes as f64 / tokens;
             let floor = (bytes - missed.min(b.experts)) / cl.hbm + missed / h2d;
-            println!(
+            let mut line = format!(
                 "decode with the expert cache: {:.1}% hits, {:.1} MB missed per token; floor {:.3} ms (resident \
                  bytes at {:.2} TB/s + missed bytes at {:.1} GB/s): {:.2}x the floor",
                 decode_cache.hit_pct(),
@@ -453,6 +468,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 h2d / 1e9,
                 step / floor
             );
+            if let (Some(r), true) = (cl.in_place, decode_cache.mapped > 0) {
+                // Mapped decode reads its misses in place: the same floor at the measured rate of that.
+                let read = decode_cache.mapped as f64 / tokens;
+                let at = floor - read.min(missed) / h2d + read.min(missed) / r;
+                line += &format!(
+                    "; {:.1} MB a token read in place: at {:.1} GB/s measured in place, {:.3} ms, {:.2}x",
+                    read / 1e6,
+                    r / 1e9,
+                    at * 1e3,
+                    step / at
+                );
+            }
+            println!("{line}");
         }
     }
     if let Some(stats) = engine.expert_stats() {

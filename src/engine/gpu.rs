@@ -115,10 +115,12 @@ struct Step {
     plan: StepPlan,
 }
 
-/// A captured decode step and the buffer generation it points to.
+/// A captured decode step, the buffer generation it points to, and the
+/// expert cache's `mapped_epoch` it chose its expert kernels by.
 struct DecodeGraph {
     graph: CudaGraph,
     generation: u64,
+    experts_epoch: u64,
 }
 
 // SAFETY: a CUDA graph has no thread affinity; it must only not be used
@@ -1326,7 +1328,9 @@ impl GpuStage {
             if self.head.is_some() {
                 LogitScratch::get(&mut s.head, gpu, 1, c.hidden_size, c.vocab_size)?;
             }
-            if cache.graph.as_ref().is_none_or(|g| g.generation != cache.generation) {
+            let experts_epoch = experts.as_deref().map_or(0, GpuExpertCache::mapped_epoch);
+            if cache.graph.as_ref().is_none_or(|g| g.generation != cache.generation || g.experts_epoch != experts_epoch)
+            {
                 cache.graph = None;
                 gpu.stream().begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
                 let mut open = OpenCapture(Some(gpu.stream()));
@@ -1335,7 +1339,7 @@ impl GpuStage {
                 let captured = gpu.stream().end_capture(sys::CUgraphInstantiate_flags(0));
                 queued?;
                 let graph = captured?.ok_or_else(|| Error::Cuda("capturing the decode step gave no graph".into()))?;
-                cache.graph = Some(DecodeGraph { graph, generation: cache.generation });
+                cache.graph = Some(DecodeGraph { graph, generation: cache.generation, experts_epoch });
             }
             cache.graph.as_ref().expect("captured above").graph.launch()?;
             Ok(())
@@ -1515,14 +1519,16 @@ impl GpuStage {
         if let Some(x) = experts.as_deref_mut().filter(|x| x.mapped_decode(t)) {
             // Mapped decode: the resident path through the cache's table
             // (slots, and host memory read in place); the ids kept per layer.
-            let (table, mut ids) = x.mapped_step(l)?;
+            // A layer whose every expert is in a slot takes the all-resident kernels.
+            let step = x.mapped_step(l)?;
+            let (table, mut ids, host_blobs) = (step.table, step.ids, step.host_blobs);
             let route = moe::Route {
                 logits: &s.router,
                 num_experts: e,
                 norm_topk_prob: c.norm_topk_prob,
                 ids: &mut ids,
                 weights: &mut s.weights,
-                host_blobs: true,
+                host_blobs,
             };
             let layout = &self.layout;
             if !skipped(t, "gateup") {
@@ -1530,9 +1536,11 @@ impl GpuStage {
             }
             if !skipped(t, "down") {
                 let logits = route_logits(c, &s.router, t);
-                // Misses are read from host memory in place: the CUDA-core GEMVs (host_blobs).
+                // Misses read from host memory in place take the CUDA-core GEMVs (host_blobs).
                 let (act, w) = (&s.moe.act, &s.weights);
-                moe::expert_down_gemv_routed(gpu, act, &ids, w, logits, true, table, layout, t, k, &mut s.x, true)?;
+                moe::expert_down_gemv_routed(
+                    gpu, act, &ids, w, logits, host_blobs, table, layout, t, k, &mut s.x, true,
+                )?;
             }
         } else if let Some(x) = experts {
             // (A helper only for grouped rows: decode-size steps run the GEMVs.)

@@ -198,6 +198,16 @@ struct RingHeld {
     prefetch: Option<usize>,
 }
 
+/// What a mapped decode step of one layer needs (`mapped_step`).
+pub struct MappedStep<'a> {
+    /// Every expert's blob address.
+    pub table: &'a CudaSlice<u64>,
+    /// Where the step writes its routed ids.
+    pub ids: CudaViewMut<'a, u32>,
+    /// Whether the table points into host memory (`moe::Route::host_blobs`).
+    pub host_blobs: bool,
+}
+
 /// The state of mapped decode (see the module documentation).
 struct Mapped {
     /// Device address of the host buffers' first byte.
@@ -211,6 +221,34 @@ struct Mapped {
     pending_ids: usize,
     /// A planned forward pointed some table entries elsewhere.
     tables_dirty: bool,
+    /// Where each table entry points (`layer * experts + expert`): into
+    /// host memory (true) or a slot, and per layer how many point into
+    /// host memory (`set_in_host`).
+    in_host: Vec<bool>,
+    host_entries: Vec<usize>,
+    /// Bumped whenever a layer's table starts or stops pointing into host
+    /// memory: that changes the kernels its step takes (`mapped_step`), so
+    /// a decode graph captured before is captured again.
+    epoch: u64,
+}
+
+impl Mapped {
+    /// Notes that entry `at` of `layer`'s table now points into host
+    /// memory (`in_host`) or a slot.
+    fn set_in_host(&mut self, layer: usize, at: usize, in_host: bool) {
+        if std::mem::replace(&mut self.in_host[at], in_host) == in_host {
+            return;
+        }
+        let before = self.host_entries[layer] > 0;
+        if in_host {
+            self.host_entries[layer] += 1;
+        } else {
+            self.host_entries[layer] -= 1;
+        }
+        if before != (self.host_entries[layer] > 0) {
+            self.epoch += 1;
+        }
+    }
 }
 
 /// A timing event (cudarc's default event records no time) recorded on
@@ -554,6 +592,9 @@ impl GpuExpertCache {
                 ids_host: Pinned::new(gpu, layers * per * 4)?,
                 pending_ids: 0,
                 tables_dirty: true,
+                in_host: vec![false; layers * experts],
+                host_entries: vec![0; layers],
+                epoch: 0,
             });
             cache.write_mapped_tables()?;
         }
@@ -568,14 +609,24 @@ impl GpuExpertCache {
         self.mapped.is_some() && rows <= MAPPED_MAX_ROWS
     }
 
-    /// A mapped decode step of `layer`: its table, and where it writes its
+    /// A mapped decode step of `layer`: its table, where it writes its
     /// routed ids (`rows * k` of them; `note_mapped_forward` once the
-    /// forward is queued).
-    pub fn mapped_step(&mut self, layer: usize) -> Result<(&CudaSlice<u64>, CudaViewMut<'_, u32>)> {
+    /// forward is queued), and whether the table points into host memory
+    /// (`Route::host_blobs`: else every expert is in a slot, and the step
+    /// takes the all-resident engine's kernels).
+    pub fn mapped_step(&mut self, layer: usize) -> Result<MappedStep<'_>> {
         let layer = self.local(layer);
         let m = self.mapped.as_mut().ok_or_else(|| Error::Cuda("mapped_step without mapped decode".into()))?;
         let per = m.ids_per_layer;
-        Ok((&self.tables[layer], m.ids.slice_mut(layer * per..(layer + 1) * per)))
+        let host_blobs = m.host_entries[layer] > 0;
+        Ok(MappedStep { table: &self.tables[layer], ids: m.ids.slice_mut(layer * per..(layer + 1) * per), host_blobs })
+    }
+
+    /// Changes whenever a layer's mapped table starts or stops pointing
+    /// into host memory (so `mapped_step`'s kernels change): a captured
+    /// decode step is captured again. 0 without mapped decode.
+    pub fn mapped_epoch(&self) -> u64 {
+        self.mapped.as_ref().map_or(0, |m| m.epoch)
     }
 
     /// A mapped decode forward of `rows` rows is queued: its ids' copy to
@@ -596,13 +647,13 @@ impl GpuExpertCache {
     }
 
     /// The address a mapped step reads `key` from: its slot once filled,
-    /// else its host buffer.
-    fn mapped_addr(&self, m: &Mapped, key: ExpertKey) -> Result<u64> {
+    /// else its host buffer (then `true`).
+    fn mapped_addr(&self, m: &Mapped, key: ExpertKey) -> Result<(u64, bool)> {
         if let Some((slot, true)) = self.planner.slot_of(key) {
-            return Ok(self.slot_addr(slot));
+            return Ok((self.slot_addr(slot), false));
         }
         match self.planner.host_of(key) {
-            Some(h) => Ok(m.host_base + (h * self.stride) as u64),
+            Some(h) => Ok((m.host_base + (h * self.stride) as u64, true)),
             None => Err(Error::Cuda(format!(
                 "mapped decode: expert {} of layer {} is neither in a slot nor in host memory",
                 key.expert,
@@ -615,15 +666,16 @@ impl GpuExpertCache {
     /// planned forward pointed entries at the ring or new slots). Waits for
     /// the stream first: the mirror may be the source of a queued copy.
     fn write_mapped_tables(&mut self) -> Result<()> {
-        let Some(m) = self.mapped.take() else { return Ok(()) };
+        let Some(mut m) = self.mapped.take() else { return Ok(()) };
         let r = (|| -> Result<()> {
             self.gpu.stream().synchronize()?;
             let layers = self.tables.len();
             for l in 0..layers {
                 for e in 0..self.experts {
-                    let addr = self.mapped_addr(&m, ExpertKey::new(l, e))?;
-                    let at = (l * self.experts + e) * 8;
-                    self.mirror.range_mut(at, 8).copy_from_slice(&addr.to_le_bytes());
+                    let (addr, in_host) = self.mapped_addr(&m, ExpertKey::new(l, e))?;
+                    let at = l * self.experts + e;
+                    m.set_in_host(l, at, in_host);
+                    self.mirror.range_mut(at * 8, 8).copy_from_slice(&addr.to_le_bytes());
                 }
             }
             let stream = self.gpu.stream().cu_stream();
@@ -639,15 +691,18 @@ impl GpuExpertCache {
         r
     }
 
-    /// Sets table entry `key` to `addr` on the compute stream (by value:
-    /// no host buffer outlives the call).
-    fn set_entry(&self, key: ExpertKey, addr: u64) -> Result<()> {
+    /// Sets table entry `key` to `addr` (in host memory when `in_host`)
+    /// on the compute stream (by value: no host buffer outlives the call).
+    fn set_entry(&mut self, key: ExpertKey, addr: u64, in_host: bool) -> Result<()> {
         let dst = self.table_addrs[key.layer] + (key.expert * 8) as u64;
         let stream = self.gpu.stream().cu_stream();
         self.gpu.context().bind_to_thread()?;
         for (off, word) in [(0u64, addr as u32), (4, (addr >> 32) as u32)] {
             // SAFETY: one 32-bit word of the table entry `key` (in bounds: expert < experts).
             unsafe { sys::cuMemsetD32Async(dst + off, word, 1, stream) }.result()?;
+        }
+        if let Some(m) = self.mapped.as_mut() {
+            m.set_in_host(key.layer, key.layer * self.experts + key.expert, in_host);
         }
         Ok(())
     }
@@ -678,7 +733,7 @@ impl GpuExpertCache {
             self.planner.slot_fill_done(slot);
             if self.mapped.is_some() {
                 if let (Some(key), Ok(())) = (self.planner.slot_key(slot), &r) {
-                    r = self.set_entry(key, self.slot_addr(slot));
+                    r = self.set_entry(key, self.slot_addr(slot), false);
                 }
             }
         }
@@ -702,8 +757,8 @@ impl GpuExpertCache {
                 evicted.push((old, self.mapped_addr(m, old)?));
             }
         }
-        for (old, addr) in evicted {
-            self.set_entry(old, addr)?;
+        for (old, (addr, in_host)) in evicted {
+            self.set_entry(old, addr, in_host)?;
         }
         self.queue_swaps(pack, fills)
     }

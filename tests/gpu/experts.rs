@@ -29,6 +29,7 @@ fn hold_swaps(ms: u64) {
 pub const TESTS: &[GpuTest] = &[
     ("experts_cache_paths_match_the_resident_engine", cache_paths),
     ("experts_cache_budget_is_refused_by_name", budget_refused),
+    ("experts_mapped_decode_in_slots_takes_the_resident_kernels", mapped_in_slots),
 ];
 
 /// Relative to max |logit|. The cache runs the resident path's expert
@@ -260,5 +261,72 @@ fn budget_refused(_gpu: &Arc<Gpu>) -> Result<(), String> {
             }
         }
     }
+    Ok(())
+}
+
+/// Mapped decode of a layer whose every expert is in a slot runs the
+/// all-resident engine's expert kernels (the tensor-core GEMVs, where the
+/// shape allows them), so its decode logits equal the resident engine's
+/// bit for bit; with some experts read in place from host memory (the
+/// CUDA-core GEMVs) and adaptive swaps moving them between layers (each
+/// move captures the decode step again), they stay within `TOL`. A
+/// synthetic pack with H and I of 256, the tensor-core GEMVs' shape.
+fn mapped_in_slots(gpu: &Arc<Gpu>) -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(e)?;
+    let tiny = strata::pack::synth::preset(strata::model::Arch::Qwen3Moe, "tiny").map_err(e)?;
+    let c = strata::model::ModelConfig { hidden_size: 256, moe_intermediate_size: 256, ..tiny };
+    strata::pack::synth::synth(&c, dir.path(), &Default::default()).map_err(e)?;
+    let cuda = |expert_cache| EngineOptions { devices: vec!["cuda".into()], expert_cache, ..Default::default() };
+    let pairs = c.num_hidden_layers * c.num_experts;
+    let blob = strata::pack::Pack::open(dir.path()).map_err(e)?.layout().stride;
+    let tokens = prompt(c.vocab_size, 64);
+    // 40 prompt tokens, then 24 decode steps: the logits of each.
+    let decode = |engine: &Engine| -> Result<Vec<Vec<f32>>, String> {
+        let mut s = engine.new_session(&SessionOptions::default()).map_err(e)?;
+        s.prefill(&tokens[..40]).map_err(e)?;
+        let mut out = Vec::new();
+        for &t in &tokens[40..] {
+            s.prefill(&[t]).map_err(e)?;
+            out.push(s.logits().ok_or("no logits")?.to_vec());
+        }
+        Ok(out)
+    };
+    let want = decode(&Engine::load(dir.path(), &cuda(Default::default())).map_err(e)?)?;
+    let in_slots = ExpertCacheOptions { slots: Some(pairs), ..Default::default() };
+    let engine = Engine::load(dir.path(), &cuda(in_slots)).map_err(e)?;
+    let got = decode(&engine)?;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        if let Some(j) = (0..w.len()).find(|&j| g[j].to_bits() != w[j].to_bits()) {
+            return Err(format!(
+                "every expert in a slot, decode step {i}: logit {j} is {} where the resident engine gives {} \
+                 (tensor-core GEMVs: {})",
+                g[j],
+                w[j],
+                gpu.tc_gemv()
+            ));
+        }
+    }
+    let stats = engine.expert_stats().ok_or("no statistics")?;
+    if stats.misses != 0 || stats.hits == 0 {
+        return Err(format!("every expert in a slot: {stats:?}"));
+    }
+    // All but three experts in slots, every expert in host memory, swaps every 2 tokens.
+    let swapping = ExpertCacheOptions {
+        slots: Some(pairs - 3),
+        host_budget: Some(blob * pairs as u64),
+        adapt_every: 2,
+        adapt_swaps: 2,
+        ..Default::default()
+    };
+    let engine = Engine::load(dir.path(), &cuda(swapping)).map_err(e)?;
+    let got = decode(&engine)?;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        check_close(&format!("three experts in host memory, decode step {i}"), g, w, TOL)?;
+    }
+    let stats = engine.expert_stats().ok_or("no statistics")?;
+    if stats.mapped == 0 || stats.swaps == 0 {
+        return Err(format!("three experts in host memory: the path is not shown: {stats:?}"));
+    }
+    println!("    every expert in a slot: bit for bit; three in host memory: within {TOL:.0e}; {stats:?}");
     Ok(())
 }

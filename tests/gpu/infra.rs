@@ -63,16 +63,22 @@ fn ceilings_are_plausible(gpu: &Arc<Gpu>) -> Result<(), String> {
     let hbm = ceilings::hbm_bandwidth(gpu).map_err(e)?;
     let tensor = ceilings::bf16_tensor_rate(gpu).map_err(e)?;
     let h2d = ceilings::h2d_pinned_bandwidth(gpu).map_err(e)?;
+    let in_place = ceilings::host_read_in_place_bandwidth(gpu).map_err(e)?;
     println!(
-        "     ceilings: HBM {:.0} GB/s (read + write), BF16 tensor {:.0} TFLOP/s, pinned H2D {:.1} GB/s",
+        "     ceilings: HBM {:.0} GB/s (read + write), BF16 tensor {:.0} TFLOP/s, pinned H2D {:.1} GB/s, host memory \
+         read in place {:.1} GB/s",
         hbm / 1e9,
         tensor / 1e12,
-        h2d / 1e9
+        h2d / 1e9,
+        in_place / 1e9
     );
     // Wide bounds: any CUDA GPU of this decade, and no unit mistakes.
-    for (what, v, lo, hi) in
-        [("HBM bandwidth", hbm, 50e9, 50e12), ("BF16 rate", tensor, 5e12, 20e15), ("pinned H2D", h2d, 1e9, 1e12)]
-    {
+    for (what, v, lo, hi) in [
+        ("HBM bandwidth", hbm, 50e9, 50e12),
+        ("BF16 rate", tensor, 5e12, 20e15),
+        ("pinned H2D", h2d, 1e9, 1e12),
+        ("host read in place", in_place, 1e9, 1e12),
+    ] {
         if !v.is_finite() || v < lo || v > hi {
             return Err(format!("{what} = {v:.3e} is outside [{lo:.0e}, {hi:.0e}]"));
         }
