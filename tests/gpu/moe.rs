@@ -256,12 +256,15 @@ fn each_gemv_kernel(gpu: &Gpu, routed: bool, check: impl Fn() -> Result<(), Stri
         }
         gpu.set_tc_gemv(prev);
         gpu.set_staged_moe(prev_staged);
+        MEMO.with(|m| m.borrow_mut().clear());
         r
     }
     #[cfg(not(feature = "test-hooks"))]
     {
         let _ = (gpu, routed);
-        check()
+        let r = check();
+        MEMO.with(|m| m.borrow_mut().clear());
+        r
     }
 }
 
@@ -373,6 +376,84 @@ fn gemv_any_multiple_of_16(gpu: &Arc<Gpu>) -> Result<(), String> {
 /// gate/up GEMV then down GEMV against the CPU for each token count: act with
 /// F32_TOL (and not what g_gate = 1 gives), out overwritten (poisoned first;
 /// not what g_down = 1 gives) and accumulated onto a prior.
+/// One `check_gemv_x` case's inputs and CPU results (`gemv_reference`).
+struct GemvReference {
+    x: Vec<f32>,
+    ids: Vec<u32>,
+    weights: Vec<f32>,
+    prior: Vec<f32>,
+    want_act: Vec<f32>,
+    want_out: Vec<f32>,
+    /// With the down (gate) global scale taken as 1: a result that matches
+    /// these dropped the scale.
+    want_no_gdown: Vec<f32>,
+    want_act_no_ggate: Vec<f32>,
+}
+
+/// The CPU side of a `check_gemv_x` case: act per assignment, out per token
+/// summed in j order.
+fn gemv_reference(
+    host: &HostExperts,
+    h: usize,
+    i: usize,
+    n_exp: usize,
+    k: usize,
+    tokens: usize,
+    x_of: &dyn Fn(usize, f32) -> f32,
+) -> GemvReference {
+    let seed = (h * 7 + i * 3 + tokens) as u64;
+    let x: Vec<f32> = rand_f32(seed, tokens * h, 1.0).iter().enumerate().map(|(n, &v)| x_of(n % h, v)).collect();
+    let ids = random_ids(seed + 1, tokens, k, n_exp);
+    let weights: Vec<f32> = rand_f32(seed + 2, tokens * k, 1.0).iter().map(|v| 0.05 + v.abs()).collect();
+    let prior = rand_f32(seed + 3, tokens * h, 1.0);
+    let mut want_act = Vec::with_capacity(tokens * k * i);
+    let mut want_out = vec![0.0f32; tokens * h];
+    let mut want_no_gdown = vec![0.0f32; tokens * h];
+    let mut want_act_no_ggate = Vec::with_capacity(tokens * k * i);
+    let mut y = vec![0.0f32; h];
+    for t in 0..tokens {
+        let xt = &x[t * h..(t + 1) * h];
+        for j in 0..k {
+            let ev = host.view(ids[t * k + j] as usize);
+            want_act.extend(cpu_act(&ev, xt));
+            let mut no_gate = ev;
+            no_gate.gate.global_scale = 1.0;
+            want_act_no_ggate.extend(cpu_act(&no_gate, xt));
+            let w = weights[t * k + j];
+            expert_ffn_row(&ev, xt, &mut y);
+            for (o, v) in want_out[t * h..(t + 1) * h].iter_mut().zip(&y) {
+                *o += w * v;
+            }
+            let mut no_down = ev;
+            no_down.down.global_scale = 1.0;
+            expert_ffn_row(&no_down, xt, &mut y);
+            for (o, v) in want_no_gdown[t * h..(t + 1) * h].iter_mut().zip(&y) {
+                *o += w * v;
+            }
+        }
+    }
+    GemvReference { x, ids, weights, prior, want_act, want_out, want_no_gdown, want_act_no_ggate }
+}
+
+thread_local! {
+    /// `memo`'s values by name, dropped at the end of each `each_gemv_kernel`.
+    static MEMO: std::cell::RefCell<std::collections::HashMap<String, std::rc::Rc<dyn std::any::Any>>> =
+        Default::default();
+}
+
+/// `make()`'s value, made once per `each_gemv_kernel` call under `name`: the
+/// kernel families it runs a check on share the check's CPU reference.
+fn memo<T: 'static>(name: String, make: impl FnOnce() -> T) -> std::rc::Rc<T> {
+    if let Some(v) = MEMO.with(|m| m.borrow().get(&name).cloned()) {
+        if let Ok(v) = v.downcast::<T>() {
+            return v;
+        }
+    }
+    let v = std::rc::Rc::new(make());
+    MEMO.with(|m| m.borrow_mut().insert(name, v.clone()));
+    v
+}
+
 fn check_gemv(gpu: &Gpu, h: usize, i: usize, n_exp: usize, k: usize, token_counts: &[usize]) -> Result<(), String> {
     check_gemv_x(gpu, h, i, n_exp, k, token_counts, "", &|_, v| v)
 }
@@ -389,52 +470,21 @@ fn check_gemv_x(
     label: &str,
     x_of: &dyn Fn(usize, f32) -> f32,
 ) -> Result<(), String> {
-    let host = HostExperts::random(h as u64 + i as u64, h, i, n_exp);
+    let host = memo(format!("experts H={h} I={i} E={n_exp}"), || HostExperts::random(h as u64 + i as u64, h, i, n_exp));
     let dev = upload_experts(gpu, &host)?;
     for &tokens in token_counts {
         let what = format!("H={h} I={i} E={n_exp} k={k} T={tokens}{label}");
-        let seed = (h * 7 + i * 3 + tokens) as u64;
-        let x: Vec<f32> = rand_f32(seed, tokens * h, 1.0).iter().enumerate().map(|(n, &v)| x_of(n % h, v)).collect();
-        let ids = random_ids(seed + 1, tokens, k, n_exp);
-        let weights: Vec<f32> = rand_f32(seed + 2, tokens * k, 1.0).iter().map(|v| 0.05 + v.abs()).collect();
-        let prior = rand_f32(seed + 3, tokens * h, 1.0);
+        let r = memo(what.clone(), || gemv_reference(&host, h, i, n_exp, k, tokens, x_of));
+        let GemvReference { x, ids, weights, prior, want_act, want_out, want_no_gdown, want_act_no_ggate } = &*r;
 
-        // CPU: act per assignment, out per token summed in j order.
-        let mut want_act = Vec::with_capacity(tokens * k * i);
-        let mut want_out = vec![0.0f32; tokens * h];
-        let mut want_no_gdown = vec![0.0f32; tokens * h];
-        let mut want_act_no_ggate = Vec::with_capacity(tokens * k * i);
-        let mut y = vec![0.0f32; h];
-        for t in 0..tokens {
-            let xt = &x[t * h..(t + 1) * h];
-            for j in 0..k {
-                let ev = host.view(ids[t * k + j] as usize);
-                want_act.extend(cpu_act(&ev, xt));
-                let mut no_gate = ev;
-                no_gate.gate.global_scale = 1.0;
-                want_act_no_ggate.extend(cpu_act(&no_gate, xt));
-                let w = weights[t * k + j];
-                expert_ffn_row(&ev, xt, &mut y);
-                for (o, v) in want_out[t * h..(t + 1) * h].iter_mut().zip(&y) {
-                    *o += w * v;
-                }
-                let mut no_down = ev;
-                no_down.down.global_scale = 1.0;
-                expert_ffn_row(&no_down, xt, &mut y);
-                for (o, v) in want_no_gdown[t * h..(t + 1) * h].iter_mut().zip(&y) {
-                    *o += w * v;
-                }
-            }
-        }
-
-        let d_x = gpu.upload(&x).map_err(e)?;
-        let d_ids = gpu.upload(&ids).map_err(e)?;
-        let d_w = gpu.upload(&weights).map_err(e)?;
+        let d_x = gpu.upload(x).map_err(e)?;
+        let d_ids = gpu.upload(ids).map_err(e)?;
+        let d_w = gpu.upload(weights).map_err(e)?;
         let mut act = poisoned(gpu, tokens * k * i)?;
         gm::expert_gate_up_gemv(gpu, &d_x, &d_ids, &dev.table, &dev.layout, tokens, k, &mut act).map_err(e)?;
         let got_act = download(gpu, &act)?;
-        check_close(&format!("{what}: act"), &got_act, &want_act, F32_TOL)?;
-        if check_close("", &got_act, &want_act_no_ggate, 0.5).is_ok() {
+        check_close(&format!("{what}: act"), &got_act, want_act, F32_TOL)?;
+        if check_close("", &got_act, want_act_no_ggate, 0.5).is_ok() {
             return Err(format!("{what}: act matches the result with g_gate = 1: the gate scale is ignored"));
         }
 
@@ -442,16 +492,16 @@ fn check_gemv_x(
         gm::expert_down_gemv(gpu, &act, &d_ids, &d_w, &dev.table, &dev.layout, tokens, k, &mut out, false)
             .map_err(e)?;
         let got = download(gpu, &out)?;
-        check_close(&format!("{what}: out"), &got, &want_out, F32_TOL)?;
+        check_close(&format!("{what}: out"), &got, want_out, F32_TOL)?;
         // The field report's bug: a path that ignores the down global scale.
-        if check_close("", &got, &want_no_gdown, 0.5).is_ok() {
+        if check_close("", &got, want_no_gdown, 0.5).is_ok() {
             return Err(format!("{what}: out matches the result with g_down = 1: the down scale is ignored"));
         }
 
-        let mut acc = gpu.upload(&prior).map_err(e)?;
+        let mut acc = gpu.upload(prior).map_err(e)?;
         gm::expert_down_gemv(gpu, &act, &d_ids, &d_w, &dev.table, &dev.layout, tokens, k, &mut acc, true).map_err(e)?;
         let got = download(gpu, &acc)?;
-        let want: Vec<f32> = prior.iter().zip(&want_out).map(|(p, w)| p + w).collect();
+        let want: Vec<f32> = prior.iter().zip(want_out).map(|(p, w)| p + w).collect();
         check_close(&format!("{what}: out (accumulate)"), &got, &want, F32_TOL)?;
     }
     Ok(())
