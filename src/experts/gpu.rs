@@ -45,7 +45,7 @@ use std::time::Instant;
 
 use cudarc::driver::{result, sys};
 
-use super::tiers::{match_ring_holds, Fills, Place, Planner, Source, StepPlan};
+use super::tiers::{match_ring_holds, Fills, HostEntries, Place, Planner, Source, StepPlan};
 use super::{ExpertCacheOptions, ExpertKey, ExpertStats};
 use crate::backend::cuda::{CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtr, Gpu};
 use crate::error::{Error, Result};
@@ -221,34 +221,8 @@ struct Mapped {
     pending_ids: usize,
     /// A planned forward pointed some table entries elsewhere.
     tables_dirty: bool,
-    /// Where each table entry points (`layer * experts + expert`): into
-    /// host memory (true) or a slot, and per layer how many point into
-    /// host memory (`set_in_host`).
-    in_host: Vec<bool>,
-    host_entries: Vec<usize>,
-    /// Bumped whenever a layer's table starts or stops pointing into host
-    /// memory: that changes the kernels its step takes (`mapped_step`), so
-    /// a decode graph captured before is captured again.
-    epoch: u64,
-}
-
-impl Mapped {
-    /// Notes that entry `at` of `layer`'s table now points into host
-    /// memory (`in_host`) or a slot.
-    fn set_in_host(&mut self, layer: usize, at: usize, in_host: bool) {
-        if std::mem::replace(&mut self.in_host[at], in_host) == in_host {
-            return;
-        }
-        let before = self.host_entries[layer] > 0;
-        if in_host {
-            self.host_entries[layer] += 1;
-        } else {
-            self.host_entries[layer] -= 1;
-        }
-        if before != (self.host_entries[layer] > 0) {
-            self.epoch += 1;
-        }
-    }
+    /// Which table entries point into host memory (`mapped_step`'s kernels).
+    hosts: HostEntries,
 }
 
 /// A timing event (cudarc's default event records no time) recorded on
@@ -592,9 +566,7 @@ impl GpuExpertCache {
                 ids_host: Pinned::new(gpu, layers * per * 4)?,
                 pending_ids: 0,
                 tables_dirty: true,
-                in_host: vec![false; layers * experts],
-                host_entries: vec![0; layers],
-                epoch: 0,
+                hosts: HostEntries::new(layers, experts),
             });
             cache.write_mapped_tables()?;
         }
@@ -618,7 +590,7 @@ impl GpuExpertCache {
         let layer = self.local(layer);
         let m = self.mapped.as_mut().ok_or_else(|| Error::Cuda("mapped_step without mapped decode".into()))?;
         let per = m.ids_per_layer;
-        let host_blobs = m.host_entries[layer] > 0;
+        let host_blobs = m.hosts.any(layer);
         Ok(MappedStep { table: &self.tables[layer], ids: m.ids.slice_mut(layer * per..(layer + 1) * per), host_blobs })
     }
 
@@ -626,7 +598,7 @@ impl GpuExpertCache {
     /// into host memory (so `mapped_step`'s kernels change): a captured
     /// decode step is captured again. 0 without mapped decode.
     pub fn mapped_epoch(&self) -> u64 {
-        self.mapped.as_ref().map_or(0, |m| m.epoch)
+        self.mapped.as_ref().map_or(0, |m| m.hosts.epoch())
     }
 
     /// A mapped decode forward of `rows` rows is queued: its ids' copy to
@@ -673,9 +645,9 @@ impl GpuExpertCache {
             for l in 0..layers {
                 for e in 0..self.experts {
                     let (addr, in_host) = self.mapped_addr(&m, ExpertKey::new(l, e))?;
-                    let at = l * self.experts + e;
-                    m.set_in_host(l, at, in_host);
-                    self.mirror.range_mut(at * 8, 8).copy_from_slice(&addr.to_le_bytes());
+                    m.hosts.set(ExpertKey::new(l, e), in_host);
+                    let at = (l * self.experts + e) * 8;
+                    self.mirror.range_mut(at, 8).copy_from_slice(&addr.to_le_bytes());
                 }
             }
             let stream = self.gpu.stream().cu_stream();
@@ -702,7 +674,7 @@ impl GpuExpertCache {
             unsafe { sys::cuMemsetD32Async(dst + off, word, 1, stream) }.result()?;
         }
         if let Some(m) = self.mapped.as_mut() {
-            m.set_in_host(key.layer, key.layer * self.experts + key.expert, in_host);
+            m.hosts.set(key, in_host);
         }
         Ok(())
     }

@@ -565,6 +565,53 @@ pub fn match_ring_holds(layer: usize, ring: &mut [RingEntry], holds: &[Option<Ex
     }
 }
 
+/// Which entries of a mapped decode's tables point into host memory (read
+/// in place) rather than at a slot, counted per layer: a layer with none
+/// takes the all-resident engine's expert kernels. `epoch` changes
+/// whenever a layer starts or stops pointing into host memory, so that a
+/// decode step captured before (with the other kernels) is captured again.
+#[derive(Clone, Debug)]
+pub struct HostEntries {
+    experts: usize,
+    in_host: Vec<bool>,
+    per_layer: Vec<usize>,
+    epoch: u64,
+}
+
+impl HostEntries {
+    /// `layers` tables of `experts` entries, none pointing into host memory.
+    pub fn new(layers: usize, experts: usize) -> HostEntries {
+        HostEntries { experts, in_host: vec![false; layers * experts], per_layer: vec![0; layers], epoch: 0 }
+    }
+
+    /// Entry `key` now points into host memory (`in_host`) or at a slot.
+    pub fn set(&mut self, key: ExpertKey, in_host: bool) {
+        let at = key.layer * self.experts + key.expert;
+        if std::mem::replace(&mut self.in_host[at], in_host) == in_host {
+            return;
+        }
+        let n = &mut self.per_layer[key.layer];
+        let before = *n > 0;
+        if in_host {
+            *n += 1;
+        } else {
+            *n -= 1;
+        }
+        if before != (*n > 0) {
+            self.epoch += 1;
+        }
+    }
+
+    /// Whether some entry of `layer`'s table points into host memory.
+    pub fn any(&self, layer: usize) -> bool {
+        self.per_layer[layer] > 0
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -921,5 +968,32 @@ mod tests {
         assert_eq!(pl.slot_keys(), vec![None, Some(k(0, 5))]);
         assert_eq!(pl.slot_of(k(0, 2)), None);
         check_consistent(&pl);
+    }
+
+    /// The epoch moves only when a layer starts or stops pointing into
+    /// host memory, not when a layer that already does gains or loses
+    /// one more entry; setting an entry to what it holds changes nothing.
+    #[test]
+    fn host_entries_count_layers_and_move_the_epoch_on_changes_of_kernel() {
+        let mut h = HostEntries::new(2, 4);
+        assert!(!h.any(0) && !h.any(1));
+        assert_eq!(h.epoch(), 0);
+        h.set(k(0, 1), true);
+        assert!(h.any(0) && !h.any(1));
+        assert_eq!(h.epoch(), 1);
+        h.set(k(0, 1), true);
+        h.set(k(0, 3), true);
+        assert_eq!(h.epoch(), 1, "a second host entry of the same layer");
+        h.set(k(0, 1), false);
+        assert!(h.any(0));
+        assert_eq!(h.epoch(), 1);
+        h.set(k(0, 3), false);
+        assert!(!h.any(0));
+        assert_eq!(h.epoch(), 2, "the layer's last host entry left");
+        h.set(k(1, 0), false);
+        assert_eq!(h.epoch(), 2, "an entry already at a slot");
+        h.set(k(1, 0), true);
+        assert!(h.any(1) && !h.any(0));
+        assert_eq!(h.epoch(), 3);
     }
 }
