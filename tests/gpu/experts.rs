@@ -310,10 +310,11 @@ fn mapped_in_slots(gpu: &Arc<Gpu>) -> Result<(), String> {
     if stats.misses != 0 || stats.hits == 0 {
         return Err(format!("every expert in a slot: {stats:?}"));
     }
-    // All but three experts in slots, every expert in host memory, swaps every 2 tokens.
+    // All but three experts in slots, every expert in host memory (and room for the staging blobs), swaps
+    // every 2 tokens.
     let swapping = ExpertCacheOptions {
         slots: Some(pairs - 3),
-        host_budget: Some(blob * pairs as u64),
+        host_budget: Some(blob * (pairs as u64 + 4)),
         adapt_every: 2,
         adapt_swaps: 2,
         ..Default::default()
