@@ -47,7 +47,7 @@ use cudarc::driver::{result, sys};
 
 use super::tiers::{match_ring_holds, Fills, HostEntries, Place, Planner, Source, StepPlan};
 use super::{ExpertCacheOptions, ExpertKey, ExpertStats};
-use crate::backend::cuda::{CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtr, Gpu};
+use crate::backend::cuda::{CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtr, Gpu, HOST_DEVICE_MAP};
 use crate::error::{Error, Result};
 use crate::pack::Pack;
 
@@ -77,14 +77,10 @@ impl Pinned {
         Ok(Pinned { _mem: mem, ptr, len })
     }
 
-    /// The device address of the first byte (the allocation mapped into the
-    /// device's address space: CU_MEMHOSTALLOC_DEVICEMAP).
+    /// The device address of the first byte (an allocation made with
+    /// `HOST_DEVICE_MAP`).
     fn device_address(&self, gpu: &Gpu) -> Result<u64> {
-        gpu.context().bind_to_thread()?;
-        let mut d: sys::CUdeviceptr = 0;
-        // SAFETY: ptr is the start of a live page-locked allocation made by this context.
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, self.ptr as *mut std::ffi::c_void, 0) }.result()?;
-        Ok(d)
+        gpu.mapped_host_address(self.ptr)
     }
 
     fn range(&self, off: usize, n: usize) -> &[u8] {
@@ -369,9 +365,6 @@ const READ_PIECE: usize = 256 << 10;
 /// Most rows of a mapped decode step: the engine's GEMV path (whose
 /// kernels take no row-tile offsets, so a table is all they need).
 pub const MAPPED_MAX_ROWS: usize = 8;
-
-/// Page-locked memory the device may read in place.
-const HOST_DEVICE_MAP: u32 = 0x02; // CU_MEMHOSTALLOC_DEVICEMAP
 
 impl Drop for GpuExpertCache {
     /// Copies still queued (adaptive swaps are waited for by no step)

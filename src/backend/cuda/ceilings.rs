@@ -1,15 +1,15 @@
 //! Measured ceilings of a device, the yardsticks the bench reports kernels
 //! against: HBM bandwidth, BF16 tensor-core rate, pinned host-to-device
 //! bandwidth (a copy), and the rate of reads in place from page-locked host
-//! memory (what mapped decode's kernels do with experts in no slot). Each is the median of several runs timed with CUDA events on
-//! the device's stream, over random non-zero data (some memory systems
-//! compress zeros).
+//! memory (what mapped decode's kernels do with experts in no slot). Each
+//! is the median of several runs timed with CUDA events on the device's
+//! stream, over random non-zero data (some memory systems compress zeros).
 
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{Gemm, GemmConfig};
-use cudarc::driver::sys::{self, CUevent_flags};
+use cudarc::driver::sys::CUevent_flags;
 
-use super::{CudaSlice, Gpu, KernelArgs};
+use super::{CudaSlice, Gpu, KernelArgs, HOST_DEVICE_MAP};
 use crate::error::Result;
 
 /// Timed runs per ceiling (after one warm-up run).
@@ -22,8 +22,6 @@ const GEMM_N: usize = 8192;
 const H2D_BYTES: usize = 1 << 30;
 /// Bytes of page-locked host memory read in place.
 const IN_PLACE_BYTES: usize = 256 << 20;
-/// `CU_MEMHOSTALLOC_DEVICEMAP`: page-locked memory the device can address.
-const HOST_DEVICE_MAP: u32 = 0x02;
 
 /// The median of `REPEATS` timings (seconds) of `work` on the stream, after
 /// one untimed warm-up call.
@@ -104,11 +102,7 @@ pub fn host_read_in_place_bandwidth(gpu: &Gpu) -> Result<f64> {
     let mut host = unsafe { gpu.context().alloc_pinned_with_flags::<u8>(IN_PLACE_BYTES, HOST_DEVICE_MAP) }?;
     let mut rng = crate::rng::Rng::new(0x5eed_0005);
     rng.fill_bytes(host.as_mut_slice()?);
-    gpu.context().bind_to_thread()?;
-    let mut addr: sys::CUdeviceptr = 0;
-    let ptr = host.as_mut_ptr()?;
-    // SAFETY: ptr is the start of a live page-locked allocation of this context, mapped (DEVICEMAP).
-    unsafe { sys::cuMemHostGetDevicePointer_v2(&mut addr, ptr as *mut std::ffi::c_void, 0) }.result()?;
+    let addr = gpu.mapped_host_address(host.as_mut_ptr()?)?;
     let mut sink: CudaSlice<u32> = gpu.alloc_zeros(1)?;
     let f = gpu.function("infra_read_u4")?;
     let words = IN_PLACE_BYTES / 16;

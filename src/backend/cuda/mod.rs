@@ -40,6 +40,10 @@ const MIN_DRIVER_VERSION: i32 = 13000;
 /// Threads per block of the simple elementwise kernels (fill).
 const ELEMENTWISE_THREADS: u32 = 256;
 
+/// `CU_MEMHOSTALLOC_DEVICEMAP`: page-locked memory mapped into the device's
+/// address space, which kernels may read in place (`Gpu::mapped_host_address`).
+pub const HOST_DEVICE_MAP: u32 = 0x02;
+
 /// Whether the CUDA driver library (libcuda) can be loaded; asked once per
 /// process. Every path to the driver checks this first: cudarc panics on the
 /// first driver call without it.
@@ -657,6 +661,18 @@ impl Gpu {
     pub fn grid_stride_config(&self, n: usize) -> LaunchConfig {
         let blocks = n.div_ceil(ELEMENTWISE_THREADS as usize).clamp(1, self.sm_count.max(1) as usize * 32) as u32;
         LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (ELEMENTWISE_THREADS, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// The device address of `ptr`, a byte of page-locked memory allocated
+    /// with `HOST_DEVICE_MAP` by this device's context (the driver refuses
+    /// any other pointer with an error).
+    pub fn mapped_host_address(&self, ptr: *const u8) -> Result<u64> {
+        self.ctx.bind_to_thread()?;
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: the driver only looks `ptr` up among its page-locked allocations (an unknown one is
+        // CUDA_ERROR_INVALID_VALUE) and writes the one address `d`.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, ptr as *mut std::ffi::c_void, 0) }.result()?;
+        Ok(d)
     }
 
     /// Queues a kernel that only waits `cycles` SM clock cycles (tests:
